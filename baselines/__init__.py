@@ -1,0 +1,8 @@
+"""Baseline allreduces to compare sparse ones against; installed as ``sparsecomm.baselines``.
+
+Importing this package registers them.
+"""
+
+from .dense import DenseState, dense
+
+__all__ = ["DenseState", "dense"]

@@ -1,0 +1,61 @@
+"""COO helpers: split by regions, pack into byte records, scatter-add into dense.
+
+A COO *record* is one (index, value) entry laid out as bytes: the index (int32
+when it fits, else int64, relative to a known base) followed by the value in
+the payload dtype. Records are fixed-size, so a packed buffer can be cut at
+any entry boundary and re-sent (as Ok-Topk's data balancing does) without
+re-encoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_records",
+           "unpack_records", "scatter_add"]
+
+
+def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
+    """Offsets cutting sorted ``idx`` into regions ``[bounds[j], bounds[j+1])``.
+
+    ``bounds`` has P+1 non-decreasing entries starting at 0 and ending at n.
+    Returns P+1 offsets: region j's entries are ``idx[off[j]:off[j+1]]``.
+    """
+    off = torch.searchsorted(idx, bounds.to(idx.dtype))
+    return off.tolist()
+
+
+def index_dtype_for(span: int) -> torch.dtype:
+    """The narrowest index dtype able to hold offsets in ``[0, span)``."""
+    return torch.int32 if span <= 2**31 - 1 else torch.int64
+
+
+def record_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
+    """Bytes of one record."""
+    return torch.empty(0, dtype=index_dtype).element_size() + torch.empty(0, dtype=value_dtype).element_size()
+
+
+def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                 value_dtype: torch.dtype) -> torch.Tensor:
+    """A (count, record_bytes) uint8 tensor of (index, value) records."""
+    count = rel_idx.numel()
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    out = torch.empty((count, record_bytes(index_dtype, value_dtype)), dtype=torch.uint8,
+                      device=values.device)
+    out[:, :ib] = rel_idx.to(index_dtype).reshape(count, 1).view(torch.uint8)
+    out[:, ib:] = values.to(value_dtype).reshape(count, 1).view(torch.uint8)
+    return out
+
+
+def unpack_records(records: torch.Tensor, index_dtype: torch.dtype,
+                   value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_records`: (int64 relative indexes, values)."""
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    idx = records[:, :ib].contiguous().view(index_dtype).reshape(-1).to(torch.int64)
+    val = records[:, ib:].contiguous().view(value_dtype).reshape(-1)
+    return idx, val
+
+
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out[idx] += values`` with duplicate indexes summed; returns ``out``."""
+    return out.index_add_(0, idx, values.to(out.dtype))

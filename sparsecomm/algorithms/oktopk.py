@@ -1,0 +1,322 @@
+"""Ok-Topk: the O(k) sparse allreduce of Li & Hoefler (PPoPP'22), Algorithm 1.
+
+Notation: P ranks, n elements, k = ceil(density * n). Selection means the
+k largest-magnitude nonzero entries, ties broken by lower index
+(``sparsecomm.kernels.select``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import kernels
+from ..comm.base import Communicator, Request
+from ..distselect import global_topk_mask
+from ..registry import PhaseRecorder, SparseResult, register
+from ..state import CallStats, State
+
+__all__ = ["OkTopkState", "oktopk"]
+
+_TAG_SPLIT = 0x5C01
+_TAG_BALANCE = 0x5C02
+
+
+class OkTopkState(State):
+    """State of Ok-Topk for one tensor.
+
+    Args:
+        density: fraction of entries selected, in (0, 1].
+        tau: thresholds are re-evaluated exactly every ``tau`` calls and reused
+            (with the count check below) in between. 1 = exact every call.
+        tau_prime: region boundaries are recomputed every ``tau_prime`` calls.
+        error_feedback: keep everything not contributed in a residual.
+        balanced: balanced region boundaries (the paper); False = equal split.
+        balance_factor: rebalance before the allgatherv when the largest
+            rank's count exceeds this times the mean (the paper's 4).
+        count_bounds: accepted range of a reused threshold's count, as
+            fractions of k. Above the upper bound the threshold is corrected
+            exactly from the entries it selected (cheap: they are few), so
+            no rank ever sends more than ``floor(hi * k)`` entries in the
+            split phase and the global result never exceeds ``floor(hi * k)``
+            entries: that is the hard cap on message size. Below the lower
+            bound the call goes on with fewer entries and the next call
+            re-evaluates exactly.
+        bucket: split-and-reduce steps whose messages are posted at once.
+
+    Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
+    (P+1 region starts), ``residual``, ``iteration``; statistics in ``last``
+    and ``totals`` (see :class:`~sparsecomm.state.State`).
+    """
+
+    def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
+                 error_feedback: bool = True, balanced: bool = True,
+                 balance_factor: float = 4.0, count_bounds: tuple[float, float] = (2 / 3, 4 / 3),
+                 bucket: int = 4) -> None:
+        super().__init__(density, error_feedback)
+        for name, value in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(balanced, bool):
+            raise ValueError(f"balanced must be True or False, got {balanced!r}")
+        if not balance_factor >= 1:
+            raise ValueError(f"balance_factor must be >= 1 (a max/mean ratio), got {balance_factor!r}")
+        lo, hi = count_bounds
+        if not (0 <= lo <= 1 <= hi):
+            raise ValueError(f"count_bounds must satisfy 0 <= low <= 1 <= high, got {count_bounds!r}")
+        self.tau, self.tau_prime, self.bucket = tau, tau_prime, bucket
+        self.balanced, self.balance_factor = balanced, float(balance_factor)
+        self.count_bounds = (float(lo), float(hi))
+        # Internal.
+        self.local_threshold: float | None = None
+        self.global_threshold: float | None = None
+        self.boundaries: torch.Tensor | None = None
+        self._recompute_local = False
+        self._recompute_global = False
+
+    @classmethod
+    def exact(cls, density: float) -> "OkTopkState":
+        """A state for one stateless call: exact thresholds, fresh boundaries, no residual."""
+        return cls(density, tau=1, tau_prime=1, error_feedback=False)
+
+
+@register("oktopk", OkTopkState)
+def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
+           value_dtype: torch.dtype) -> SparseResult:
+    """Ok-Topk sparse allreduce (O(k) volume) on one rank.
+
+    1. Local selection: every ``tau`` calls the exact top-k of |acc|; in
+       between the entries above the reused local threshold, corrected when
+       the count leaves ``count_bounds``.
+    2. Every ``tau_prime`` calls, region boundaries: each rank cuts its sorted
+       selected indexes into P equal-count parts; the P-1 cut points are
+       averaged over ranks with one allreduce. Rank j owns region j.
+    3. Split and reduce: region j's part goes to rank j, steps rotated
+       (step s: send to i+s, receive from i-s) and posted ``bucket`` steps at
+       a time, reducing one bucket while the next is in flight.
+    4. Global selection of the reduced entries: every ``tau`` calls exactly
+       (distributed radix select, ``sparsecomm.distselect``); in between with
+       the reused global threshold, corrected like the local one.
+    5. Balance and allgatherv: if the largest rank's count exceeds
+       ``balance_factor`` times the mean, the packed records are first
+       redistributed evenly with point-to-point sends; one allgatherv then
+       gives every rank the result.
+    6. Contributed set: local selections that are in the global result.
+    """
+    P, me, n = comm.size, comm.rank, acc.numel()
+    t = state.iteration + 1
+    stats = CallStats(algorithm="oktopk", n=n, k=k)
+    rec = PhaseRecorder(comm, stats)
+    mag = acc.abs()
+
+    with rec.phase("local_select"):
+        local_idx = _local_select(mag, k, state, t, stats)
+    stats.local_selected = local_idx.numel()
+
+    with rec.phase("repartition"):
+        if state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1:
+            state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
+                                else _equal_boundaries(n, P, acc.device))
+            stats.events["repartitioned"] = 1
+    bounds = state.boundaries
+    starts = bounds.tolist()
+    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
+
+    with rec.phase("split_reduce"):
+        sent_local = acc[local_idx].to(value_dtype)
+        region = _split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
+                                   value_dtype, acc.dtype, state.bucket)
+
+    with rec.phase("global_select"):
+        red_rel = torch.nonzero(region).flatten()
+        red_val = region[red_rel]
+        keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
+        red_rel, red_val = red_rel[keep], red_val[keep]
+
+    with rec.phase("allgatherv"):
+        records = kernels.pack_records(red_rel, red_val, index_dtype, value_dtype)
+        gidx, gval = _balance_and_allgatherv(records, counts, starts, comm, index_dtype,
+                                             value_dtype, state.balance_factor, stats)
+    stats.global_selected = gidx.numel()
+
+    contributed_mask = torch.isin(local_idx, gidx)
+    return SparseResult(n=n, indexes=gidx, values=gval,
+                        contributed=local_idx[contributed_mask],
+                        sent=sent_local[contributed_mask].to(acc.dtype), stats=stats)
+
+
+# ---- step 1: local selection -------------------------------------------------
+def _local_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int,
+                  stats: CallStats) -> torch.Tensor:
+    if st.local_threshold is None or (t - 1) % st.tau == 0 or st._recompute_local:
+        idx = kernels.topk_indexes(mag, k)
+        st.local_threshold = float(mag[idx].min()) if idx.numel() else None
+        st._recompute_local = False
+        stats.events["local_recomputed"] = 1
+        return idx
+    lo, hi = st.count_bounds
+    idx = kernels.select_above(mag, st.local_threshold)
+    if idx.numel() > hi * k:
+        # Too many: the exact top-k are among these few candidates.
+        idx = idx[kernels.topk_of_candidates(idx, mag[idx], k)]
+        st.local_threshold = float(mag[idx].min())
+        stats.events["local_corrected"] = 1
+    elif idx.numel() < lo * k:
+        st._recompute_local = True
+    return idx
+
+
+# ---- step 2: region boundaries ---------------------------------------------------
+def _equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
+
+
+def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) -> torch.Tensor:
+    P = comm.size
+    if P == 1:
+        return torch.tensor([0, n], dtype=torch.int64, device=local_idx.device)
+    c = local_idx.numel()
+    mine = torch.zeros(P, dtype=torch.int64, device=local_idx.device)
+    if c:
+        cuts = torch.arange(1, P, device=local_idx.device) * c // P
+        mine[:-1] = local_idx[cuts]
+        mine[-1] = 1  # this rank's vote counts; ranks that selected nothing abstain
+    total = comm.allreduce(mine, "sum")
+    voters = int(total[-1])
+    if voters == 0:
+        return _equal_boundaries(n, P, local_idx.device)
+    inner = total[:-1] // voters
+    zero_n = torch.tensor([0, n], dtype=torch.int64, device=local_idx.device)
+    return torch.cat([zero_n[:1], inner, zero_n[1:]])
+
+
+# ---- step 3: split and reduce ----------------------------------------------------
+def _split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequence[int],
+                      comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                      work_dtype: torch.dtype, bucket: int) -> torch.Tensor:
+    """Dense accumulator of this rank's region holding the sum of every rank's part."""
+    P, me = comm.size, comm.rank
+    off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
+    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=sent.device)
+
+    def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return local_idx[off[j]:off[j + 1]] - starts[j], sent[off[j]:off[j + 1]]
+
+    own_idx, own_val = part(me)
+    kernels.scatter_add(region, own_idx, own_val)
+    if P == 1:
+        return region
+    send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
+                               device=local_idx.device)
+    recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
+    rb = kernels.record_bytes(index_dtype, value_dtype)
+
+    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
+        sends, recvs = [], []
+        for s in steps:
+            dst, src = (me + s) % P, (me - s) % P
+            if recv_counts[src]:
+                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=sent.device)
+                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf))
+            if off[dst + 1] > off[dst]:
+                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, value_dtype),
+                                        dst, _TAG_SPLIT))
+        return sends, recvs
+
+    buckets = [range(b, min(b + bucket, P)) for b in range(1, P, bucket)]
+    all_sends: list[Request] = []
+    pending = post(buckets[0])
+    for b in range(len(buckets)):
+        nxt = post(buckets[b + 1]) if b + 1 < len(buckets) else ([], [])
+        all_sends += pending[0]
+        for req, buf in pending[1]:  # reduce bucket b while bucket b+1 is in flight
+            req.wait()
+            idx, val = kernels.unpack_records(buf, index_dtype, value_dtype)
+            kernels.scatter_add(region, idx, val)
+        pending = nxt
+    for req in all_sends:
+        req.wait()
+    return region
+
+
+# ---- step 4: global selection ---------------------------------------------------
+def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
+                   stats: CallStats) -> tuple[torch.Tensor, list[int]]:
+    """Mask of this rank's reduced entries in the global result, and every rank's count."""
+    lo, hi = st.count_bounds
+    if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st._recompute_global):
+        cand = (mag >= st.global_threshold) & (mag > 0)
+        counts = comm.allgather(cand.sum().reshape(1).to(torch.int64)).flatten().tolist()
+        total = sum(counts)
+        if lo * k <= total <= hi * k:
+            return cand, counts
+        if total < lo * k:
+            st._recompute_global = True
+            return cand, counts
+        # Too many: the exact global top-k are among the candidates.
+        masked = torch.where(cand, mag, torch.zeros_like(mag))
+        mask, counts, th = global_topk_mask(masked, k, comm)
+        st.global_threshold = th
+        stats.events["global_corrected"] = 1
+        return mask, counts
+    mask, counts, th = global_topk_mask(mag, k, comm)
+    st.global_threshold = th
+    st._recompute_global = False
+    stats.events["global_recomputed"] = 1
+    return mask, counts
+
+
+# ---- step 5: balance and allgatherv ---------------------------------------------
+def _balance_and_allgatherv(records: torch.Tensor, counts: list[int], starts: Sequence[int],
+                            comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                            factor: float, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's records, concatenated in region order, as (global indexes, values)."""
+    P, total = comm.size, sum(counts)
+    held = counts
+    if P > 1 and total and max(counts) > factor * total / P:
+        records, held = _rebalance(records, counts, comm)
+        stats.events["balanced"] = 1
+    gathered = comm.allgatherv(records, held) if P > 1 else records
+    rel, vals = kernels.unpack_records(gathered, index_dtype, value_dtype)
+    base = torch.repeat_interleave(torch.tensor(starts[:-1], dtype=torch.int64, device=rel.device),
+                                   torch.tensor(counts, device=rel.device))
+    return rel + base, vals
+
+
+def _rebalance(records: torch.Tensor, counts: list[int], comm: Communicator) -> tuple[torch.Tensor, list[int]]:
+    """Move records so rank m holds positions [m*T//P, (m+1)*T//P) of the region-ordered list.
+
+    Every rank derives the same plan from ``counts``: rank j's records sit at
+    positions [C_j, C_j + counts[j]) of the concatenation (C = prefix sums),
+    and each overlap with another rank's target range is one message.
+    """
+    P, me, T = comm.size, comm.rank, sum(counts)
+    C = [sum(counts[:j]) for j in range(P + 1)]
+    D = [m * T // P for m in range(P + 1)]
+
+    def overlap(j: int, m: int) -> tuple[int, int]:
+        return max(C[j], D[m]), min(C[j + 1], D[m + 1])
+
+    sends, pieces = [], []
+    for s in range(1, P):
+        m = (me + s) % P
+        a, b = overlap(me, m)
+        if a < b:
+            sends.append(comm.isend(records[a - C[me]:b - C[me]].contiguous(), m, _TAG_BALANCE))
+    for j in range(P):
+        a, b = overlap(j, me)
+        if a >= b:
+            continue
+        if j == me:
+            pieces.append((j, None, records[a - C[me]:b - C[me]]))
+        else:
+            buf = torch.empty((b - a, records.shape[1]), dtype=records.dtype, device=records.device)
+            pieces.append((j, comm.irecv(buf, j, _TAG_BALANCE), buf))
+    for _, req, _ in pieces:
+        if req is not None:
+            req.wait()
+    for req in sends:
+        req.wait()
+    mine = torch.cat([buf for _, _, buf in pieces]) if pieces else records[:0]
+    return mine, [D[m + 1] - D[m] for m in range(P)]

@@ -1,0 +1,244 @@
+"""The communicator interface: the only door from an algorithm to the network.
+
+An algorithm sees a :class:`Communicator` and nothing else. The interface holds
+exactly the operations the sparse and dense allreduces need; three backends
+implement it (torch.distributed, MPI, simulated world).
+
+Traffic accounting. Every backend counts, per rank, bytes and messages sent and
+received. Point-to-point traffic is counted as posted. A collective is counted
+as the standard algorithm for it would move the data (so the counts are the
+same on every backend and comparable with the cost formulas of the papers):
+
+==================  ============================  ==========================
+operation           bytes sent = bytes received   messages sent
+==================  ============================  ==========================
+allgather(v)        total - own (ring)            P - 1
+alltoall            (P - 1) * chunk               P - 1
+allreduce           2 m (P - 1) / P (Rabenseifner)  2 ceil(log2 P)
+reduce_scatter      m (P - 1) / P                 ceil(log2 P)
+all_gather (dense)  m (P - 1) / P                 ceil(log2 P)
+broadcast           m at non-roots (tree)          children in a binomial tree
+barrier             0                             ceil(log2 P)
+==================  ============================  ==========================
+
+Where a backend physically moves more than that (gloo has no allgatherv, so
+the torch backend pads every block to the largest one) it counts what it moves.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field, asdict
+from typing import Sequence
+
+import torch
+
+__all__ = ["Communicator", "Request", "CommStats", "DEFAULT_TIMEOUT", "default_timeout"]
+
+#: Seconds any blocking wait may take before it raises CommTimeoutError.
+DEFAULT_TIMEOUT = 300.0
+
+
+def default_timeout() -> float:
+    """The wait timeout in seconds: ``$SPARSECOMM_TIMEOUT`` or DEFAULT_TIMEOUT."""
+    import os
+
+    value = os.environ.get("SPARSECOMM_TIMEOUT")
+    return float(value) if value else DEFAULT_TIMEOUT
+
+
+@dataclass
+class CommStats:
+    """Per-rank traffic counters; ``snapshot()`` and subtraction give a phase's share."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+    def snapshot(self) -> "CommStats":
+        return CommStats(**asdict(self))
+
+    def __sub__(self, other: "CommStats") -> "CommStats":
+        return CommStats(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Request(abc.ABC):
+    """A pending non-blocking operation."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until done; raise CommTimeoutError naming the operation and peer."""
+
+
+def _log2ceil(p: int) -> int:
+    return 0 if p <= 1 else math.ceil(math.log2(p))
+
+
+class Communicator(abc.ABC):
+    """A group of ``size`` ranks seen from rank ``rank``.
+
+    Buffers are torch tensors. Collectives return new tensors and never modify
+    their inputs. Every wait is bounded by ``timeout`` seconds.
+    """
+
+    #: Backend name, e.g. "sim", "torch:gloo", "mpi".
+    name: str = "abstract"
+
+    def __init__(self, rank: int, size: int, timeout: float | None = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.stats = CommStats()
+
+    # ---- what the backend must provide ------------------------------------
+    @abc.abstractmethod
+    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
+        """Start sending contiguous ``buf`` to rank ``dst``."""
+
+    @abc.abstractmethod
+    def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
+        """Start receiving into contiguous ``buf`` (exact size) from rank ``src``."""
+
+    @abc.abstractmethod
+    def _allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Fixed-size allgather: returns a (size, *t.shape) tensor."""
+
+    @abc.abstractmethod
+    def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Variable-size allgather along dim 0; ``counts[r]`` rows from rank r."""
+
+    @abc.abstractmethod
+    def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        """Exchange equal chunks: row r of the input goes to rank r."""
+
+    @abc.abstractmethod
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """Elementwise reduction (``"sum"``, ``"max"`` or ``"min"``) over ranks."""
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, rank r keeps chunk r of ``size`` equal chunks."""
+
+    @abc.abstractmethod
+    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's equal-size chunk (inverse of reduce_scatter)."""
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        """Return root's ``t`` on every rank."""
+
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Wait for every rank."""
+
+    def supports_device(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` can be passed to this communicator."""
+        return device.type == "cpu"
+
+    # ---- public collectives: accounting around the backend calls ----------
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's equal-size ``t``, stacked in rank order."""
+        nbytes = _nbytes(t)
+        self._count(nbytes * (self.size - 1), self.size - 1)
+        return self._allgather(t.contiguous())
+
+    def allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Concatenation in rank order of every rank's ``t`` (``counts[r]`` rows each)."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or counts[self.rank] != t.shape[0]:
+            raise ValueError(f"allgatherv: counts {counts} do not match rank {self.rank}'s "
+                             f"{t.shape[0]} rows or the world size {self.size}")
+        self._count(_row_bytes(t) * (sum(counts) - counts[self.rank]), self.size - 1)
+        return self._allgatherv(t.contiguous(), counts)
+
+    def alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        """Row r of ``t`` (shape (size, ...)) goes to rank r; returns what each rank sent here."""
+        if t.shape[0] != self.size:
+            raise ValueError(f"alltoall: first dimension {t.shape[0]} != world size {self.size}")
+        self._count(_nbytes(t) // self.size * (self.size - 1), self.size - 1)
+        return self._alltoall(t.contiguous())
+
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Elementwise ``op`` ("sum", "max", "min") of ``t`` over all ranks."""
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"allreduce: unknown op {op!r}")
+        p = self.size
+        self._count(2 * _nbytes(t) * (p - 1) // p, 2 * _log2ceil(p))
+        return self._allreduce(t.contiguous(), op)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of 1-D ``t`` (length divisible by size); rank r gets chunk r."""
+        if t.dim() != 1 or t.numel() % self.size:
+            raise ValueError(f"reduce_scatter: need a 1-D tensor whose length is a multiple of "
+                             f"{self.size}, got shape {tuple(t.shape)}")
+        p = self.size
+        self._count(_nbytes(t) * (p - 1) // p, _log2ceil(p))
+        return self._reduce_scatter(t.contiguous())
+
+    def all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Concatenation of every rank's equal-size 1-D ``chunk`` in rank order."""
+        p = self.size
+        self._count(_nbytes(chunk) * (p - 1), _log2ceil(p))
+        return self._all_gather(chunk.contiguous())
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Root's ``t`` on every rank (binomial tree accounting)."""
+        children = _binomial_children(self.rank, root, self.size)
+        nbytes = _nbytes(t)
+        self.stats.bytes_sent += nbytes * children
+        self.stats.messages_sent += children
+        if self.rank != root:
+            self.stats.bytes_received += nbytes
+            self.stats.messages_received += 1
+        return self._broadcast(t.contiguous(), root)
+
+    def barrier(self) -> None:
+        """Wait until every rank has entered the barrier."""
+        self.stats.messages_sent += _log2ceil(self.size)
+        self.stats.messages_received += _log2ceil(self.size)
+        self._barrier()
+
+    # ---- helpers ------------------------------------------------------------
+    def _count(self, nbytes: int, messages: int) -> None:
+        """Count a symmetric collective: as many bytes in as out."""
+        self.stats.bytes_sent += nbytes
+        self.stats.bytes_received += nbytes
+        self.stats.messages_sent += messages
+        self.stats.messages_received += messages
+
+    def _count_p2p_send(self, buf: torch.Tensor) -> None:
+        self.stats.bytes_sent += _nbytes(buf)
+        self.stats.messages_sent += 1
+
+    def _count_p2p_recv(self, buf: torch.Tensor) -> None:
+        self.stats.bytes_received += _nbytes(buf)
+        self.stats.messages_received += 1
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} rank {self.rank} of {self.size}>"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _binomial_children(rank: int, root: int, size: int) -> int:
+    """Number of children of ``rank`` in a binomial broadcast tree rooted at ``root``."""
+    rel = (rank - root) % size
+    children, mask = 0, 1
+    while mask < size:
+        if rel & mask:
+            break
+        if rel + mask < size:
+            children += 1
+        mask <<= 1
+    return children

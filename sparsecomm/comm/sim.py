@@ -1,0 +1,307 @@
+"""The simulated world: P virtual ranks as threads of one process.
+
+``simulate(P, fn)`` runs ``fn(rank)`` on P threads, each with its own
+:class:`SimCommunicator`. The algorithms run unchanged; only the transport is
+in memory. Collectives rendezvous on a shared slot (the n-th collective call of
+every rank meets the n-th of the others, and a rank calling a different
+operation is reported), point-to-point messages go through mailboxes keyed by
+(source, destination, tag). Reductions add contributions in rank order, so
+results are deterministic and identical on every rank.
+
+Time model (when ``network`` is given): each rank has a clock. A send of m
+bytes occupies the sender for ``beta*m`` and arrives ``alpha + beta*m`` after it
+starts; a receive completes no earlier than the arrival. A collective starts
+when the last rank enters it and costs ``messages*alpha + bytes*beta`` with this
+rank's counted messages and bytes. Computation is not modelled: ``.time`` is
+communication time only.
+
+Failure: an exception on any rank wakes every waiting rank with
+:class:`PeerError`, and ``simulate`` re-raises the first original exception; a
+wait that outlasts ``timeout`` raises :class:`CommTimeoutError` naming the
+operation and the missing ranks, so a deadlock ends instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import CommTimeoutError, PeerError
+from ..network import Network, resolve_network
+from .base import Communicator, Request, default_timeout
+
+__all__ = ["SimCommunicator", "SimResult", "simulate", "current_sim_comm"]
+
+_local = threading.local()
+
+
+def current_sim_comm() -> "SimCommunicator | None":
+    """The simulated communicator of the calling thread, if it runs inside ``simulate``."""
+    return getattr(_local, "comm", None)
+
+
+class _Slot:
+    """One collective call: every rank's payload and entry clock."""
+
+    def __init__(self, size: int) -> None:
+        self.items: list[Any] = [None] * size
+        self.ops: list[str | None] = [None] * size
+        self.clocks = [0.0] * size
+        self.arrived = 0
+        self.read = 0
+
+
+class _World:
+    """State shared by the ranks of one simulation."""
+
+    def __init__(self, size: int, timeout: float, network: Network | None) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.network = network
+        self.cond = threading.Condition()
+        self.slots: dict[int, _Slot] = {}
+        self.mailbox: dict[tuple[int, int, int], deque] = defaultdict(deque)
+        self.failure: tuple[int, BaseException] | None = None
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = (rank, exc)
+            self.cond.notify_all()
+
+    def wait_for(self, ready: Callable[[], bool], rank: int, what: Callable[[], str]) -> None:
+        """Wait (holding ``cond``) until ``ready()``; raise on peer failure or timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            if self.failure is not None and self.failure[0] != rank:
+                frank, fexc = self.failure
+                raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} failed: "
+                                f"{type(fexc).__name__}: {fexc}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommTimeoutError(f"rank {rank}: {what()} timed out after "
+                                       f"{self.timeout:g} s (simulated world)")
+            self.cond.wait(min(remaining, 0.5))
+
+
+class _SimRequest(Request):
+    def __init__(self, fn: Callable[[], None] | None = None) -> None:
+        self._fn = fn
+
+    def wait(self) -> None:
+        if self._fn is not None:
+            fn, self._fn = self._fn, None
+            fn()
+
+
+class SimCommunicator(Communicator):
+    """Rank ``rank`` of an in-process simulated world."""
+
+    name = "sim"
+
+    def __init__(self, rank: int, world: _World) -> None:
+        super().__init__(rank, world.size, world.timeout)
+        self._world = world
+        self._seq = 0
+        self.clock = 0.0
+        self._cost = (0, 0)
+
+    def supports_device(self, device: torch.device) -> bool:
+        return True
+
+    # ---- accounting hook: remember the cost of the collective being run ----
+    def _count(self, nbytes: int, messages: int) -> None:
+        super()._count(nbytes, messages)
+        self._cost = (nbytes, messages)
+
+    # ---- point to point -----------------------------------------------------
+    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
+        self._check_peer(dst, "isend")
+        self._count_p2p_send(buf)
+        net, nbytes = self._world.network, buf.numel() * buf.element_size()
+        start = self.clock
+        if net is not None:
+            self.clock += net.beta * nbytes
+            arrival = start + net.alpha + net.beta * nbytes
+        else:
+            arrival = 0.0
+        data = buf.detach().clone()
+        with self._world.cond:
+            self._world.mailbox[(self.rank, dst, tag)].append((data, arrival))
+            self._world.cond.notify_all()
+        return _SimRequest()
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
+        self._check_peer(src, "irecv")
+        key = (src, self.rank, tag)
+
+        def complete() -> None:
+            world = self._world
+            with world.cond:
+                box = world.mailbox[key]
+                world.wait_for(lambda: bool(box), self.rank,
+                               lambda: f"recv of {tuple(buf.shape)} {buf.dtype} from rank {src} (tag {tag})")
+                data, arrival = box.popleft()
+            if data.numel() * data.element_size() != buf.numel() * buf.element_size():
+                raise ValueError(f"rank {self.rank}: recv from rank {src} (tag {tag}) got "
+                                 f"{data.numel() * data.element_size()} bytes into a buffer of "
+                                 f"{buf.numel() * buf.element_size()} bytes")
+            buf.view(-1).view(torch.uint8).copy_(data.reshape(-1).view(torch.uint8))
+            self._count_p2p_recv(buf)
+            self.clock = max(self.clock, arrival)
+
+        return _SimRequest(complete)
+
+    def _check_peer(self, peer: int, op: str) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{op}: invalid peer {peer} for rank {self.rank} of {self.size}")
+
+    # ---- collectives ----------------------------------------------------------
+    def _exchange(self, op: str, payload: Any) -> list[Any]:
+        """Deposit ``payload`` and return every rank's payload for this collective."""
+        world, seq = self._world, self._seq
+        self._seq += 1
+        with world.cond:
+            slot = world.slots.setdefault(seq, _Slot(self.size))
+            slot.items[self.rank], slot.ops[self.rank] = payload, op
+            slot.clocks[self.rank] = self.clock
+            slot.arrived += 1
+            world.cond.notify_all()
+
+            def waiting() -> str:
+                missing = [r for r, o in enumerate(slot.ops) if o is None]
+                return f"{op} (collective #{seq}) waiting for rank(s) {missing}"
+
+            world.wait_for(lambda: slot.arrived == self.size, self.rank, waiting)
+            items, ops, start = list(slot.items), list(slot.ops), max(slot.clocks)
+            slot.read += 1
+            if slot.read == self.size:
+                del world.slots[seq]
+        if any(o != op for o in ops):
+            raise ValueError(f"rank {self.rank}: collective #{seq} mismatched across ranks: {ops}")
+        if world.network is not None:
+            nbytes, messages = self._cost
+            self.clock = start + world.network.time(messages, nbytes)
+        return items
+
+    def _allgather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange("allgather", t)
+        if any(p.shape != t.shape or p.dtype != t.dtype for p in parts):
+            raise ValueError(f"allgather: shapes or dtypes differ across ranks: "
+                             f"{[(tuple(p.shape), p.dtype) for p in parts]}")
+        return torch.stack(parts)
+
+    def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        parts = self._exchange("allgatherv", t)
+        for r, p in enumerate(parts):
+            if p.shape[0] != counts[r]:
+                raise ValueError(f"allgatherv: rank {r} sent {p.shape[0]} rows, counts say {counts[r]}")
+        return torch.cat(parts)
+
+    def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange("alltoall", t)
+        return torch.stack([p[self.rank] for p in parts])
+
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        parts = self._exchange(f"allreduce/{op}", t)
+        out = parts[0].clone()
+        fn = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+        for p in parts[1:]:
+            out = fn(out, p)
+        return out
+
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange("reduce_scatter", t)
+        m = t.numel() // self.size
+        lo = self.rank * m
+        out = parts[0][lo:lo + m].clone()
+        for p in parts[1:]:
+            out += p[lo:lo + m]
+        return out
+
+    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange("all_gather", chunk))
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        return self._exchange(f"broadcast/{root}", t)[root].clone()
+
+    def _barrier(self) -> None:
+        self._exchange("barrier", None)
+
+
+@dataclass
+class SimResult:
+    """What ``simulate`` returns: per-rank results, traffic stats and modelled time."""
+
+    results: list[Any]
+    stats: list[dict]
+    time: list[float] | None
+
+
+def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
+             network: "str | tuple[float, float] | Network | None" = None,
+             timeout: float | None = None, return_exceptions: bool = False,
+             **kwargs: Any) -> SimResult:
+    """Run ``fn(rank, *args, **kwargs)`` on every rank of a simulated world.
+
+    1. Build a world of ``world_size`` ranks sharing mailboxes and rendezvous slots.
+    2. Start one thread per rank; inside it ``sparsecomm.allreduce`` (and
+       ``sparsecomm.comm.current()``) use that rank's communicator.
+    3. Join the threads; if any rank raised, re-raise the first original error
+       (peers' resulting PeerErrors are secondary), unless ``return_exceptions``.
+
+    Args:
+        world_size: number of virtual ranks (>= 1).
+        fn: called as ``fn(rank, *args, **kwargs)`` once per rank.
+        network: None, a profile name ("pizdaint", "10gbe", "56gbib", "100gbib"),
+            an ``(alpha, beta)`` pair or a :class:`~sparsecomm.network.Network`.
+        timeout: seconds any wait may take (default ``$SPARSECOMM_TIMEOUT`` or 300).
+        return_exceptions: put exceptions in ``.results`` instead of raising.
+
+    Returns:
+        SimResult with ``.results`` (one per rank), ``.stats`` (per-rank dicts with
+        bytes_sent, bytes_received, messages_sent, messages_received) and ``.time``
+        (per-rank modelled communication seconds, or None without ``network``).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"simulate: world_size must be a positive int, got {world_size!r}")
+    net = resolve_network(network)
+    world = _World(world_size, default_timeout() if timeout is None else float(timeout), net)
+    comms = [SimCommunicator(r, world) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[float, int, BaseException]] = []
+
+    def run(rank: int) -> None:
+        _local.comm = comms[rank]
+        try:
+            results[rank] = fn(rank, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            errors.append((time.monotonic(), rank, exc))
+            results[rank] = exc
+            world.fail(rank, exc)
+        finally:
+            _local.comm = None
+
+    if world_size == 1:
+        run(0)
+    else:
+        threads = [threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}", daemon=True)
+                   for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors and not return_exceptions:
+        primary = [e for e in sorted(errors, key=lambda e: e[:2]) if not isinstance(e[2], PeerError)]
+        _, rank, exc = (primary or sorted(errors, key=lambda e: e[:2]))[0]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised on simulated rank {rank} of {world_size})")
+        raise exc
+    return SimResult(results=results,
+                     stats=[c.stats.as_dict() for c in comms],
+                     time=[c.clock for c in comms] if net is not None else None)

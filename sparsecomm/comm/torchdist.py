@@ -1,0 +1,139 @@
+"""Communicator over an initialised torch.distributed process group (gloo, NCCL, ...).
+
+Every operation is issued with ``async_op=True`` and waited on with the
+communicator's timeout, so a dead or absent peer raises CommTimeoutError
+naming the operation instead of blocking for the process group's own
+(30-minute) timeout.
+
+gloo has no variable-size allgather: ``allgatherv`` pads every block to the
+largest and counts the padded bytes, since that is what travels.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CommTimeoutError
+from .base import Communicator, Request
+
+__all__ = ["TorchCommunicator"]
+
+
+class _TorchRequest(Request):
+    def __init__(self, comm: "TorchCommunicator", work: Any, what: str,
+                 on_done: Any = None) -> None:
+        self._comm, self._work, self._what, self._on_done = comm, work, what, on_done
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        self._comm._wait(work, self._what)
+        if self._on_done is not None:
+            self._on_done()
+
+
+class TorchCommunicator(Communicator):
+    """Rank of a torch.distributed process group (default: the world group)."""
+
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group first (or use torchrun)")
+        self._dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        super().__init__(dist.get_rank(self.group), dist.get_world_size(self.group), timeout)
+        self.backend = str(dist.get_backend(self.group)).lower()
+        self.name = f"torch:{self.backend}"
+
+    def supports_device(self, device: torch.device) -> bool:
+        if self.backend == "gloo":
+            return device.type == "cpu"
+        if self.backend == "nccl":
+            return device.type == "cuda"
+        return True
+
+    # ---- waiting ---------------------------------------------------------------
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise CommTimeoutError(f"rank {self.rank}: {what} failed or timed out after "
+                                   f"{self.timeout:g} s on {self.name}: {exc}") from exc
+        if ok is False:
+            raise CommTimeoutError(f"rank {self.rank}: {what} timed out after {self.timeout:g} s "
+                                   f"on {self.name}")
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    # ---- point to point -----------------------------------------------------
+    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
+        self._count_p2p_send(buf)
+        work = self._dist.isend(buf, self._global(dst), group=self.group, tag=tag)
+        return _TorchRequest(self, work, f"send of {buf.numel()} x {buf.dtype} to rank {dst} (tag {tag})")
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
+        work = self._dist.irecv(buf, self._global(src), group=self.group, tag=tag)
+        return _TorchRequest(self, work, f"recv of {buf.numel()} x {buf.dtype} from rank {src} (tag {tag})",
+                             lambda: self._count_p2p_recv(buf))
+
+    # ---- collectives --------------------------------------------------------
+    def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        work = fn(*args, group=self.group, async_op=True, **kwargs)
+        self._wait(work, what)
+
+    def _allgather(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        self._run("allgather", self._dist.all_gather_into_tensor, out.view(-1), t.reshape(-1))
+        return out
+
+    def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        largest = max(counts)
+        row = t.shape[1:]
+        padded = torch.zeros((largest, *row), dtype=t.dtype, device=t.device)
+        padded[: t.shape[0]] = t
+        # Padding travels too: count it beyond what the base class counted.
+        row_bytes = padded[0:1].numel() * t.element_size() if largest else 0
+        extra = row_bytes * (largest * (self.size - 1) - (sum(counts) - counts[self.rank]))
+        self.stats.bytes_sent += extra
+        self.stats.bytes_received += extra
+        gathered = self._allgather(padded)
+        return torch.cat([gathered[r, : counts[r]] for r in range(self.size)])
+
+    def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        self._run("alltoall", self._dist.all_to_all_single, out, t)
+        return out
+
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        out = t.clone()
+        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX,
+               "min": self._dist.ReduceOp.MIN}[op]
+        self._run(f"allreduce/{op}", self._dist.all_reduce, out, op=red)
+        return out
+
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
+        self._run("reduce_scatter", self._dist.reduce_scatter_tensor, out, t)
+        return out
+
+    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
+        self._run("all_gather", self._dist.all_gather_into_tensor, out, chunk)
+        return out
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        out = t.clone()
+        self._run(f"broadcast from rank {root}", self._dist.broadcast, out, self._global(root))
+        return out
+
+    def _barrier(self) -> None:
+        # A barrier is an allreduce of one element: gloo's barrier cannot be waited with a timeout.
+        out = torch.zeros(1, device="cuda" if self.backend == "nccl" else "cpu")
+        self._run("barrier", self._dist.all_reduce, out)

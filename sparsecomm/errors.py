@@ -1,0 +1,31 @@
+"""Exceptions raised by sparsecomm.
+
+Every error a user can meet derives from :class:`SparseCommError`, so one
+``except`` clause catches them all; each also derives from the builtin a Python
+programmer would expect (``ValueError`` for bad input, ``TimeoutError`` for a
+wait that ran out).
+"""
+
+from __future__ import annotations
+
+__all__ = ["SparseCommError", "InputError", "CommTimeoutError", "PeerError"]
+
+
+class SparseCommError(Exception):
+    """Base class of every sparsecomm error."""
+
+
+class InputError(SparseCommError, ValueError):
+    """The arguments of a call are invalid on this or on another rank.
+
+    Raised on *every* rank of the group, so that no rank is left waiting in a
+    collective for a peer that gave up.
+    """
+
+
+class CommTimeoutError(SparseCommError, TimeoutError):
+    """A blocking wait ran out of time; the message names the operation and peer."""
+
+
+class PeerError(SparseCommError):
+    """Another rank failed (simulated world) so this rank cannot go on."""

@@ -1,0 +1,51 @@
+"""Alpha-beta network profiles used to model communication time.
+
+A message of ``m`` bytes costs ``alpha + beta * m`` seconds. The profiles are the
+approximate public figures of the papers README (section 6); pass your own
+``(alpha, beta)`` pair for another network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Network", "PROFILES", "resolve_network"]
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-message latency ``alpha`` (s) and per-byte time ``beta`` (s/byte)."""
+
+    alpha: float
+    beta: float
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta >= 0):
+            raise ValueError(f"network: alpha and beta must be >= 0, got {self.alpha}, {self.beta}")
+
+    def time(self, messages: int, nbytes: int) -> float:
+        """Modelled seconds for ``messages`` messages carrying ``nbytes`` bytes in all."""
+        return messages * self.alpha + nbytes * self.beta
+
+
+PROFILES: dict[str, Network] = {
+    "pizdaint": Network(1.5e-6, 1 / 10e9, "pizdaint"),  # Cray Aries, ~10 GB/s injection
+    "10gbe": Network(30e-6, 1 / 1.25e9, "10gbe"),
+    "56gbib": Network(2e-6, 1 / 6e9, "56gbib"),
+    "100gbib": Network(1.5e-6, 1 / 12e9, "100gbib"),
+}
+
+
+def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:
+    """Turn a profile name, an (alpha, beta) pair or a Network into a Network (or None)."""
+    if network is None or isinstance(network, Network):
+        return network
+    if isinstance(network, str):
+        try:
+            return PROFILES[network.lower()]
+        except KeyError:
+            raise ValueError(f"unknown network profile {network!r}; known: {sorted(PROFILES)} "
+                             "or a custom (alpha, beta) pair") from None
+    alpha, beta = network
+    return Network(float(alpha), float(beta))

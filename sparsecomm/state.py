@@ -1,0 +1,165 @@
+"""Per-tensor algorithm state: settings, error-feedback residual, iteration, statistics.
+
+Every algorithm's state class derives from :class:`State`. Fields come in three
+groups, as in PyTorch's comm-hook states: set by the user (validated in
+``__init__``), internal (thresholds, boundaries, residual, iteration) and
+statistics (``last`` call and running ``totals``). States hold tensors and
+numbers only, so they pickle (``torch.save(state)``) for checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["State", "CallStats", "PhaseStats", "check_density", "topk_count"]
+
+
+def check_density(density: Any) -> float:
+    """Return ``density`` as a float in (0, 1], or raise ValueError saying why not."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise ValueError(f"density must be a real number in (0, 1], got {density!r}")
+    d = float(density)
+    if not (0.0 < d <= 1.0):  # also rejects NaN
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return d
+
+
+def topk_count(density: float, n: int) -> int:
+    """k = ceil(density * n), at least 1 and at most n.
+
+    The product is rounded to 9 decimals first, so that e.g. 0.07 * 100 (which
+    is 7.000000000000001 in binary floating point) gives k = 7, not 8.
+    """
+    return min(n, max(1, math.ceil(round(density * n, 9))))
+
+
+@dataclass
+class PhaseStats:
+    """Traffic and wall time of one phase of one call on this rank."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CallStats:
+    """Statistics of one allreduce call on this rank."""
+
+    algorithm: str = ""
+    n: int = 0
+    k: int = 0
+    local_selected: int = 0
+    global_selected: int = 0
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
+    #: Algorithm-specific events, e.g. {"local_recomputed": 1, "balanced": 0}.
+    events: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.bytes_sent for p in self.phases.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(p.bytes_received for p in self.phases.values())
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(p.messages_sent for p in self.phases.values())
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases.values())
+
+
+class State:
+    """Base state: density, error feedback, iteration counter and statistics.
+
+    Args:
+        density: fraction of entries each rank selects, in (0, 1].
+        error_feedback: keep what was not contributed in a residual and add it
+            to the next call's input (residual accumulation).
+    """
+
+    #: Registry name of the algorithm this state belongs to (set by subclasses).
+    algorithm = ""
+
+    def __init__(self, density: float = 0.01, error_feedback: bool = False) -> None:
+        # Set by the user.
+        self.density = check_density(density)
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        # Internal.
+        self.iteration = 0
+        self.n: int | None = None
+        self.residual: torch.Tensor | None = None
+        # Statistics.
+        self.last: CallStats | None = None
+        self.totals: dict[str, int] = {"calls": 0, "bytes_sent": 0, "bytes_received": 0,
+                                       "local_selected": 0, "global_selected": 0}
+
+    @classmethod
+    def exact(cls, density: float) -> "State":
+        """The state a stateless call uses: exact selection, no residual."""
+        return cls(density)
+
+    # ---- checks made before the call (collectively, see sparsecomm.api) -----
+    def check_tensor(self, n: int) -> str | None:
+        """Why this state cannot serve a tensor of ``n`` elements, or None."""
+        if self.n is not None and self.n != n:
+            return (f"this {type(self).__name__} was used with a tensor of {self.n} elements, "
+                    f"now {n}: use one state per tensor")
+        return None
+
+    # ---- error feedback --------------------------------------------------------
+    @staticmethod
+    def work_dtype(dtype: torch.dtype) -> torch.dtype:
+        """Accumulation dtype: float32 for 16-bit inputs, else the input's."""
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def compensate(self, flat: torch.Tensor) -> torch.Tensor:
+        """The accumulated input: residual + flat (work dtype), or flat itself."""
+        self.n = flat.numel()
+        wd = self.work_dtype(flat.dtype)
+        if not self.error_feedback:
+            return flat.to(wd)
+        if self.residual is None or self.residual.device != flat.device:
+            self.residual = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
+        return self.residual + flat
+
+    def update(self, acc: torch.Tensor, contributed: torch.Tensor | None,
+               sent: torch.Tensor | None) -> None:
+        """Residual <- acc minus what this rank contributed (as sent, so rounding stays).
+
+        ``contributed`` None means every entry was contributed (``sent`` then
+        holds all n values as sent).
+        """
+        if not self.error_feedback:
+            return
+        if contributed is None:
+            self.residual = acc - sent.to(acc.dtype) if sent is not None else torch.zeros_like(acc)
+            return
+        acc[contributed] -= sent.to(acc.dtype)
+        self.residual = acc
+
+    def record(self, stats: CallStats) -> None:
+        self.iteration += 1
+        self.last = stats
+        t = self.totals
+        t["calls"] += 1
+        t["bytes_sent"] += stats.bytes_sent
+        t["bytes_received"] += stats.bytes_received
+        t["local_selected"] += stats.local_selected
+        t["global_selected"] += stats.global_selected
+        for key, value in stats.events.items():
+            t[key] = t.get(key, 0) + value
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(density={self.density}, error_feedback="
+                f"{self.error_feedback}, iteration={self.iteration})")
