@@ -1,0 +1,110 @@
+"""Test bodies shared by every backend (simulated, gloo, MPI).
+
+Written once, valid at any world size: expected values derive from rank and
+size. ``check_comm`` asserts communicator semantics; ``allreduce_cases``
+returns results that the engine tests compare with the simulated world's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import sparsecomm
+from sparsecomm.comm import Communicator
+
+
+def check_comm(comm: Communicator) -> dict:
+    """Assert every communicator operation's result; return the traffic counters."""
+    P, r = comm.size, comm.rank
+    g = comm.allgather(torch.tensor([r, r * r]))
+    assert g.tolist() == [[i, i * i] for i in range(P)], g
+
+    counts = [i % 3 for i in range(P)]  # includes ranks sending nothing
+    mine = torch.full((counts[r], 2), float(r), dtype=torch.bfloat16)
+    v = comm.allgatherv(mine, counts)
+    expected = torch.cat([torch.full((counts[i], 2), float(i), dtype=torch.bfloat16) for i in range(P)])
+    assert torch.equal(v, expected), v
+
+    a = comm.alltoall((torch.arange(P) * 100 + r).reshape(P, 1))
+    assert a.flatten().tolist() == [100 * r + i for i in range(P)], a
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):
+        x = torch.tensor([r + 1, -r, 2 * r], dtype=dtype)
+        assert comm.allreduce(x, "sum").tolist() == [P * (P + 1) // 2, -P * (P - 1) // 2, P * (P - 1)]
+        assert comm.allreduce(x, "max").tolist() == [P, 0, 2 * (P - 1)]
+        assert comm.allreduce(x, "min").tolist() == [1, -(P - 1), 0]
+        assert x.tolist() == [r + 1, -r, 2 * r]  # input untouched
+
+    rs = comm.reduce_scatter(torch.arange(2 * P, dtype=torch.float32) + r)
+    assert rs.tolist() == [P * (2 * r + j) + P * (P - 1) / 2 for j in range(2)], rs
+    ag = comm.all_gather(torch.tensor([r, -r], dtype=torch.float32))
+    assert ag.tolist() == [float(s * i) for i in range(P) for s in (1, -1)], ag
+
+    root = P - 1
+    b = comm.broadcast(torch.tensor([r, 7], dtype=torch.float16), root)
+    assert b.tolist() == [root, 7], b
+
+    if P > 1:  # a ring in both directions with distinct tags
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        up = torch.empty(3, dtype=torch.bfloat16)
+        down = torch.empty(2, dtype=torch.int64)
+        reqs = [comm.irecv(up, prv, tag=5), comm.irecv(down, nxt, tag=6),
+                comm.isend(torch.full((3,), float(r), dtype=torch.bfloat16), nxt, tag=5),
+                comm.isend(torch.tensor([r, P]), prv, tag=6)]
+        for q in reqs:
+            q.wait()
+        assert up.tolist() == [float(prv)] * 3 and down.tolist() == [nxt, P]
+    comm.barrier()
+    stats = comm.stats.as_dict()
+    if P > 1:
+        assert stats["bytes_sent"] > 0 and stats["messages_sent"] > 0
+    return stats
+
+
+def inputs(rank: int, n: int, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(12345 + 7919 * rank)
+    if kind == "skewed":
+        g = 0.01 * torch.randn(n, generator=gen)
+        g[: n // 10] = torch.randn(n // 10, generator=gen)
+    else:
+        g = torch.randn(n, generator=gen)
+    return g.to(dtype)
+
+
+def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
+    """A representative subset of allreduce calls; returns named results."""
+    out: dict[str, torch.Tensor] = {}
+    n = 30_011
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out[f"oktopk/exact/{dtype}"] = sparsecomm.allreduce(inputs(rank, n, "gaussian", dtype), 0.01, comm=comm)
+    st = sparsecomm.OkTopkState(0.01, tau=3, tau_prime=4, error_feedback=True)
+    for step in range(6):
+        out[f"oktopk/ef/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "gaussian"), state=st, comm=comm)
+    out["oktopk/ef/residual"] = st.residual.clone()
+    eq = sparsecomm.OkTopkState(0.01, tau=1, tau_prime=1, error_feedback=False, balanced=False)
+    out["oktopk/equal-split-skewed"] = sparsecomm.allreduce(inputs(rank, n, "skewed"), state=eq, comm=comm)
+    out["oktopk/avg"] = sparsecomm.allreduce(inputs(rank, 999, "gaussian").reshape(27, 37), 0.05, op="avg", comm=comm)
+    out["dense"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", comm=comm)
+    return out
+
+
+def bad_input_cases(rank: int, size: int, comm=None) -> list[str]:
+    """Each bad call must raise InputError on every rank; returns the messages."""
+    msgs = []
+    calls = [
+        lambda: sparsecomm.allreduce(torch.arange(10) if rank == 0 else torch.randn(10), 0.1, comm=comm),
+        lambda: sparsecomm.allreduce(torch.randn(10 + (rank == size - 1)), 0.1, comm=comm),
+        lambda: sparsecomm.allreduce(torch.randn(10).to(torch.float16 if rank else torch.float32), 0.1, comm=comm),
+        lambda: sparsecomm.allreduce(torch.randn(10), 0.0, comm=comm),
+        lambda: sparsecomm.allreduce(torch.randn(10), 1.5, comm=comm),
+        lambda: sparsecomm.allreduce(torch.tensor([1.0, float("nan")]) if rank == 1 else torch.ones(2), 0.5, comm=comm),
+        lambda: sparsecomm.allreduce(torch.empty(10, device="meta") if rank == 0 else torch.randn(10), 0.5, comm=comm),
+    ]
+    for call in calls:
+        try:
+            call()
+        except sparsecomm.InputError as exc:
+            msgs.append(str(exc))
+        else:
+            raise AssertionError("bad input was accepted")
+    return msgs

@@ -1,0 +1,150 @@
+"""Bad input raises a clear error on every rank, quickly, never a hang."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.errors import CommTimeoutError, InputError, PeerError
+
+P = 4
+
+
+def every_rank_raises(make_call, expected=InputError, match=None, P=P, timeout=8.0):
+    """Run make_call(rank) on P simulated ranks; every rank must raise ``expected`` within 10 s."""
+    t0 = time.monotonic()
+    res = sparsecomm.simulate(P, make_call, timeout=timeout, return_exceptions=True)
+    assert time.monotonic() - t0 < 10
+    for r, exc in enumerate(res.results):
+        assert isinstance(exc, expected), f"rank {r} returned {exc!r}"
+        if match:
+            assert match in str(exc), f"rank {r}: {exc}"
+    return res.results
+
+
+def good(rank):
+    return torch.randn(100, generator=torch.Generator().manual_seed(rank))
+
+
+@pytest.mark.parametrize("bad_rank", [None, 2])
+def test_integer_tensor(bad_rank):
+    def call(rank):
+        t = torch.arange(100) if bad_rank in (None, rank) else good(rank)
+        return sparsecomm.allreduce(t, 0.1)
+
+    errs = every_rank_raises(call, match="unsupported dtype")
+    assert "int64 is not supported" in str(errs[bad_rank or 0])
+
+
+@pytest.mark.parametrize("density", [0, 0.0, 1.5, -0.1, math.nan, math.inf, "0.1"])
+def test_bad_density(density):
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), density), match="density")
+
+
+def test_density_differs_across_ranks():
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1 if r else 0.2),
+                      match="density differs")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nonfinite_gradient_on_one_rank(value):
+    def call(rank):
+        t = good(rank)
+        if rank == 1:
+            t[17] = value
+        return sparsecomm.allreduce(t, 0.1)
+
+    every_rank_raises(call, match="NaN or Inf on rank(s) [1]")
+
+
+def test_shape_differs_across_ranks():
+    every_rank_raises(lambda r: sparsecomm.allreduce(torch.randn(100 + (r == 3)), 0.1),
+                      match="element count differs")
+    every_rank_raises(lambda r: sparsecomm.allreduce(torch.randn(10, 10) if r else torch.randn(100), 0.1),
+                      match="shape differs")
+
+
+def test_dtype_differs_across_ranks():
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r).to(torch.float16 if r == 1 else torch.float32), 0.1),
+                      match="dtype differs")
+
+
+def test_empty_tensor():
+    every_rank_raises(lambda r: sparsecomm.allreduce(torch.empty(0), 0.1), match="empty")
+
+
+def test_unknown_algorithm_and_op():
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, algorithm="nope"),
+                      match="unknown algorithm")
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, op="max"), match="op")
+
+
+def test_state_of_the_wrong_algorithm_or_tensor():
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, state=sparsecomm.DenseState(0.1)),
+                      match="OkTopkState")
+
+    def reuse(rank):
+        st = sparsecomm.OkTopkState(0.1)
+        sparsecomm.allreduce(good(rank), state=st)
+        return sparsecomm.allreduce(torch.randn(50), state=st)
+
+    every_rank_raises(reuse, match="one state per tensor")
+
+
+def test_dead_peer_times_out_naming_the_operation():
+    def call(rank):
+        if rank == 3:
+            time.sleep(4)  # never joins
+            return None
+        return sparsecomm.allreduce(good(rank), 0.1)
+
+    t0 = time.monotonic()
+    res = sparsecomm.simulate(P, call, timeout=2, return_exceptions=True)
+    assert time.monotonic() - t0 < 10
+    # The first rank to time out names the operation and the missing rank; the others
+    # either time out too or are released at once by its failure.
+    for r in range(3):
+        exc = res.results[r]
+        assert isinstance(exc, (CommTimeoutError, PeerError))
+        assert "timed out" in str(exc) and "allgather" in str(exc) and "[3]" in str(exc)
+    assert any(isinstance(res.results[r], CommTimeoutError) for r in range(3))
+
+
+def test_peer_exception_does_not_hang_others():
+    def call(rank):
+        if rank == 0:
+            raise RuntimeError("boom on rank 0")
+        return sparsecomm.allreduce(good(rank), 0.1)
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom on rank 0"):
+        sparsecomm.simulate(P, call, timeout=30)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"density": 0}, "density"), ({"tau": 0}, "tau"), ({"tau_prime": 1.5}, "tau_prime"),
+    ({"bucket": True}, "bucket"), ({"balance_factor": 0.5}, "balance_factor"),
+    ({"count_bounds": (1.2, 2)}, "count_bounds"), ({"error_feedback": "yes"}, "error_feedback"),
+])
+def test_state_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sparsecomm.OkTopkState(**kwargs)
+
+
+def test_state_pickles_with_its_residual():
+    def call(rank):
+        st = sparsecomm.OkTopkState(0.05, tau=4)
+        for _ in range(3):
+            sparsecomm.allreduce(good(rank), state=st)
+        return st
+
+    st = sparsecomm.simulate(2, call).results[1]
+    copy = pickle.loads(pickle.dumps(st))
+    assert copy.iteration == 3 and torch.equal(copy.residual, st.residual)
+    assert copy.local_threshold == st.local_threshold and torch.equal(copy.boundaries, st.boundaries)

@@ -1,0 +1,121 @@
+"""The same bodies on real engines: gloo (torch.multiprocessing) and MPI (mpiexec -n 4).
+
+Ok-Topk results must equal the simulated world's *bitwise*: every backend runs
+the same algorithm code on the same data, and the only floating-point
+arithmetic (the scatter-add of each region) happens in the same order
+(destination-rotation step order) everywhere. Dense results are compared to a
+tolerance: the backend's own allreduce may add in another order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.comm import resolve
+
+import cases
+import engines
+
+P = 4
+
+
+def _comm_case(rank, size):
+    return cases.check_comm(resolve())
+
+
+def _allreduce_case(rank, size):
+    return cases.allreduce_cases(rank, size)
+
+
+def _bad_input_case(rank, size):
+    return cases.bad_input_cases(rank, size)
+
+
+def _dead_peer_case(rank, size):
+    from sparsecomm.comm.torchdist import TorchCommunicator
+
+    comm = TorchCommunicator(timeout=3)
+    if rank == size - 1:
+        time.sleep(6)  # never joins the call
+        return "absent"
+    t0 = time.monotonic()
+    try:
+        sparsecomm.allreduce(torch.randn(100), 0.1, comm=comm)
+    except sparsecomm.CommTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return sparsecomm.simulate(P, lambda r: cases.allreduce_cases(r, P)).results
+
+
+def compare_with_simulation(real, simulated):
+    for rank in range(P):
+        assert real[rank].keys() == simulated[rank].keys()
+        for name, value in real[rank].items():
+            if name == "dense":
+                torch.testing.assert_close(value, simulated[rank][name], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(value, simulated[rank][name]), f"{name} differs on rank {rank}"
+        for name in real[rank]:
+            if not name.endswith("residual"):
+                assert torch.equal(real[rank][name], real[0][name]), f"{name}: rank {rank} != rank 0"
+
+
+def test_gloo_communicator():
+    stats = engines.run_gloo(P, _comm_case)
+    assert all(s["bytes_sent"] > 0 for s in stats)
+
+
+def test_gloo_allreduce_equals_simulation(simulated):
+    compare_with_simulation(engines.run_gloo(P, _allreduce_case), simulated)
+
+
+def test_gloo_bad_input_raises_on_every_rank():
+    t0 = time.monotonic()
+    msgs = engines.run_gloo(P, _bad_input_case)
+    assert time.monotonic() - t0 < 60  # includes process start-up
+    for rank_msgs in msgs:
+        assert "unsupported dtype" in rank_msgs[0]
+        assert "element count differs" in rank_msgs[1]
+        assert "dtype differs" in rank_msgs[2]
+        assert "density" in rank_msgs[3] and "density" in rank_msgs[4]
+        assert "NaN or Inf on rank(s) [1]" in rank_msgs[5]
+        assert "device the communicator cannot use" in rank_msgs[6]
+    assert "the tensor is on meta, which the torch:gloo communicator cannot use" in msgs[0][6]
+
+
+def test_gloo_dead_peer_times_out():
+    results = engines.run_gloo(P, _dead_peer_case)
+    for msg, seconds in results[:-1]:
+        assert "allgather" in msg and "timed out" in msg and seconds < 10
+
+
+needs_mpi = pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed "
+                               "(pip install 'sparsecomm[mpi]')")
+
+
+@needs_mpi
+def test_mpi_communicator():
+    stats = engines.run_mpi(P, "comm")
+    assert all(s["bytes_sent"] > 0 for s in stats)
+
+
+@needs_mpi
+def test_mpi_allreduce_equals_simulation(simulated):
+    assert engines.run_mpi(P, "resolve") == ["mpi"] * P
+    compare_with_simulation(engines.run_mpi(P, "allreduce"), simulated)
+
+
+@needs_mpi
+def test_mpi_bad_input_raises_on_every_rank():
+    msgs = engines.run_mpi(P, "bad_input")
+    for rank_msgs in msgs:
+        assert "unsupported dtype" in rank_msgs[0] and "NaN or Inf on rank(s) [1]" in rank_msgs[5]
+        assert "device the communicator cannot use" in rank_msgs[6]
