@@ -51,6 +51,9 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype,
                    value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_records`: (int64 relative indexes, values)."""
     ib = torch.empty(0, dtype=index_dtype).element_size()
+    if records.shape[0] == 0:  # an empty slice keeps its record stride, which view() rejects
+        return (torch.empty(0, dtype=torch.int64, device=records.device),
+                torch.empty(0, dtype=value_dtype, device=records.device))
     idx = records[:, :ib].contiguous().view(index_dtype).reshape(-1).to(torch.int64)
     val = records[:, ib:].contiguous().view(value_dtype).reshape(-1)
     return idx, val

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
 
@@ -15,25 +14,19 @@ def main() -> None:
 
     import sparsecomm
     from sparsecomm.comm.mpi import MPICommunicator
+    from sparsecomm.launch import save_result
 
     case, outdir = sys.argv[1], sys.argv[2]
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(1)
-    try:
-        if case == "comm":
-            result = cases.check_comm(MPICommunicator(world, timeout=60))
-        elif case == "allreduce":
-            result = cases.allreduce_cases(rank, size)  # default resolution finds COMM_WORLD
-        elif case == "bad_input":
-            result = cases.bad_input_cases(rank, size)
-        elif case == "resolve":
-            result = sparsecomm.resolve().name
-        else:
-            raise ValueError(case)
-        torch.save({"ok": result}, f"{outdir}/{rank}.pt")
-    except BaseException:  # noqa: BLE001
-        torch.save({"error": traceback.format_exc()}, f"{outdir}/{rank}.pt")
+    bodies = {
+        "comm": lambda: cases.check_comm(MPICommunicator(world, timeout=60)),
+        "allreduce": lambda: cases.allreduce_cases(rank, size),  # resolution finds COMM_WORLD
+        "bad_input": lambda: cases.bad_input_cases(rank, size),
+        "resolve": lambda: sparsecomm.resolve().name,
+    }
+    save_result(outdir, rank, bodies[case])
 
 
 if __name__ == "__main__":

@@ -125,12 +125,10 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
     with rec.phase("split_reduce"):
         sent_local = acc[local_idx].to(value_dtype)
-        region = _split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
-                                   value_dtype, acc.dtype, state.bucket)
+        red_rel, red_val = _split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
+                                             value_dtype, acc.dtype, state.bucket)
 
     with rec.phase("global_select"):
-        red_rel = torch.nonzero(region).flatten()
-        red_val = region[red_rel]
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
         red_rel, red_val = red_rel[keep], red_val[keep]
 
@@ -194,8 +192,13 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
 # ---- step 3: split and reduce ----------------------------------------------------
 def _split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequence[int],
                       comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
-                      work_dtype: torch.dtype, bucket: int) -> torch.Tensor:
-    """Dense accumulator of this rank's region holding the sum of every rank's part."""
+                      work_dtype: torch.dtype, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted region-relative indexes touched by any rank, and their sums over ranks.
+
+    Parts are added into a dense accumulator of the region as they arrive (in
+    step order, so the sum is deterministic); the touched indexes come from
+    the received index lists, not from a scan of the whole region.
+    """
     P, me = comm.size, comm.rank
     off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
     region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=sent.device)
@@ -206,7 +209,8 @@ def _split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Seque
     own_idx, own_val = part(me)
     kernels.scatter_add(region, own_idx, own_val)
     if P == 1:
-        return region
+        return own_idx, region[own_idx]
+    touched = [own_idx]
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
                                device=local_idx.device)
     recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
@@ -234,10 +238,12 @@ def _split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Seque
             req.wait()
             idx, val = kernels.unpack_records(buf, index_dtype, value_dtype)
             kernels.scatter_add(region, idx, val)
+            touched.append(idx)
         pending = nxt
     for req in all_sends:
         req.wait()
-    return region
+    rel = torch.unique(torch.cat(touched))  # sorted
+    return rel, region[rel]
 
 
 # ---- step 4: global selection ---------------------------------------------------

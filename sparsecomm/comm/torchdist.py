@@ -49,6 +49,9 @@ class TorchCommunicator(Communicator):
         self.group = group if group is not None else dist.group.WORLD
         super().__init__(dist.get_rank(self.group), dist.get_world_size(self.group), timeout)
         self.backend = str(dist.get_backend(self.group)).lower()
+        # torch >= 2.10 renamed the tensor-in/tensor-out collectives to *_single.
+        self._all_gather_t = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter_t = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.name = f"torch:{self.backend}"
 
     def supports_device(self, device: torch.device) -> bool:
@@ -90,7 +93,7 @@ class TorchCommunicator(Communicator):
 
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        self._run("allgather", self._dist.all_gather_into_tensor, out.view(-1), t.reshape(-1))
+        self._run("allgather", self._all_gather_t, out.view(-1), t.reshape(-1))
         return out
 
     def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -120,12 +123,12 @@ class TorchCommunicator(Communicator):
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
-        self._run("reduce_scatter", self._dist.reduce_scatter_tensor, out, t)
+        self._run("reduce_scatter", self._reduce_scatter_t, out, t)
         return out
 
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
         out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
-        self._run("all_gather", self._dist.all_gather_into_tensor, out, chunk)
+        self._run("all_gather", self._all_gather_t, out, chunk)
         return out
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:

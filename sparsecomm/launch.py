@@ -1,0 +1,92 @@
+"""Start a few local ranks for real: torch.multiprocessing processes joined by gloo.
+
+``spawn(4, fn, *args)`` runs ``fn(rank, size, *args)`` in 4 fresh processes
+with an initialised gloo process group and returns their results in rank
+order. It is what ``sparsecomm bench`` uses on a laptop; on a cluster, start
+ranks with torchrun, srun or mpiexec instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["spawn", "save_result", "collect"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: int,
+           fn: Callable[..., Any], args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        save_result(outdir, rank, lambda: fn(rank, size, *args))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
+          timeout: float = 600, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` local processes; return their results.
+
+    1. Pick a free loopback port and spawn the processes.
+    2. Each initialises ``backend`` (gloo by default), runs ``fn`` and saves
+       its result (or its traceback) to a temporary file.
+    3. Wait at most ``timeout`` seconds, then kill the processes and raise.
+
+    ``fn`` must be importable by name (a module-level function). Each process
+    uses ``threads`` torch threads (default: cores / nprocs, at least 1).
+    Raises RuntimeError with the failing rank's traceback if any rank failed.
+    """
+    import torch.multiprocessing as mp
+
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(nprocs, _free_port(), outdir, backend, threads, fn, args),
+                                 nprocs=nprocs, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"spawn: {getattr(fn, '__name__', fn)} did not finish in {timeout:g} s")
+        return collect(outdir, nprocs)
+
+
+def save_result(outdir: str, rank: int, fn: Callable[[], Any]) -> None:
+    """Save ``fn()`` (or the traceback it raised) as rank ``rank``'s result in ``outdir``."""
+    try:
+        torch.save({"ok": fn()}, f"{outdir}/{rank}.pt")
+    except BaseException:  # noqa: BLE001 - reported by whoever collects
+        torch.save({"error": traceback.format_exc()}, f"{outdir}/{rank}.pt")
+
+
+def collect(outdir: str, nprocs: int) -> list[Any]:
+    """Results saved by :func:`save_result` for ranks 0..nprocs-1; raise on any failure."""
+    results = []
+    for rank in range(nprocs):
+        path = Path(outdir) / f"{rank}.pt"
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} exited without a result")
+        data = torch.load(path, weights_only=False)
+        if "error" in data:
+            raise RuntimeError(f"rank {rank} failed:\n{data['error']}")
+        results.append(data["ok"])
+    return results
