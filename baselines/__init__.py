@@ -4,5 +4,6 @@ Importing this package registers them.
 """
 
 from .dense import DenseState, dense
+from .denseovlp import DenseOverlap
 
-__all__ = ["DenseState", "dense"]
+__all__ = ["DenseState", "dense", "DenseOverlap"]

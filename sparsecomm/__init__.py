@@ -10,7 +10,7 @@ Entry points::
 
 from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms)
 from . import baselines as _baselines  # noqa: F401  (registers the baselines)
-from .algorithms import OkTopkState
+from .algorithms import GaussiankState, GTopkState, OkTopkState, TopkAState, TopkDSAState
 from .api import algorithms, allreduce, sparse_allreduce
 from .baselines import DenseState
 from .comm import Communicator, SimResult, resolve, simulate
@@ -22,6 +22,6 @@ from .state import CallStats, State
 __version__ = "0.1.0"
 
 __all__ = ["allreduce", "sparse_allreduce", "algorithms", "simulate", "SimResult",
-           "OkTopkState", "DenseState", "State", "CallStats", "SparseResult",
+           "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State", "CallStats", "SparseResult",
            "Communicator", "resolve", "Network", "PROFILES",
            "SparseCommError", "InputError", "CommTimeoutError", "PeerError"]

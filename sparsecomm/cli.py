@@ -1,5 +1,9 @@
 """The ``sparsecomm`` command.
 
+``sparsecomm study volume|bert``: the volume and scaling study in the
+simulated world, with CSV/JSON and plots, and its projection to BERT's size on
+cluster network profiles.
+
 ``sparsecomm bench``: start local ranks (torch.multiprocessing + gloo, or the
 simulated world), run Ok-Topk and Dense on a realistic synthetic gradient, and
 print one table. Works on a fresh machine with no GPU and no MPI. Under an
@@ -49,6 +53,62 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    import os
+
+    from . import study
+
+    os.makedirs(args.out, exist_ok=True)
+    sizes = [int(p) for p in args.ranks.split(",")]
+    kinds = args.kinds.split(",")
+    algs = args.algorithms
+
+    def progress(row: "study.VolumeRow") -> None:
+        print(f"  {row.kind:<9} P={row.P:<4} {row.algorithm:<10} bytes/rank max {row.bytes_max:>14,.0f} "
+              f"mean {row.bytes_mean:>14,.0f}  msgs max {row.messages_max:>6.0f}  "
+              f"measured/formula {row.ratio:6.3f}", flush=True)
+
+    print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
+          f"P={sizes} kinds={kinds}")
+    rows = study.volume_study(sizes, algs, kinds, args.n, args.density, args.tau, progress=progress)
+    base = os.path.join(args.out, args.what)
+    study.write_json(rows, base + ".json")
+    study.write_csv(rows, base + ".csv")
+    if args.what == "volume":
+        study.plot_volume(rows, base + ".png")
+        _print_ratios(rows)
+    else:
+        proj = []
+        for net in args.networks.split(","):
+            proj += study.project(rows, net, args.target_n)
+        study.write_json(proj, base + "_projection.json")
+        for net in args.networks.split(","):
+            sub = [d for d in proj if d["network"] == net]
+            study.plot_projection(sub, f"{base}_{net}.png")
+            _print_projection(sub)
+    print(f"# wrote {base}.json, .csv and plot(s) in {args.out}")
+    return 0
+
+
+def _print_ratios(rows: list) -> None:
+    print("\n# bytes per rank (busiest) / Ok-Topk's, per kind and P")
+    for kind in sorted({r.kind for r in rows}):
+        for P in sorted({r.P for r in rows}):
+            sub = {r.algorithm: r for r in rows if r.kind == kind and r.P == P}
+            ok = sub.get("oktopk")
+            if ok:
+                print(f"  {kind:<9} P={P:<4} " + "  ".join(
+                    f"{a}={r.bytes_max / ok.bytes_max:8.2f}" for a, r in sub.items()))
+
+
+def _print_projection(proj: list[dict]) -> None:
+    d0 = proj[0]
+    print(f"\n# modelled time per call, {d0['target_n']:,} elements on {d0['network']} (ms; ratio to Ok-Topk)")
+    for P in sorted({d["P"] for d in proj}):
+        print(f"  P={P:<4} " + "  ".join(f"{d['algorithm']}={d['time_s'] * 1e3:8.2f} ({d['ratio_to_oktopk']:.2f}x)"
+                                         for d in proj if d["P"] == P))
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import algorithms
     from .synthetic import KINDS
@@ -68,10 +128,36 @@ def main(argv: list[str] | None = None) -> int:
                    help="spawn gloo processes, simulate in-process, or use ranks "
                         "started by torchrun/mpiexec/srun")
     b.add_argument("--json", help="also write the rows to this JSON file")
+    st = sub.add_parser("study", help="volume and scaling study in the simulated world")
+    st.add_argument("what", choices=["volume", "bert"],
+                    help="volume: bytes/messages per rank vs P for every algorithm; "
+                         "bert: the same at P=32..256 projected to BERT's 133,547,324 elements")
+    st.add_argument("--ranks", default=None, help="comma-separated world sizes")
+    st.add_argument("--n", type=int, default=1 << 20, help="elements per rank in the simulation")
+    st.add_argument("--density", type=float, default=0.01)
+    st.add_argument("--tau", type=int, default=4, help="threshold period (calls 2..tau are measured)")
+    st.add_argument("--kinds", default=None, help="gradient kinds, comma-separated")
+    st.add_argument("--algorithms", type=lambda s: s.split(","), default=None)
+    st.add_argument("--networks", default="pizdaint,10gbe,56gbib,100gbib",
+                    help="profiles (or alpha:beta) for the projection")
+    st.add_argument("--target-n", type=int, default=133_547_324)
+    st.add_argument("--out", default="study", help="output folder")
     args = parser.parse_args(argv)
+    if args.command == "study":
+        from .study import ALGORITHMS
+
+        args.algorithms = args.algorithms or ALGORITHMS
+        if args.what == "volume":
+            args.ranks = args.ranks or "2,4,8,16,32,64,128,256"
+            args.kinds = args.kinds or "gaussian,student_t,skewed"
+        else:
+            args.ranks = args.ranks or "32,64,128,256"
+            args.kinds = args.kinds or "model"
     unknown = [a for a in args.algorithms if a not in algorithms()]
     if unknown:
         parser.error(f"unknown algorithm(s) {unknown}; registered: {algorithms()}")
+    if args.command == "study":
+        return _study(args)
     if args.launcher == "external":
         _init_external()
     return _bench(args)

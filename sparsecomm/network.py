@@ -38,9 +38,12 @@ PROFILES: dict[str, Network] = {
 
 
 def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:
-    """Turn a profile name, an (alpha, beta) pair or a Network into a Network (or None)."""
+    """Turn a profile name, "alpha:beta", an (alpha, beta) pair or a Network into a Network (or None)."""
     if network is None or isinstance(network, Network):
         return network
+    if isinstance(network, str) and ":" in network:  # "alpha:beta" from a command line
+        alpha, beta = network.split(":", 1)
+        return Network(float(alpha), float(beta), network)
     if isinstance(network, str):
         try:
             return PROFILES[network.lower()]

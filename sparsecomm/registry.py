@@ -115,4 +115,5 @@ class PhaseRecorder:
             p.bytes_sent += delta.bytes_sent
             p.bytes_received += delta.bytes_received
             p.messages_sent += delta.messages_sent
+            p.messages_received += delta.messages_received
             p.seconds += time.perf_counter() - t0

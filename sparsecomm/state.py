@@ -44,6 +44,7 @@ class PhaseStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    messages_received: int = 0
     seconds: float = 0.0
 
 
@@ -75,6 +76,17 @@ class CallStats:
     @property
     def seconds(self) -> float:
         return sum(p.seconds for p in self.phases.values())
+
+    @property
+    def critical_bytes(self) -> int:
+        """Sum over phases of max(sent, received): the bytes a full-duplex link must
+        carry when phases run one after another (what the papers' cost formulas count)."""
+        return sum(max(p.bytes_sent, p.bytes_received) for p in self.phases.values())
+
+    @property
+    def critical_messages(self) -> int:
+        """Sum over phases of max(messages sent, messages received)."""
+        return sum(max(p.messages_sent, p.messages_received) for p in self.phases.values())
 
 
 class State:

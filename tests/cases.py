@@ -85,6 +85,13 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     out["oktopk/equal-split-skewed"] = sparsecomm.allreduce(inputs(rank, n, "skewed"), state=eq, comm=comm)
     out["oktopk/avg"] = sparsecomm.allreduce(inputs(rank, 999, "gaussian").reshape(27, 37), 0.05, op="avg", comm=comm)
     out["dense"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", comm=comm)
+    for name in ("topka", "topkdsa", "gtopk", "gaussiank"):
+        st = sparsecomm.registry.get(name).state_class(0.01, error_feedback=True)
+        for step in range(2):
+            out[f"{name}/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st, comm=comm)
+        out[f"{name}/residual"] = st.residual.clone()
+    out["topkdsa/dense-switch"] = sparsecomm.allreduce(inputs(rank, 3001, "gaussian"), 0.7,
+                                                       algorithm="topkdsa", comm=comm)
     return out
 
 

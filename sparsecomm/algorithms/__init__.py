@@ -1,5 +1,10 @@
 """Sparse allreduce algorithms, one per module; importing this package registers them."""
 
+from .gaussiank import GaussiankState, gaussiank
+from .gtopk import GTopkState, gtopk
 from .oktopk import OkTopkState, oktopk
+from .topka import TopkAState, topka
+from .topkdsa import TopkDSAState, topkdsa
 
-__all__ = ["OkTopkState", "oktopk"]
+__all__ = ["OkTopkState", "oktopk", "TopkAState", "topka", "TopkDSAState", "topkdsa",
+           "GTopkState", "gtopk", "GaussiankState", "gaussiank"]

@@ -12,14 +12,14 @@ from typing import Sequence
 import torch
 
 from .. import kernels
-from ..comm.base import Communicator, Request
+from ..comm.base import Communicator
 from ..distselect import global_topk_mask
 from ..registry import PhaseRecorder, SparseResult, register
+from .exchange import equal_boundaries, split_and_reduce
 from ..state import CallStats, State
 
 __all__ = ["OkTopkState", "oktopk"]
 
-_TAG_SPLIT = 0x5C01
 _TAG_BALANCE = 0x5C02
 
 
@@ -117,7 +117,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     with rec.phase("repartition"):
         if state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1:
             state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
-                                else _equal_boundaries(n, P, acc.device))
+                                else equal_boundaries(n, P, acc.device))
             stats.events["repartitioned"] = 1
     bounds = state.boundaries
     starts = bounds.tolist()
@@ -125,7 +125,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
     with rec.phase("split_reduce"):
         sent_local = acc[local_idx].to(value_dtype)
-        red_rel, red_val = _split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
+        red_rel, red_val = split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
                                              value_dtype, acc.dtype, state.bucket)
 
     with rec.phase("global_select"):
@@ -166,10 +166,6 @@ def _local_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int,
 
 
 # ---- step 2: region boundaries ---------------------------------------------------
-def _equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
-
-
 def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) -> torch.Tensor:
     P = comm.size
     if P == 1:
@@ -183,67 +179,10 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
     total = comm.allreduce(mine, "sum")
     voters = int(total[-1])
     if voters == 0:
-        return _equal_boundaries(n, P, local_idx.device)
+        return equal_boundaries(n, P, local_idx.device)
     inner = total[:-1] // voters
     zero_n = torch.tensor([0, n], dtype=torch.int64, device=local_idx.device)
     return torch.cat([zero_n[:1], inner, zero_n[1:]])
-
-
-# ---- step 3: split and reduce ----------------------------------------------------
-def _split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequence[int],
-                      comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
-                      work_dtype: torch.dtype, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted region-relative indexes touched by any rank, and their sums over ranks.
-
-    Parts are added into a dense accumulator of the region as they arrive (in
-    step order, so the sum is deterministic); the touched indexes come from
-    the received index lists, not from a scan of the whole region.
-    """
-    P, me = comm.size, comm.rank
-    off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
-    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=sent.device)
-
-    def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return local_idx[off[j]:off[j + 1]] - starts[j], sent[off[j]:off[j + 1]]
-
-    own_idx, own_val = part(me)
-    kernels.scatter_add(region, own_idx, own_val)
-    if P == 1:
-        return own_idx, region[own_idx]
-    touched = [own_idx]
-    send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
-                               device=local_idx.device)
-    recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
-    rb = kernels.record_bytes(index_dtype, value_dtype)
-
-    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
-        sends, recvs = [], []
-        for s in steps:
-            dst, src = (me + s) % P, (me - s) % P
-            if recv_counts[src]:
-                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=sent.device)
-                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf))
-            if off[dst + 1] > off[dst]:
-                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, value_dtype),
-                                        dst, _TAG_SPLIT))
-        return sends, recvs
-
-    buckets = [range(b, min(b + bucket, P)) for b in range(1, P, bucket)]
-    all_sends: list[Request] = []
-    pending = post(buckets[0])
-    for b in range(len(buckets)):
-        nxt = post(buckets[b + 1]) if b + 1 < len(buckets) else ([], [])
-        all_sends += pending[0]
-        for req, buf in pending[1]:  # reduce bucket b while bucket b+1 is in flight
-            req.wait()
-            idx, val = kernels.unpack_records(buf, index_dtype, value_dtype)
-            kernels.scatter_add(region, idx, val)
-            touched.append(idx)
-        pending = nxt
-    for req in all_sends:
-        req.wait()
-    rel = torch.unique(torch.cat(touched))  # sorted
-    return rel, region[rel]
 
 
 # ---- step 4: global selection ---------------------------------------------------

@@ -54,6 +54,7 @@ class _Slot:
         self.clocks = [0.0] * size
         self.arrived = 0
         self.read = 0
+        self.combined: Any = None
 
 
 class _World:
@@ -162,8 +163,13 @@ class SimCommunicator(Communicator):
             raise ValueError(f"{op}: invalid peer {peer} for rank {self.rank} of {self.size}")
 
     # ---- collectives ----------------------------------------------------------
-    def _exchange(self, op: str, payload: Any) -> list[Any]:
-        """Deposit ``payload`` and return every rank's payload for this collective."""
+    def _exchange(self, op: str, payload: Any, combine: Callable[[list[Any]], Any] | None = None) -> Any:
+        """Deposit ``payload``; return every rank's payload, or ``combine`` of them.
+
+        ``combine`` runs once per collective (by the first rank to leave it) and
+        its result is shared by every rank, so a reduction over P ranks costs
+        P - 1 additions in all, not per rank.
+        """
         world, seq = self._world, self._seq
         self._seq += 1
         with world.cond:
@@ -179,6 +185,9 @@ class SimCommunicator(Communicator):
 
             world.wait_for(lambda: slot.arrived == self.size, self.rank, waiting)
             items, ops, start = list(slot.items), list(slot.ops), max(slot.clocks)
+            if combine is not None and slot.read == 0 and all(o == op for o in ops):
+                slot.combined = combine(items)
+            combined = slot.combined
             slot.read += 1
             if slot.read == self.size:
                 del world.slots[seq]
@@ -187,51 +196,63 @@ class SimCommunicator(Communicator):
         if world.network is not None:
             nbytes, messages = self._cost
             self.clock = start + world.network.time(messages, nbytes)
-        return items
+        return combined if combine is not None else items
 
+    # Gathered results are shared by all ranks (read-only by convention, as the
+    # algorithms treat them); reduced results are copied per rank.
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange("allgather", t)
-        if any(p.shape != t.shape or p.dtype != t.dtype for p in parts):
-            raise ValueError(f"allgather: shapes or dtypes differ across ranks: "
-                             f"{[(tuple(p.shape), p.dtype) for p in parts]}")
-        return torch.stack(parts)
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor | str:
+            if any(p.shape != t.shape or p.dtype != t.dtype for p in parts):
+                return (f"allgather: shapes or dtypes differ across ranks: "
+                        f"{[(tuple(p.shape), p.dtype) for p in parts]}")
+            return torch.stack(parts)
+
+        return _raise_if_message(self._exchange("allgather", t, stack))
 
     def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        parts = self._exchange("allgatherv", t)
-        for r, p in enumerate(parts):
-            if p.shape[0] != counts[r]:
-                raise ValueError(f"allgatherv: rank {r} sent {p.shape[0]} rows, counts say {counts[r]}")
-        return torch.cat(parts)
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor | str:
+            for r, p in enumerate(parts):
+                if p.shape[0] != counts[r]:
+                    return f"allgatherv: rank {r} sent {p.shape[0]} rows, counts say {counts[r]}"
+            return torch.cat(parts)
+
+        return _raise_if_message(self._exchange("allgatherv", t, cat))
 
     def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
         parts = self._exchange("alltoall", t)
         return torch.stack([p[self.rank] for p in parts])
 
     def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        parts = self._exchange(f"allreduce/{op}", t)
-        out = parts[0].clone()
         fn = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-        for p in parts[1:]:
-            out = fn(out, p)
-        return out
+        return self._exchange(f"allreduce/{op}", t, lambda parts: _fold(fn, parts)).clone()
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange("reduce_scatter", t)
+        total = self._exchange("reduce_scatter", t, lambda parts: _fold(torch.add, parts))
         m = t.numel() // self.size
-        lo = self.rank * m
-        out = parts[0][lo:lo + m].clone()
-        for p in parts[1:]:
-            out += p[lo:lo + m]
-        return out
+        return total[self.rank * m:(self.rank + 1) * m].clone()
 
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._exchange("all_gather", chunk))
+        return self._exchange("all_gather", chunk, torch.cat)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         return self._exchange(f"broadcast/{root}", t)[root].clone()
 
     def _barrier(self) -> None:
         self._exchange("barrier", None)
+
+
+def _fold(fn: Callable, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Reduce in rank order, so every run gives the same bits."""
+    out = parts[0].clone()
+    for p in parts[1:]:
+        fn(out, p, out=out)
+    return out
+
+
+def _raise_if_message(result: Any) -> Any:
+    if isinstance(result, str):
+        raise ValueError(result)
+    return result
 
 
 @dataclass

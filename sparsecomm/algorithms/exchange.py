@@ -1,0 +1,83 @@
+"""Communication stages shared by several algorithms.
+
+* ``equal_boundaries``: P regions of (almost) equal size.
+* ``split_and_reduce``: the sparse reduce-scatter of Ok-Topk and TopkDSA. Each
+  rank cuts its sorted selection by region, sends region j's part to rank j
+  and sums what it receives for its own region. Destination rotation (step s:
+  send to i+s, receive from i-s) avoids hot spots; ``bucket`` steps are posted
+  at once and one bucket is reduced while the next is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import kernels
+from ..comm.base import Communicator, Request
+
+__all__ = ["equal_boundaries", "split_and_reduce"]
+
+_TAG_SPLIT = 0x5C01
+
+
+def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
+    """Region starts [0, n/P, 2n/P, ..., n] (P+1 int64 values)."""
+    return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
+
+
+def split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequence[int],
+                     comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                     work_dtype: torch.dtype, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted region-relative indexes touched by any rank, and their sums over ranks.
+
+    Parts are added into a dense accumulator of the region as they arrive (in
+    step order, so the sum is deterministic); the touched indexes come from
+    the received index lists, not from a scan of the whole region.
+    """
+    P, me = comm.size, comm.rank
+    off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
+    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=sent.device)
+
+    def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return local_idx[off[j]:off[j + 1]] - starts[j], sent[off[j]:off[j + 1]]
+
+    own_idx, own_val = part(me)
+    kernels.scatter_add(region, own_idx, own_val)
+    if P == 1:
+        return own_idx, region[own_idx]
+    touched = [own_idx]
+    send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
+                               device=local_idx.device)
+    recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
+    rb = kernels.record_bytes(index_dtype, value_dtype)
+
+    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
+        sends, recvs = [], []
+        for s in steps:
+            dst, src = (me + s) % P, (me - s) % P
+            if recv_counts[src]:
+                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=sent.device)
+                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf))
+            if off[dst + 1] > off[dst]:
+                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, value_dtype),
+                                        dst, _TAG_SPLIT))
+        return sends, recvs
+
+    buckets = [range(b, min(b + bucket, P)) for b in range(1, P, bucket)]
+    all_sends: list[Request] = []
+    pending = post(buckets[0])
+    for b in range(len(buckets)):
+        nxt = post(buckets[b + 1]) if b + 1 < len(buckets) else ([], [])
+        all_sends += pending[0]
+        for req, buf in pending[1]:  # reduce bucket b while bucket b+1 is in flight
+            req.wait()
+            idx, val = kernels.unpack_records(buf, index_dtype, value_dtype)
+            kernels.scatter_add(region, idx, val)
+            touched.append(idx)
+        pending = nxt
+    for req in all_sends:
+        req.wait()
+    rel = torch.unique(torch.cat(touched))  # sorted
+    return rel, region[rel]

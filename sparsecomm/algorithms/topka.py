@@ -1,0 +1,58 @@
+"""TopkA: every rank allgathers every rank's local top-k, then sums locally.
+
+Simple and exact, but each rank receives 2k(P-1) words: the volume grows with P.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..comm.base import Communicator
+from ..registry import PhaseRecorder, SparseResult, register
+from ..state import CallStats, State
+
+__all__ = ["TopkAState", "topka", "allgather_and_sum"]
+
+
+class TopkAState(State):
+    """State of TopkA: density and error feedback (default on, as in training)."""
+
+    def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
+        super().__init__(density, error_feedback)
+
+
+@register("topka", TopkAState)
+def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
+          value_dtype: torch.dtype) -> SparseResult:
+    """TopkA sparse allreduce (allgather of local top-k).
+
+    1. Select the exact local top-k of |acc|.
+    2. Allgather the counts, then allgatherv the (index, value) records.
+    3. Sum duplicates locally, in rank order (so every rank gets the same bits).
+    """
+    stats = CallStats(algorithm="topka", n=acc.numel(), k=k)
+    rec = PhaseRecorder(comm, stats)
+    with rec.phase("local_select"):
+        idx = kernels.topk_indexes(acc.abs(), k)
+    return allgather_and_sum(acc, idx, comm, value_dtype, stats, rec)
+
+
+def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
+                      value_dtype: torch.dtype, stats: CallStats, rec: PhaseRecorder) -> SparseResult:
+    """Steps 2-3 of TopkA for any local selection ``idx`` (shared with Gaussiank)."""
+    n = acc.numel()
+    stats.local_selected = idx.numel()
+    sent = acc[idx].to(value_dtype)
+    index_dtype = kernels.index_dtype_for(n)
+    with rec.phase("allgatherv"):
+        counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=acc.device))
+        records = kernels.pack_records(idx, sent, index_dtype, value_dtype)
+        gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
+    with rec.phase("sum"):
+        gidx, gval = kernels.unpack_records(gathered, index_dtype, value_dtype)
+        total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx, gval)
+        uniq = torch.unique(gidx)
+    stats.global_selected = uniq.numel()
+    return SparseResult(n=n, indexes=uniq, values=total[uniq], contributed=idx,
+                        sent=sent.to(acc.dtype), stats=stats)

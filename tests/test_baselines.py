@@ -1,0 +1,183 @@
+"""TopkA, TopkDSA, gTopk, Gaussiank and Dense against their reference semantics."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+import torch
+
+import sparsecomm
+
+from reference import k_of, ref_topk
+
+SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank"]
+
+
+def run(algorithm, grads, density, **kw):
+    return sparsecomm.simulate(len(grads), lambda r: sparsecomm.allreduce(
+        grads[r], density, algorithm=algorithm, **kw), timeout=30).results
+
+
+def int_grads(P, n, seed=0, levels=20, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(-levels, levels + 1, (n,), generator=gen).to(dtype) for _ in range(P)]
+
+
+def ref_sum_of_selected(grads, selections):
+    total = torch.zeros(grads[0].numel(), dtype=torch.float32)
+    for g, idx in zip(grads, selections):
+        total[idx] += g.float()[idx]
+    return total
+
+
+def ref_gaussian_selection(g: torch.Tensor, density: float) -> torch.Tensor:
+    """Independent float64 version of the Gaussiank rule."""
+    v = g.double().numpy()
+    k = k_of(density, v.size)
+    th = abs(v.mean()) + NormalDist().inv_cdf(1 - density / 2) * v.std(ddof=1)
+    mag = np.abs(v)
+    nonzero = int((mag > 0).sum())
+    for _ in range(20):
+        count = int((mag >= th).sum())
+        if th <= 0 or count >= 0.75 * k or count >= nonzero:
+            break
+        th *= 0.8
+    return torch.from_numpy(np.nonzero((mag >= th) & (mag > 0))[0])
+
+
+def ref_gtopk(grads, density, value_dtype=torch.float32):
+    """The binomial tree of top-k merges, written out."""
+    P, n = len(grads), grads[0].numel()
+    k = k_of(density, n)
+
+    def top(vec_dict):
+        idx = np.array(sorted(vec_dict), dtype=np.int64)
+        vals = np.array([vec_dict[i] for i in idx], dtype=np.float64)
+        keep = ref_topk(vals, k) if idx.size else np.array([], dtype=np.int64)
+        return {int(idx[j]): vals[j] for j in keep}
+
+    sets = []
+    for g in grads:
+        flat = g.float().numpy()
+        sets.append({int(i): float(flat[i]) for i in ref_topk(flat, k)})
+    d = 1
+    while d < P:
+        for i in range(0, P, 2 * d):
+            if i + d < P:
+                merged = dict(sets[i])
+                for j, v in sets[i + d].items():
+                    merged[j] = merged.get(j, 0.0) + v
+                sets[i] = top(merged)
+        d *= 2
+    out = torch.zeros(n, dtype=torch.float32)
+    for j, v in sets[0].items():
+        out[j] = v
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+def test_topka_is_the_sum_of_every_local_topk(P):
+    grads = int_grads(P, 3001, P)
+    res = run("topka", grads, 0.02)
+    expected = ref_sum_of_selected(grads, [torch.from_numpy(ref_topk(g.numpy(), k_of(0.02, 3001))) for g in grads])
+    for out in res:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+def test_gaussiank_is_the_sum_of_gaussian_selections(P):
+    grads = int_grads(P, 4000, P, levels=1000)
+    res = run("gaussiank", grads, 0.01)
+    expected = ref_sum_of_selected(grads, [ref_gaussian_selection(g, 0.01) for g in grads])
+    for out in res:
+        assert torch.equal(out, expected)
+
+
+def test_gaussiank_lowers_the_threshold_on_light_tailed_data():
+    g = torch.rand(20_000, generator=torch.Generator().manual_seed(0)) * 2 - 1  # uniform: no tail
+    st = sparsecomm.GaussiankState(0.01)
+    sparsecomm.allreduce(g, state=st)
+    assert st.last.events["lowered"] > 0 and st.last.local_selected >= 0.75 * 200
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 6, 7, 8])
+def test_gtopk_follows_its_tree(P):
+    grads = int_grads(P, 2000, P)
+    res = run("gtopk", grads, 0.02)
+    expected = ref_gtopk(grads, 0.02)
+    for out in res:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("density", [0.01, 0.6])
+def test_topkdsa_equals_topka_before_and_after_switching_to_dense(P, density):
+    grads = int_grads(P, 2000, P)
+
+    def body(rank):
+        st = sparsecomm.TopkDSAState(density, error_feedback=False)
+        out = sparsecomm.allreduce(grads[rank], state=st)
+        return out, st.last.events["dense_regions"]
+
+    res = sparsecomm.simulate(P, body).results
+    expected = run("topka", grads, density)[0]
+    for out, dense_regions in res:
+        assert torch.equal(out, expected)
+        assert dense_regions == (P if density > 0.5 else 0)
+
+
+@pytest.mark.parametrize("algorithm", SPARSE + ["dense"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_values(algorithm, dtype):
+    grads = int_grads(3, 777, 1, levels=50, dtype=dtype)
+    res = run(algorithm, grads, 0.05)
+    for out in res:
+        assert out.dtype == dtype and torch.equal(out, res[0])
+    fp32 = run(algorithm, [g.float() for g in grads], 0.05)[0]
+    assert torch.equal(res[0].float(), fp32)  # small integers are exact in 16 bits
+
+
+@pytest.mark.parametrize("algorithm", SPARSE + ["oktopk", "dense"])
+@pytest.mark.parametrize("P", [3, 5])
+def test_error_feedback_conserves_everything(algorithm, P):
+    steps, n = 12, 3000
+
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.02, error_feedback=True)
+        fed = torch.zeros(n, dtype=torch.float64)
+        results = torch.zeros(n, dtype=torch.float64)
+        for s in range(steps):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + s))
+            fed += g.double()
+            results += sparsecomm.allreduce(g, state=st).double()
+        return fed, results, st.residual.double()
+
+    out = sparsecomm.simulate(P, body).results
+    fed = sum(o[0] for o in out)
+    residual = sum(o[2] for o in out)
+    for o in out:
+        assert torch.equal(o[1], out[0][1])
+    torch.testing.assert_close(out[0][1] + residual, fed, rtol=1e-4, atol=1e-4)
+
+
+def test_gtopk_contributions_dropped_mid_tree_stay_in_the_residual():
+    # P = 3, k = 1: rank 1 merges into rank 0 in round 0, rank 2 in round 1. Rank 1's
+    # entry at index 0 loses round 0, then index 0 comes back through rank 2 and wins:
+    # rank 1's value is not in the result, so it must stay in rank 1's residual.
+    grads = [torch.tensor([0.0, 5.0, 0.0, 0.0]),   # rank 0: index 1
+             torch.tensor([3.0, 0.0, 0.0, 0.0]),   # rank 1: index 0, dropped at round 0 (5 > 3)
+             torch.tensor([9.0, 0.0, 0.0, 0.0])]   # rank 2: index 0 wins round 1 (9 > 5)
+
+    def body(rank):
+        st = sparsecomm.GTopkState(0.25, error_feedback=True)
+        out = sparsecomm.allreduce(grads[rank], state=st)
+        return out, st.residual
+
+    res = sparsecomm.simulate(3, body).results
+    assert res[0][0].tolist() == [9.0, 0.0, 0.0, 0.0]  # rank 1's 3.0 did not make it
+    assert res[1][1].tolist() == [3.0, 0.0, 0.0, 0.0]  # so it stays in rank 1's residual
+    assert res[0][1].tolist() == [0.0, 5.0, 0.0, 0.0]
+    assert res[2][1].tolist() == [0.0, 0.0, 0.0, 0.0]
