@@ -113,7 +113,9 @@ class DenseOverlap:
         if self._thread is None:
             raise RuntimeError("DenseOverlap.synchronize() called before any gradient was produced")
         t0 = time.perf_counter()
-        if not self._done.wait(self.comm.timeout + 1):
+        with self.comm.idle():
+            finished = self._done.wait(self.comm.timeout + 1)
+        if not finished:
             raise TimeoutError(f"DenseOverlap: buckets not reduced within {self.comm.timeout:g} s")
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
         self._thread = None

@@ -28,6 +28,7 @@ the torch backend pads every block to the largest one) it counts what it moves.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass, field, asdict
 from typing import Sequence
@@ -139,6 +140,15 @@ class Communicator(abc.ABC):
     def supports_device(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` can be passed to this communicator."""
         return device.type == "cpu"
+
+    def idle(self) -> contextlib.AbstractContextManager:
+        """Context for blocking on something other than this communicator.
+
+        The simulated world runs its ranks one at a time; a rank that waits on
+        a thread of its own (e.g. DenseOvlp's communication thread) must let
+        the other ranks run meanwhile. Real backends need nothing.
+        """
+        return contextlib.nullcontext()
 
     # ---- public collectives: accounting around the backend calls ----------
     def allgather(self, t: torch.Tensor) -> torch.Tensor:

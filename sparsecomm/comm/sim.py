@@ -23,11 +23,12 @@ operation and the missing ranks, so a deadlock ends instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -58,36 +59,93 @@ class _Slot:
 
 
 class _World:
-    """State shared by the ranks of one simulation."""
+    """State shared by the ranks of one simulation.
+
+    Ranks take turns: a rank thread runs only while it holds ``run``, and
+    gives it up whenever it blocks in a wait. Letting P threads issue small
+    torch operations at once made them 3-8x slower than one thread (they
+    fight over the GIL on every operation), and large operations still use
+    every core through torch's own threads. One condition guards the
+    collective slots; each rank has its own for its inbox, so a message wakes
+    only its receiver.
+
+    Timeouts count from the last progress anywhere in the world (a message
+    sent, a collective joined), so a slow but live simulation never times
+    out, while a deadlock does after ``timeout`` seconds.
+    """
 
     def __init__(self, size: int, timeout: float, network: Network | None) -> None:
         self.size = size
         self.timeout = timeout
         self.network = network
+        self.run = threading.Lock()
         self.cond = threading.Condition()
         self.slots: dict[int, _Slot] = {}
+        self.inbox = [threading.Condition() for _ in range(size)]
         self.mailbox: dict[tuple[int, int, int], deque] = defaultdict(deque)
         self.failure: tuple[int, BaseException] | None = None
+        self.last_progress = time.monotonic()
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
             if self.failure is None:
                 self.failure = (rank, exc)
             self.cond.notify_all()
+        for cond in self.inbox:
+            with cond:
+                cond.notify_all()
 
-    def wait_for(self, ready: Callable[[], bool], rank: int, what: Callable[[], str]) -> None:
-        """Wait (holding ``cond``) until ``ready()``; raise on peer failure or timeout."""
-        deadline = time.monotonic() + self.timeout
-        while not ready():
-            if self.failure is not None and self.failure[0] != rank:
-                frank, fexc = self.failure
-                raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} failed: "
-                                f"{type(fexc).__name__}: {fexc}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CommTimeoutError(f"rank {rank}: {what()} timed out after "
-                                       f"{self.timeout:g} s (simulated world)")
-            self.cond.wait(min(remaining, 0.5))
+    def wait_for(self, cond: threading.Condition, take: Callable[[], Any], rank: int,
+                 what: Callable[[], str]) -> Any:
+        """Return ``take()`` (called holding ``cond``) once it is not None.
+
+        While waiting, give up the run lock so other ranks can proceed. The run
+        lock is never requested while holding ``cond`` (a rank holding the run
+        lock may need ``cond`` to deliver what we wait for).
+        """
+        start = time.monotonic()
+        while True:
+            with cond:
+                value = take()
+                if value is not None:
+                    return value
+                if self.failure is not None and self.failure[0] != rank:
+                    frank, fexc = self.failure
+                    raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} failed: "
+                                    f"{type(fexc).__name__}: {fexc}")
+                idle = time.monotonic() - max(start, self.last_progress)
+                if idle > self.timeout:
+                    raise CommTimeoutError(f"rank {rank}: {what()} timed out after "
+                                           f"{self.timeout:g} s (simulated world)")
+                held = _release_run(self)
+                cond.wait(min(self.timeout - idle, 0.5))
+            if held:
+                _acquire_run(self)
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        held = _release_run(self)
+        try:
+            yield
+        finally:
+            if held:
+                _acquire_run(self)
+
+
+def _release_run(world: _World) -> bool:
+    if getattr(_local, "holds_run", False):
+        _local.holds_run = False
+        world.run.release()
+        return True
+    return False
+
+
+def _acquire_run(world: _World) -> None:
+    world.run.acquire()
+    _local.holds_run = True
 
 
 class _SimRequest(Request):
@@ -115,6 +173,9 @@ class SimCommunicator(Communicator):
     def supports_device(self, device: torch.device) -> bool:
         return True
 
+    def idle(self) -> contextlib.AbstractContextManager:
+        return self._world.idle()
+
     # ---- accounting hook: remember the cost of the collective being run ----
     def _count(self, nbytes: int, messages: int) -> None:
         super()._count(nbytes, messages)
@@ -132,9 +193,11 @@ class SimCommunicator(Communicator):
         else:
             arrival = 0.0
         data = buf.detach().clone()
-        with self._world.cond:
+        inbox = self._world.inbox[dst]
+        with inbox:
             self._world.mailbox[(self.rank, dst, tag)].append((data, arrival))
-            self._world.cond.notify_all()
+            inbox.notify()
+        self._world.progress()
         return _SimRequest()
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
@@ -143,11 +206,10 @@ class SimCommunicator(Communicator):
 
         def complete() -> None:
             world = self._world
-            with world.cond:
-                box = world.mailbox[key]
-                world.wait_for(lambda: bool(box), self.rank,
-                               lambda: f"recv of {tuple(buf.shape)} {buf.dtype} from rank {src} (tag {tag})")
-                data, arrival = box.popleft()
+            box = world.mailbox[key]
+            data, arrival = world.wait_for(
+                world.inbox[self.rank], lambda: box.popleft() if box else None, self.rank,
+                lambda: f"recv of {tuple(buf.shape)} {buf.dtype} from rank {src} (tag {tag})")
             if data.numel() * data.element_size() != buf.numel() * buf.element_size():
                 raise ValueError(f"rank {self.rank}: recv from rank {src} (tag {tag}) got "
                                  f"{data.numel() * data.element_size()} bytes into a buffer of "
@@ -177,20 +239,25 @@ class SimCommunicator(Communicator):
             slot.items[self.rank], slot.ops[self.rank] = payload, op
             slot.clocks[self.rank] = self.clock
             slot.arrived += 1
-            world.cond.notify_all()
+            if slot.arrived == self.size:
+                world.cond.notify_all()
+        world.progress()
 
-            def waiting() -> str:
-                missing = [r for r, o in enumerate(slot.ops) if o is None]
-                return f"{op} (collective #{seq}) waiting for rank(s) {missing}"
-
-            world.wait_for(lambda: slot.arrived == self.size, self.rank, waiting)
-            items, ops, start = list(slot.items), list(slot.ops), max(slot.clocks)
-            if combine is not None and slot.read == 0 and all(o == op for o in ops):
-                slot.combined = combine(items)
-            combined = slot.combined
+        def leave() -> tuple | None:
+            if slot.arrived < self.size:
+                return None
+            if combine is not None and slot.read == 0 and all(o == op for o in slot.ops):
+                slot.combined = combine(slot.items)
             slot.read += 1
             if slot.read == self.size:
                 del world.slots[seq]
+            return list(slot.items), list(slot.ops), max(slot.clocks), slot.combined
+
+        def waiting() -> str:
+            missing = [r for r, o in enumerate(slot.ops) if o is None]
+            return f"{op} (collective #{seq}) waiting for rank(s) {missing}"
+
+        items, ops, start, combined = world.wait_for(world.cond, leave, self.rank, waiting)
         if any(o != op for o in ops):
             raise ValueError(f"rank {self.rank}: collective #{seq} mismatched across ranks: {ops}")
         if world.network is not None:
@@ -299,6 +366,7 @@ def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
 
     def run(rank: int) -> None:
         _local.comm = comms[rank]
+        _acquire_run(world)
         try:
             results[rank] = fn(rank, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
@@ -307,6 +375,7 @@ def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
             world.fail(rank, exc)
         finally:
             _local.comm = None
+            _release_run(world)
 
     if world_size == 1:
         run(0)
