@@ -2,7 +2,8 @@
 
 Input checking is collective. Every rank first checks its own arguments, then
 the ranks exchange one small signature (error code, element count, shape,
-dtype, density, algorithm, op, NaN/Inf flag) with an allgather of 9 integers.
+dtype, density, algorithm, op, NaN/Inf flag, state type, compressor) with an
+allgather of 10 integers.
 Any problem on any rank, or any disagreement between ranks, raises
 :class:`~sparsecomm.errors.InputError` on *every* rank, so that no rank is left
 waiting in a collective its peers will never join. The exchange costs one
@@ -20,6 +21,7 @@ import torch
 
 from . import registry
 from .comm import Communicator, resolve
+from .compress import Compressor, get_compressor
 from .errors import InputError
 from .registry import SparseResult
 from .state import State, check_density, topk_count
@@ -31,7 +33,8 @@ _OPS = {"sum": 1, "avg": 2}
 # Codes of the local problems, so peers can name what went wrong on a rank.
 _PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
-             6: "invalid op", 7: "state does not fit the call", 8: "not a tensor"}
+             6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
+             9: "unknown compressor"}
 
 
 def algorithms() -> list[str]:
@@ -44,7 +47,7 @@ def _crc(text: str) -> int:
 
 
 def _local_problem(tensor: Any, density: Any, algorithm: Any, op: Any, state: Any,
-                   comm: Communicator) -> tuple[int, str] | None:
+                   comm: Communicator, compressor: Any = None) -> tuple[int, str] | None:
     """This rank's first problem with the arguments, as (code, message), or None."""
     if not isinstance(tensor, torch.Tensor):
         return 8, f"expected a torch.Tensor, got {type(tensor).__name__}"
@@ -66,6 +69,10 @@ def _local_problem(tensor: Any, density: Any, algorithm: Any, op: Any, state: An
         return 5, str(exc)
     if op not in _OPS:
         return 6, f"op must be 'sum' or 'avg', got {op!r}"
+    try:
+        get_compressor(compressor, tensor.dtype)
+    except ValueError as exc:
+        return 9, str(exc)
     if state is not None:
         if not isinstance(state, spec.state_class):
             return 7, (f"algorithm {algorithm!r} needs a {spec.state_class.__name__}, "
@@ -77,9 +84,9 @@ def _local_problem(tensor: Any, density: Any, algorithm: Any, op: Any, state: An
 
 
 def _check_collectively(tensor: Any, density: Any, algorithm: Any, op: Any, state: Any,
-                        comm: Communicator) -> None:
+                        comm: Communicator, compressor: Any = None) -> None:
     """Raise InputError on every rank if any rank's arguments are bad or differ."""
-    problem = _local_problem(tensor, density, algorithm, op, state, comm)
+    problem = _local_problem(tensor, density, algorithm, op, state, comm, compressor)
     code = problem[0] if problem else 0
     ok = code == 0
     sig = [
@@ -92,6 +99,7 @@ def _check_collectively(tensor: Any, density: Any, algorithm: Any, op: Any, stat
         _OPS.get(op, 0),
         int(not _all_finite(tensor)) if ok else 0,
         _crc(type(state).__name__) if state is not None else 0,
+        _crc(repr(compressor)),
     ]
     device = tensor.device if ok else torch.device("cpu")
     if comm.size == 1:
@@ -109,7 +117,7 @@ def _check_collectively(tensor: Any, density: Any, algorithm: Any, op: Any, stat
         raise InputError(f"sparsecomm.allreduce: the tensor holds NaN or Inf on rank(s) "
                          f"{nonfinite}; refusing to reduce it (it would poison every rank's result)")
     fields = [(1, "element count"), (2, "shape"), (3, "dtype"), (4, "density"), (5, "algorithm"),
-              (6, "op"), (8, "state type")]
+              (6, "op"), (8, "state type"), (9, "compressor")]
     for col, what in fields:
         values = [row[col] for row in table]
         if len(set(values)) > 1:
@@ -143,6 +151,7 @@ def _control_device(comm: Communicator, device: torch.device) -> torch.device:
 
 def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
                      algorithm: str | None = None, state: State | None = None,
+                     compressor: "str | Compressor | None" = None,
                      group: Any = None, comm: Any = None, check: bool = True) -> SparseResult:
     """Sparse allreduce returning the sparse result (indexes, values, contributed set, stats).
 
@@ -156,22 +165,23 @@ def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
     elif state is not None and isinstance(density, (int, float)) and density != state.density:
         raise InputError(f"density={density} differs from the state's density {state.density}")
     if check:
-        _check_collectively(tensor, density, algorithm, "sum", state, c)
+        _check_collectively(tensor, density, algorithm, "sum", state, c, compressor)
     spec = registry.get(algorithm)
     if state is None:
         state = spec.state_class.exact(density)
     flat = tensor.detach().reshape(-1)
     acc = state.compensate(flat)
     k = topk_count(state.density, flat.numel())
-    result = spec.fn(acc, k, c, state, flat.dtype)
-    state.update(acc, result.contributed, result.sent)
+    codec = get_compressor(compressor, flat.dtype)
+    result = spec.fn(acc, k, c, state, codec)
+    state.update(acc, result)
     state.record(result.stats)
     return result
 
 
 def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
-              op: str = "sum", state: State | None = None, group: Any = None, comm: Any = None,
-              check: bool = True) -> torch.Tensor:
+              op: str = "sum", state: State | None = None, compressor: "str | Compressor | None" = None,
+              group: Any = None, comm: Any = None, check: bool = True) -> torch.Tensor:
     """Sum (or average) ``tensor`` over all ranks, sending only its largest entries.
 
     1. Check the arguments on every rank and exchange a signature, so bad or
@@ -194,6 +204,11 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         op: "sum" or "avg" (the sum divided by the world size).
         state: the algorithm's State for this tensor (threshold reuse, residual,
             statistics). Without it each call is exact and stateless.
+        compressor: how values travel: None (the input's dtype), a name from
+            ``sparsecomm.compress.COMPRESSORS`` ("fp16", "bf16", "trunc16",
+            "q8", "q4", "q2", and "q8s"... with stochastic rounding) or a
+            Compressor. Stacks with every algorithm; with error feedback the
+            compression error stays in the residual.
         group: a torch.distributed process group.
         comm: an mpi4py communicator or a sparsecomm Communicator.
         check: run the collective input check (default True).
@@ -210,8 +225,9 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
     if op not in _OPS and check:
         c = resolve(group=group, comm=comm)
         algorithm = _algorithm_name(algorithm, state)
-        _check_collectively(tensor, density if density is not None else 0.01, algorithm, op, state, c)
-    result = sparse_allreduce(tensor, density, algorithm=algorithm, state=state, group=group,
-                              comm=comm, check=check)
+        _check_collectively(tensor, density if density is not None else 0.01, algorithm, op, state, c,
+                            compressor)
+    result = sparse_allreduce(tensor, density, algorithm=algorithm, state=state, compressor=compressor,
+                              group=group, comm=comm, check=check)
     scale = 1.0 / resolve(group=group, comm=comm).size if op == "avg" else 1.0
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)

@@ -1,13 +1,15 @@
 """The algorithm registry and the result type every algorithm returns.
 
-An algorithm is a function ``fn(acc, k, comm, state, value_dtype) -> SparseResult``
+An algorithm is a function ``fn(acc, k, comm, state, codec) -> SparseResult``
 registered under a name with the State class it uses::
 
     @register("oktopk", OkTopkState)
-    def oktopk(acc, k, comm, state, value_dtype): ...
+    def oktopk(acc, k, comm, state, codec): ...
 
 ``acc`` is the (error-compensated) flat input in the work dtype, which the
-algorithm must not modify; ``value_dtype`` is the dtype values travel in.
+algorithm must not modify; ``codec`` (a :class:`~sparsecomm.compress.Compressor`)
+is how values travel: a cast to the input's dtype unless the caller chose a
+compressor.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ class SparseResult:
         values: reduced values (sum over ranks) at ``indexes``.
         contributed: this rank's local indexes that reached the result, or
             None when every entry did.
-        sent: the values this rank contributed at ``contributed``, as sent
-            (after rounding to the wire dtype), in the work dtype.
+        sent: the values this rank contributed at ``contributed``, as the
+            receivers decode them, in the work dtype.
         stats: this rank's statistics of the call.
+        kept_idx, kept_val: values this rank must add back to its residual:
+            the error of re-encoding sums it reduced for others (region owner,
+            tree node), so that results plus residuals keep every gradient.
     """
 
     n: int
@@ -47,6 +52,8 @@ class SparseResult:
     contributed: torch.Tensor | None
     sent: torch.Tensor | None
     stats: CallStats
+    kept_idx: torch.Tensor | None = None
+    kept_val: torch.Tensor | None = None
 
     def to_dense(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
         """A new dense tensor of n entries holding the result times ``scale``."""

@@ -145,20 +145,23 @@ class State:
             self.residual = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
         return self.residual + flat
 
-    def update(self, acc: torch.Tensor, contributed: torch.Tensor | None,
-               sent: torch.Tensor | None) -> None:
-        """Residual <- acc minus what this rank contributed (as sent, so rounding stays).
+    def update(self, acc: torch.Tensor, result: Any) -> None:
+        """Residual <- acc minus what this rank contributed, as received (so rounding stays),
+        plus the re-encoding error of sums it reduced for others (``result.kept_*``).
 
-        ``contributed`` None means every entry was contributed (``sent`` then
-        holds all n values as sent).
+        ``result.contributed`` None means every entry was contributed
+        (``result.sent`` then holds all n values).
         """
         if not self.error_feedback:
             return
-        if contributed is None:
-            self.residual = acc - sent.to(acc.dtype) if sent is not None else torch.zeros_like(acc)
-            return
-        acc[contributed] -= sent.to(acc.dtype)
-        self.residual = acc
+        if result.contributed is None:
+            residual = acc - result.sent.to(acc.dtype)
+        else:
+            residual = acc
+            residual[result.contributed] -= result.sent.to(acc.dtype)
+        if result.kept_idx is not None and result.kept_idx.numel():
+            residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
+        self.residual = residual
 
     def record(self, stats: CallStats) -> None:
         self.iteration += 1

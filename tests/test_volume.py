@@ -13,7 +13,7 @@ WORD = 4  # bytes; a COO entry (int32 index, float32 value) is 2 words
 
 
 def control_bytes(P: int) -> int:
-    # Input check (9 int64 allgather), boundary allreduce and count exchanges are O(P)
+    # Input check (10 int64 allgather), boundary allreduce and count exchanges are O(P)
     # words; the exact global selection adds 4 allreduces of 256 int64 counts.
     return 4 * 2 * 256 * 8 + 64 * 8 * P
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator, Request
+from ..compress import Compressor
 
 __all__ = ["equal_boundaries", "split_and_reduce"]
 
@@ -27,41 +28,42 @@ def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
 
 
-def split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequence[int],
-                     comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
+def split_and_reduce(local_idx: torch.Tensor, wire: torch.Tensor, starts: Sequence[int],
+                     comm: Communicator, index_dtype: torch.dtype, codec: Compressor, scale: float,
                      work_dtype: torch.dtype, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
 
-    Parts are added into a dense accumulator of the region as they arrive (in
-    step order, so the sum is deterministic); the touched indexes come from
-    the received index lists, not from a scan of the whole region.
+    ``wire`` holds the encoded values of ``local_idx`` (``codec`` with ``scale``).
+    Parts are decoded and added into a dense accumulator of the region as they
+    arrive (in step order, so the sum is deterministic); the touched indexes
+    come from the received index lists, not from a scan of the whole region.
     """
     P, me = comm.size, comm.rank
     off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
-    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=sent.device)
+    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=wire.device)
 
     def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return local_idx[off[j]:off[j + 1]] - starts[j], sent[off[j]:off[j + 1]]
+        return local_idx[off[j]:off[j + 1]] - starts[j], wire[off[j]:off[j + 1]]
 
-    own_idx, own_val = part(me)
-    kernels.scatter_add(region, own_idx, own_val)
+    own_idx, own_wire = part(me)
+    kernels.scatter_add(region, own_idx, codec.decode(own_wire, scale, work_dtype))
     if P == 1:
         return own_idx, region[own_idx]
     touched = [own_idx]
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
                                device=local_idx.device)
     recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
-    rb = kernels.record_bytes(index_dtype, value_dtype)
+    rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
 
     def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
         sends, recvs = [], []
         for s in steps:
             dst, src = (me + s) % P, (me - s) % P
             if recv_counts[src]:
-                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=sent.device)
+                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=wire.device)
                 recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf))
             if off[dst + 1] > off[dst]:
-                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, value_dtype),
+                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, codec.wire_dtype),
                                         dst, _TAG_SPLIT))
         return sends, recvs
 
@@ -73,8 +75,8 @@ def split_and_reduce(local_idx: torch.Tensor, sent: torch.Tensor, starts: Sequen
         all_sends += pending[0]
         for req, buf in pending[1]:  # reduce bucket b while bucket b+1 is in flight
             req.wait()
-            idx, val = kernels.unpack_records(buf, index_dtype, value_dtype)
-            kernels.scatter_add(region, idx, val)
+            idx, codes = kernels.unpack_records(buf, index_dtype, codec.wire_dtype)
+            kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype))
             touched.append(idx)
         pending = nxt
     for req in all_sends:

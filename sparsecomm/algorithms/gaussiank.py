@@ -12,6 +12,7 @@ from statistics import NormalDist
 import torch
 
 from ..comm.base import Communicator
+from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
 from ..state import CallStats, State
 from .topka import allgather_and_sum
@@ -41,7 +42,7 @@ def gaussian_threshold(acc: torch.Tensor, density: float) -> float:
 
 @register("gaussiank", GaussiankState)
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
-              value_dtype: torch.dtype) -> SparseResult:
+              codec: Compressor) -> SparseResult:
     """Gaussiank sparse allreduce.
 
     1. th = |mean(acc)| + z * std(acc), z = Phi^-1(1 - density / 2).
@@ -65,4 +66,4 @@ def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankSta
             lowered += 1
         idx = torch.nonzero((mag >= th) & (mag > 0)).flatten()
         stats.events["lowered"] = lowered
-    return allgather_and_sum(acc, idx, comm, value_dtype, stats, rec)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec)

@@ -22,6 +22,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator
+from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
 from ..state import CallStats, State
 
@@ -37,28 +38,33 @@ class GTopkState(State):
         super().__init__(density, error_feedback)
 
 
+_HEADER = 16  # bytes: int64 count, float64 scale
+
+
 def _buffer(k: int, rb: int, device: torch.device) -> torch.Tensor:
-    """k + 1 records (record 0 holds the count) followed by k mask bytes."""
-    return torch.zeros((k + 1) * rb + k, dtype=torch.uint8, device=device)
+    """A header, k records, then k mask bytes (the largest message of the tree)."""
+    return torch.zeros(_HEADER + k * rb + k, dtype=torch.uint8, device=device)
 
 
-def _pack(buf: torch.Tensor, k: int, idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype,
-          value_dtype: torch.dtype, mask: torch.Tensor | None = None) -> torch.Tensor:
-    rb = kernels.record_bytes(index_dtype, value_dtype)
-    buf[:4] = torch.tensor([idx.numel()], dtype=torch.int32).view(torch.uint8).to(buf.device)
-    buf[rb:(idx.numel() + 1) * rb] = kernels.pack_records(idx, val, index_dtype, value_dtype).reshape(-1)
-    if mask is not None:
-        buf[(k + 1) * rb:(k + 1) * rb + mask.numel()] = mask.to(torch.uint8)
+def _pack(buf: torch.Tensor, k: int, idx: torch.Tensor, wire: torch.Tensor, scale: float,
+          index_dtype: torch.dtype, wire_dtype: torch.dtype) -> torch.Tensor:
+    rb = kernels.record_bytes(index_dtype, wire_dtype)
+    buf[:8] = torch.tensor([idx.numel()], dtype=torch.int64).view(torch.uint8).to(buf.device)
+    buf[8:16] = torch.tensor([scale], dtype=torch.float64).view(torch.uint8).to(buf.device)
+    buf[_HEADER:_HEADER + idx.numel() * rb] = kernels.pack_records(idx, wire, index_dtype, wire_dtype).reshape(-1)
     return buf
 
 
-def _unpack(buf: torch.Tensor, k: int, index_dtype: torch.dtype, value_dtype: torch.dtype,
-            mask_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rb = kernels.record_bytes(index_dtype, value_dtype)
-    count = int(buf[:4].clone().view(torch.int32))
-    idx, val = kernels.unpack_records(buf[rb:(count + 1) * rb].reshape(-1, rb), index_dtype, value_dtype)
-    mask = buf[(k + 1) * rb:(k + 1) * rb + mask_len].bool()
-    return idx, val, mask
+def _unpack(buf: torch.Tensor, k: int, index_dtype: torch.dtype, codec: Compressor,
+            dtype: torch.dtype, mask_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indexes, decoded values, mask) of a received buffer."""
+    rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
+    count = int(buf[:8].clone().view(torch.int64))
+    scale = float(buf[8:16].clone().view(torch.float64))
+    idx, wire = kernels.unpack_records(buf[_HEADER:_HEADER + count * rb].reshape(-1, rb), index_dtype,
+                                       codec.wire_dtype)
+    mask = buf[_HEADER + k * rb:_HEADER + k * rb + mask_len].bool()
+    return idx, codec.decode(wire, scale, dtype), mask
 
 
 def _merge(a_idx: torch.Tensor, a_val: torch.Tensor, b_idx: torch.Tensor, b_val: torch.Tensor,
@@ -71,46 +77,61 @@ def _merge(a_idx: torch.Tensor, a_val: torch.Tensor, b_idx: torch.Tensor, b_val:
     return uniq[keep], sums[keep]
 
 
+def _scale_of(codec: Compressor, values: torch.Tensor) -> float:
+    """A per-message scale (a tree has no moment when all ranks could agree on one)."""
+    if not codec.needs_scale or values.numel() == 0:
+        return 1.0
+    return float(values.abs().max())
+
+
 @register("gtopk", GTopkState)
 def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
-          value_dtype: torch.dtype) -> SparseResult:
+          codec: Compressor) -> SparseResult:
     """gTopk sparse allreduce (tree of top-k merges, then delivery to all).
 
     1. Select the exact local top-k of |acc|.
     2. Up the binomial tree: receive a child's set, sum, keep the top k. Keep,
        for this rank's own entries and for each child's, a mask of the entries
-       still alive (kept by every merge so far).
+       still alive (kept by every merge so far). Send the result up encoded.
     3. Down the tree: receive the result and the mask of this rank's sent
        entries that survived above; forward the result to each child with its
        mask (alive here and survived above).
-    4. Contributed: own entries alive here and survived above.
+    4. Contributed: own entries alive here and survived above. The encoding
+       error of sums this rank sent up (or, at the root, delivered) is kept in
+       its residual for the entries that survived.
     """
     P, me, n = comm.size, comm.rank, acc.numel()
     stats = CallStats(algorithm="gtopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     index_dtype = kernels.index_dtype_for(n)
-    rb = kernels.record_bytes(index_dtype, value_dtype)
+    rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
     rounds = math.ceil(math.log2(P)) if P > 1 else 0
     with rec.phase("local_select"):
         idx = kernels.topk_indexes(acc.abs(), k)
-        sent = acc[idx].to(value_dtype)
+        values = acc[idx]
+        scale = _scale_of(codec, values)
+        sent = codec.roundtrip(values, scale)
     stats.local_selected = idx.numel()
 
-    cur_idx, cur_val = idx, sent.to(acc.dtype)
+    # cur = this rank's partial sum as the receivers will see it once it is sent.
+    cur_idx, cur_val = idx, sent
     tracked = [(None, idx, torch.ones(idx.numel(), dtype=torch.bool, device=acc.device))]
-    parent, up_req = None, None
+    parent, up_req, up_error = None, None, None
     with rec.phase("reduce"):
         for r in range(rounds):
             d = 1 << r
             if me % (2 * d) == d:
                 parent = me - d
-                buf = _pack(_buffer(k, rb, acc.device), k, cur_idx, cur_val, index_dtype, value_dtype)
+                s = _scale_of(codec, cur_val)
+                wire = codec.encode(cur_val, s)
+                up_error = cur_val - codec.decode(wire, s, acc.dtype)
+                buf = _pack(_buffer(k, rb, acc.device), k, cur_idx, wire, s, index_dtype, codec.wire_dtype)
                 up_req = (comm.isend(buf, parent, _TAG_UP), buf)
                 break
             if me + d < P:
                 buf = _buffer(k, rb, acc.device)
                 comm.irecv(buf, me + d, _TAG_UP).wait()
-                child_idx, child_val, _ = _unpack(buf, k, index_dtype, value_dtype)
+                child_idx, child_val, _ = _unpack(buf, k, index_dtype, codec, acc.dtype)
                 tracked.append((me + d, child_idx, torch.ones(child_idx.numel(), dtype=torch.bool,
                                                                device=acc.device)))
                 cur_idx, cur_val = _merge(cur_idx, cur_val, child_idx, child_val, k)
@@ -119,22 +140,34 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
             up_req[0].wait()
 
     with rec.phase("deliver"):
-        if parent is None:  # the root: the result is what it holds, rounded as it will travel
-            res_idx, res_val = cur_idx, cur_val.to(value_dtype)
-            survived = res_idx
-        else:
-            buf = _buffer(k, rb, acc.device)
-            comm.irecv(buf, parent, _TAG_DOWN).wait()
-            res_idx, res_val, mask = _unpack(buf, k, index_dtype, value_dtype, cur_idx.numel())
-            survived = cur_idx[mask]
+        if parent is None:  # the root: the result is what it holds, as it will travel
+            s = _scale_of(codec, cur_val)
+            res_wire = codec.encode(cur_val, s)
+            res_idx, res_val = cur_idx, codec.decode(res_wire, s, acc.dtype)
+            up_error = cur_val - res_val
+            survived_mask = torch.ones(cur_idx.numel(), dtype=torch.bool, device=acc.device)
+            template = _pack(_buffer(k, rb, acc.device), k, res_idx, res_wire, s, index_dtype,
+                             codec.wire_dtype)
+        else:  # forward the parent's encoding as it is, so every rank decodes the same bits
+            template = _buffer(k, rb, acc.device)
+            comm.irecv(template, parent, _TAG_DOWN).wait()
+            res_idx, res_val, survived_mask = _unpack(template, k, index_dtype, codec, acc.dtype,
+                                                      cur_idx.numel())
+        survived = cur_idx[survived_mask]
         sends = []
+        mask_at = _HEADER + k * rb
         for child, child_idx, alive in reversed(tracked[1:]):
             mask = alive & torch.isin(child_idx, survived)
-            buf = _pack(_buffer(k, rb, acc.device), k, res_idx, res_val, index_dtype, value_dtype, mask)
+            buf = template.clone()
+            buf[mask_at:] = 0
+            buf[mask_at:mask_at + mask.numel()] = mask.to(torch.uint8)
             sends.append((comm.isend(buf, child, _TAG_DOWN), buf))
         for req, _ in sends:
             req.wait()
     own_alive = tracked[0][2] & torch.isin(idx, survived)
     stats.global_selected = res_idx.numel()
+    kept_idx = kept_val = None
+    if up_error is not None:
+        kept_idx, kept_val = cur_idx[survived_mask], up_error[survived_mask]
     return SparseResult(n=n, indexes=res_idx, values=res_val, contributed=idx[own_alive],
-                        sent=sent[own_alive].to(acc.dtype), stats=stats)
+                        sent=sent[own_alive], stats=stats, kept_idx=kept_idx, kept_val=kept_val)

@@ -13,6 +13,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator
+from ..compress import Compressor
 from ..distselect import global_topk_mask
 from ..registry import PhaseRecorder, SparseResult, register
 from .exchange import equal_boundaries, split_and_reduce
@@ -83,7 +84,7 @@ class OkTopkState(State):
 
 @register("oktopk", OkTopkState)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
-           value_dtype: torch.dtype) -> SparseResult:
+           codec: Compressor) -> SparseResult:
     """Ok-Topk sparse allreduce (O(k) volume) on one rank.
 
     1. Local selection: every ``tau`` calls the exact top-k of |acc|; in
@@ -103,6 +104,10 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
        redistributed evenly with point-to-point sends; one allgatherv then
        gives every rank the result.
     6. Contributed set: local selections that are in the global result.
+
+    Values travel through ``codec`` twice: local values in step 3, reduced
+    sums in step 5; the owner of a region keeps the second encoding's error
+    in its residual (``SparseResult.kept_*``).
     """
     P, me, n = comm.size, comm.rank, acc.numel()
     t = state.iteration + 1
@@ -124,24 +129,31 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
 
     with rec.phase("split_reduce"):
-        sent_local = acc[local_idx].to(value_dtype)
-        red_rel, red_val = split_and_reduce(local_idx, sent_local, starts, comm, index_dtype,
-                                             value_dtype, acc.dtype, state.bucket)
+        local_val = acc[local_idx]
+        scale = codec.agree_scale(comm, local_val)
+        wire = codec.encode(local_val, scale)
+        sent_local = codec.decode(wire, scale, acc.dtype)
+        red_rel, red_val = split_and_reduce(local_idx, wire, starts, comm, index_dtype,
+                                             codec, scale, acc.dtype, state.bucket)
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
         red_rel, red_val = red_rel[keep], red_val[keep]
 
     with rec.phase("allgatherv"):
-        records = kernels.pack_records(red_rel, red_val, index_dtype, value_dtype)
-        gidx, gval = _balance_and_allgatherv(records, counts, starts, comm, index_dtype,
-                                             value_dtype, state.balance_factor, stats)
+        scale = codec.agree_scale(comm, red_val)
+        wire = codec.encode(red_val, scale)
+        records = kernels.pack_records(red_rel, wire, index_dtype, codec.wire_dtype)
+        gidx, gwire = _balance_and_allgatherv(records, counts, starts, comm, index_dtype,
+                                              codec.wire_dtype, state.balance_factor, stats)
+        gval = codec.decode(gwire, scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
     contributed_mask = torch.isin(local_idx, gidx)
     return SparseResult(n=n, indexes=gidx, values=gval,
-                        contributed=local_idx[contributed_mask],
-                        sent=sent_local[contributed_mask].to(acc.dtype), stats=stats)
+                        contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
+                        stats=stats, kept_idx=red_rel + starts[me],
+                        kept_val=red_val - codec.decode(wire, scale, acc.dtype))
 
 
 # ---- step 1: local selection -------------------------------------------------
@@ -214,16 +226,16 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
 
 # ---- step 5: balance and allgatherv ---------------------------------------------
 def _balance_and_allgatherv(records: torch.Tensor, counts: list[int], starts: Sequence[int],
-                            comm: Communicator, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                            comm: Communicator, index_dtype: torch.dtype, wire_dtype: torch.dtype,
                             factor: float, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's records, concatenated in region order, as (global indexes, values)."""
+    """Every rank's records, concatenated in region order, as (global indexes, wire values)."""
     P, total = comm.size, sum(counts)
     held = counts
     if P > 1 and total and max(counts) > factor * total / P:
         records, held = _rebalance(records, counts, comm)
         stats.events["balanced"] = 1
     gathered = comm.allgatherv(records, held) if P > 1 else records
-    rel, vals = kernels.unpack_records(gathered, index_dtype, value_dtype)
+    rel, vals = kernels.unpack_records(gathered, index_dtype, wire_dtype)
     base = torch.repeat_interleave(torch.tensor(starts[:-1], dtype=torch.int64, device=rel.device),
                                    torch.tensor(counts, device=rel.device))
     return rel + base, vals

@@ -9,6 +9,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator
+from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
 from ..state import CallStats, State
 
@@ -24,7 +25,7 @@ class TopkAState(State):
 
 @register("topka", TopkAState)
 def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
-          value_dtype: torch.dtype) -> SparseResult:
+          codec: Compressor) -> SparseResult:
     """TopkA sparse allreduce (allgather of local top-k).
 
     1. Select the exact local top-k of |acc|.
@@ -35,24 +36,27 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
         idx = kernels.topk_indexes(acc.abs(), k)
-    return allgather_and_sum(acc, idx, comm, value_dtype, stats, rec)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec)
 
 
 def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
-                      value_dtype: torch.dtype, stats: CallStats, rec: PhaseRecorder) -> SparseResult:
+                      codec: Compressor, stats: CallStats, rec: PhaseRecorder) -> SparseResult:
     """Steps 2-3 of TopkA for any local selection ``idx`` (shared with Gaussiank)."""
     n = acc.numel()
     stats.local_selected = idx.numel()
-    sent = acc[idx].to(value_dtype)
     index_dtype = kernels.index_dtype_for(n)
     with rec.phase("allgatherv"):
+        values = acc[idx]
+        scale = codec.agree_scale(comm, values)
+        wire = codec.encode(values, scale)
         counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=acc.device))
-        records = kernels.pack_records(idx, sent, index_dtype, value_dtype)
+        records = kernels.pack_records(idx, wire, index_dtype, codec.wire_dtype)
         gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
     with rec.phase("sum"):
-        gidx, gval = kernels.unpack_records(gathered, index_dtype, value_dtype)
-        total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx, gval)
+        gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
+        total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx,
+                                    codec.decode(gwire, scale, acc.dtype))
         uniq = torch.unique(gidx)
     stats.global_selected = uniq.numel()
     return SparseResult(n=n, indexes=uniq, values=total[uniq], contributed=idx,
-                        sent=sent.to(acc.dtype), stats=stats)
+                        sent=codec.decode(wire, scale, acc.dtype), stats=stats)

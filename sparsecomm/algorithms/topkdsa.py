@@ -14,6 +14,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator
+from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
 from ..state import CallStats, State
 from .exchange import equal_boundaries, split_and_reduce
@@ -33,7 +34,7 @@ class TopkDSAState(State):
 
 @register("topkdsa", TopkDSAState)
 def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
-            value_dtype: torch.dtype) -> SparseResult:
+            codec: Compressor) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
 
     1. Select the exact local top-k of |acc|.
@@ -51,20 +52,24 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     starts = equal_boundaries(n, P, acc.device).tolist()
     sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
     index_dtype = kernels.index_dtype_for(max(sizes))
-    sent = acc[idx].to(value_dtype)
     with rec.phase("reduce_scatter"):
-        rel, val = split_and_reduce(idx, sent, starts, comm, index_dtype, value_dtype,
+        values = acc[idx]
+        scale = codec.agree_scale(comm, values)
+        wire = codec.encode(values, scale)
+        rel, val = split_and_reduce(idx, wire, starts, comm, index_dtype, codec, scale,
                                     acc.dtype, state.bucket)
     with rec.phase("allgatherv"):
-        rb = kernels.record_bytes(index_dtype, value_dtype)
+        rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
         vb = rb - torch.empty(0, dtype=index_dtype).element_size()
         dense = rel.numel() * rb >= sizes[me] * vb
+        scale2 = codec.agree_scale(comm, val)
+        owner_wire = codec.encode(val, scale2)
         if dense:
-            region = torch.zeros(sizes[me], dtype=acc.dtype, device=acc.device)
-            region[rel] = val
-            payload = region.to(value_dtype).view(torch.uint8).reshape(-1)
+            region = torch.zeros(sizes[me], dtype=codec.wire_dtype, device=acc.device)
+            region[rel] = owner_wire
+            payload = region.view(torch.uint8).reshape(-1)
         else:
-            payload = kernels.pack_records(rel, val, index_dtype, value_dtype).reshape(-1)
+            payload = kernels.pack_records(rel, owner_wire, index_dtype, codec.wire_dtype).reshape(-1)
         table = comm.allgather(torch.tensor([payload.numel(), int(dense)], dtype=torch.int64,
                                             device=acc.device)).tolist()
         gathered = comm.allgatherv(payload, [b for b, _ in table]) if P > 1 else payload
@@ -75,15 +80,16 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
             chunk = gathered[pos:pos + nbytes]
             pos += nbytes
             if is_dense:
-                values = chunk.clone().view(value_dtype)  # clone: the offset may be misaligned
-                nz = torch.nonzero(values).flatten()
+                codes = chunk.clone().view(codec.wire_dtype)  # clone: the offset may be misaligned
+                nz = torch.nonzero(codes).flatten()
                 gidx.append(nz + starts[j])
-                gval.append(values[nz])
+                gval.append(codes[nz])
             else:
-                r, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, value_dtype)
+                r, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, codec.wire_dtype)
                 gidx.append(r + starts[j])
                 gval.append(v)
-        gidx, gval = torch.cat(gidx), torch.cat(gval)
+        gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), scale2, acc.dtype)
     stats.global_selected = gidx.numel()
     return SparseResult(n=n, indexes=gidx, values=gval, contributed=idx,
-                        sent=sent.to(acc.dtype), stats=stats)
+                        sent=codec.decode(wire, scale, acc.dtype), stats=stats,
+                        kept_idx=rel + starts[me], kept_val=val - codec.decode(owner_wire, scale2, acc.dtype))

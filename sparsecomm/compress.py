@@ -1,0 +1,183 @@
+"""Compressors: how values travel on the wire (truncation and b-bit quantization).
+
+A compressor turns float values into a *wire* tensor and back. Every
+algorithm sends its values through one (by default a plain cast to the input
+dtype), so compressors stack with every sparse allreduce and with the dense
+one. Error feedback keeps the compression error: a rank's residual is
+``acc - decode(encode(acc))`` at what it sent, and a rank that re-encodes sums
+it reduced (a region owner, a tree node) keeps that re-encoding error in its
+own residual, so that results plus residuals still add up to every gradient.
+
+=============  ===========================  ============================
+name           wire                         error bound per value
+=============  ===========================  ============================
+``fp16``       float16                      2^-11 relative (+ range)
+``bf16``       bfloat16 (round to nearest)  2^-8 relative
+``trunc16``    top 16 bits of float32       2^-7 relative (truncation)
+``q8/q4/q2``   int8 codes, scale = max|v|   scale / (2^(b-1) - 1) / 2
+=============  ===========================  ============================
+
+Quantization (Pipe-SGD's scalar quantization): v -> round(v / s * L) with
+L = 2^(b-1) - 1 levels each side and s the largest |v| (agreed by all ranks
+with one small allreduce, so every rank decodes every code the same way),
+optionally with stochastic rounding (unbiased). In sparse records a code
+takes one byte whatever b is (the 4-byte index dominates the record); dense
+payloads pack codes tightly (b bits each).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .comm.base import Communicator
+
+__all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "get_compressor", "COMPRESSORS",
+           "pack_bits", "unpack_bits"]
+
+
+class Compressor:
+    """Base: a cast to ``wire_dtype`` (no scale)."""
+
+    name = "cast"
+    needs_scale = False
+
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        self.wire_dtype = wire_dtype
+
+    @property
+    def value_bits(self) -> int:
+        """Bits a value takes in a dense payload."""
+        return torch.empty(0, dtype=self.wire_dtype).element_size() * 8
+
+    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
+        """The scale every rank uses for this call (1.0 when not needed)."""
+        return 1.0
+
+    def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return values.to(self.wire_dtype)
+
+    def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        return wire.to(dtype)
+
+    def roundtrip(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """What the receiver will see of ``values``, in their dtype."""
+        return self.decode(self.encode(values, scale), scale, values.dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class Cast(Compressor):
+    """Values travel as ``dtype`` (fp16, bf16, or the input's own dtype)."""
+
+    def __init__(self, dtype: torch.dtype, name: str | None = None) -> None:
+        super().__init__(dtype)
+        self.name = name or str(dtype).replace("torch.", "")
+
+
+class Truncate16(Compressor):
+    """float32 with its 16 low mantissa bits dropped (Pipe-SGD truncation): the top 16 bits.
+
+    The same layout as bfloat16, but truncated toward zero rather than
+    rounded: what dropping mantissa bits in a ring allreduce costs nothing to do.
+    """
+
+    name = "trunc16"
+
+    def __init__(self) -> None:
+        super().__init__(torch.int16)
+
+    def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        bits = values.to(torch.float32).contiguous().view(torch.int32)
+        return (bits >> 16).to(torch.int16)
+
+    def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        return (wire.to(torch.int32) << 16).view(torch.float32).to(dtype)
+
+
+class Quantize(Compressor):
+    """b-bit scalar quantization with a shared scale (max |v| over ranks)."""
+
+    needs_scale = True
+
+    def __init__(self, bits: int, stochastic: bool = False, seed: int = 0) -> None:
+        if bits not in (2, 4, 8):
+            raise ValueError(f"quantization bits must be 2, 4 or 8, got {bits!r}")
+        super().__init__(torch.int8)
+        self.bits, self.stochastic = bits, stochastic
+        self.levels = 2 ** (bits - 1) - 1
+        self.name = f"q{bits}" + ("s" if stochastic else "")
+        self._gen = torch.Generator().manual_seed(seed)
+
+    @property
+    def value_bits(self) -> int:
+        return self.bits
+
+    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
+        parts = [values] if isinstance(values, torch.Tensor) else list(values)
+        local = max((float(v.abs().max()) for v in parts if v.numel()), default=0.0)
+        if comm.size > 1:
+            local = float(comm.allreduce(torch.tensor([local], dtype=torch.float64), "max"))
+        return local
+
+    def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if scale <= 0 or values.numel() == 0:
+            return torch.zeros(values.shape, dtype=torch.int8, device=values.device)
+        x = values.to(torch.float32) * (self.levels / scale)
+        if self.stochastic:
+            noise = torch.rand(x.shape, generator=self._gen).to(x.device)
+            x = torch.floor(x + noise)
+        else:
+            x = torch.round(x)
+        return x.clamp_(-self.levels, self.levels).to(torch.int8)
+
+    def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        return (wire.to(torch.float32) * (scale / self.levels)).to(dtype)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int8 codes in [-(2^(b-1)-1), 2^(b-1)-1] into bytes, 8/b codes per byte."""
+    if bits == 8:
+        return codes.view(torch.uint8)
+    per = 8 // bits
+    u = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)  # offset to unsigned
+    pad = (-u.numel()) % per
+    if pad:
+        u = torch.cat([u, torch.zeros(pad, dtype=torch.uint8, device=u.device)])
+    u = u.reshape(-1, per).to(torch.int32)
+    shifts = torch.arange(per, device=u.device, dtype=torch.int32) * bits
+    return (u << shifts).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits` for ``count`` codes."""
+    if bits == 8:
+        return packed.view(torch.int8)[:count]
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    u = (packed.to(torch.int32).reshape(-1, 1) >> shifts) & ((1 << bits) - 1)
+    return (u.reshape(-1)[:count] - (1 << (bits - 1))).to(torch.int8)
+
+
+COMPRESSORS = ["fp16", "bf16", "trunc16", "q8", "q4", "q2", "q8s", "q4s", "q2s"]
+
+
+def get_compressor(spec: "str | Compressor | None", dtype: torch.dtype) -> Compressor:
+    """A compressor from a name in COMPRESSORS, an instance, or None.
+
+    None means no compression: values travel in the input's ``dtype`` and the
+    dense allreduce uses the backend's own (a Cast named "none").
+    """
+    if spec is None:
+        return Cast(dtype, "none")
+    if isinstance(spec, Compressor):
+        return spec
+    if spec in ("fp16", "bf16"):
+        return Cast(torch.float16 if spec == "fp16" else torch.bfloat16, spec)
+    if spec == "trunc16":
+        return Truncate16()
+    if isinstance(spec, str) and spec.startswith("q") and spec[1:].rstrip("s").isdigit():
+        return Quantize(int(spec[1:].rstrip("s")), stochastic=spec.endswith("s"))
+    raise ValueError(f"unknown compressor {spec!r}; known: {COMPRESSORS}")

@@ -1,0 +1,97 @@
+"""Compressors: round-trip bounds, and error feedback of the compression error in every algorithm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.compress import COMPRESSORS, Quantize, get_compressor, pack_bits, unpack_bits
+
+ALGORITHMS = ["dense", "oktopk", "topka", "topkdsa", "gtopk", "gaussiank"]
+
+
+def test_cast_and_truncation_bounds():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 10
+    for name, rel in (("fp16", 2 ** -11), ("bf16", 2 ** -8), ("trunc16", 2 ** -7)):
+        c = get_compressor(name, torch.float32)
+        y = c.roundtrip(x)
+        assert y.dtype == torch.float32
+        assert ((y - x).abs() <= rel * x.abs() + 1e-30).all(), name
+    t = get_compressor("trunc16", torch.float32).roundtrip(x)
+    assert (t.abs() <= x.abs()).all()  # truncation goes toward zero
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantization_bound_and_unbiased_stochastic_rounding(bits):
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(bits))
+    q = Quantize(bits)
+    scale = float(x.abs().max())
+    err = (q.roundtrip(x, scale) - x).abs()
+    assert float(err.max()) <= scale / q.levels / 2 * (1 + 1e-6)
+    s = Quantize(bits, stochastic=True, seed=1)
+    mean = torch.stack([s.roundtrip(x, scale) for _ in range(200)]).mean(0)
+    assert float((mean - x).abs().mean()) < 0.1 * scale / s.levels  # unbiased on average
+    assert float((s.roundtrip(x, scale) - x).abs().max()) <= scale / s.levels * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("count", [0, 1, 7, 1000])
+def test_pack_bits_round_trip(bits, count):
+    levels = 2 ** (bits - 1) - 1
+    codes = torch.randint(-levels, levels + 1, (count,), dtype=torch.int8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == -(-count * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, count), codes)
+
+
+def test_unknown_compressor_is_bad_input_on_every_rank():
+    res = sparsecomm.simulate(3, lambda r: sparsecomm.allreduce(torch.randn(10), 0.5, compressor="zip"),
+                              return_exceptions=True)
+    assert all(isinstance(e, sparsecomm.InputError) and "compressor" in str(e) for e in res.results)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("compressor", ["q2", "q4s", "q8", "trunc16", "fp16"])
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_error_feedback_keeps_the_compression_error(algorithm, compressor, P):
+    steps, n = 6, 2000
+
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.05, error_feedback=True)
+        fed = torch.zeros(n, dtype=torch.float64)
+        results = torch.zeros(n, dtype=torch.float64)
+        comm = sparsecomm.resolve()
+        sent = 0
+        for s in range(steps):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + s))
+            fed += g.double()
+            before = comm.stats.bytes_sent
+            results += sparsecomm.allreduce(g, state=st, compressor=compressor).double()
+            sent += comm.stats.bytes_sent - before
+        return fed, results, st.residual.double(), sent
+
+    out = sparsecomm.simulate(P, body).results
+    for o in out:
+        assert torch.equal(o[1], out[0][1]), "ranks disagree"
+    fed = sum(o[0] for o in out)
+    residual = sum(o[2] for o in out)
+    torch.testing.assert_close(out[0][1] + residual, fed, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_compression_shrinks_the_bytes(algorithm):
+    def sent(compressor):
+        def body(rank):
+            comm = sparsecomm.resolve()
+            g = torch.randn(400_000, generator=torch.Generator().manual_seed(rank))
+            sparsecomm.allreduce(g, 0.01, algorithm=algorithm, compressor=compressor, check=False)
+            return comm.stats.bytes_sent
+
+        return max(sparsecomm.simulate(4, body).results)
+
+    plain, q4, q8 = sent(None), sent("q4"), sent("q8")
+    if algorithm == "dense":
+        assert q4 < 0.2 * plain and q8 < 0.3 * plain  # 4 or 8 bits instead of 32
+    else:
+        assert q8 < 0.8 * plain  # records: 4-byte index + 1-byte code instead of 4 + 4 (+ control)
