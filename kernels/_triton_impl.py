@@ -1,0 +1,104 @@
+"""Triton kernels behind ``kernels.triton_kernels`` (imports triton at import time).
+
+Only ``kernels.triton_kernels`` imports this module, inside its functions, so
+``sparsecomm.kernels`` never needs triton. Sized for large tensors on
+A100/H100: 4096 elements per program and 8 warps (16 elements per thread,
+vectorised 16-byte loads), one program per tile for the single-pass select,
+a capped grid with a loop for the histograms.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["ef_select_kernel", "radix_hist_kernel"]
+
+
+@triton.jit
+def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_ptr,
+                     n, scale, th, capacity,
+                     ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """One tile of the fused error-feedback select, compacted by a single-pass scan.
+
+    1. Draw a tile number from an atomic ticket, not ``program_id``: a tile
+       then only ever waits for tiles whose programs already started, so the
+       look-back below cannot deadlock whatever order the GPU schedules in.
+    2. acc = r + scale * g; sel = acc != 0 and |acc| >= th; the tile count.
+    3. Decoupled look-back: publish the tile count (flag 1), then walk back
+       over earlier tiles summing counts until one with an inclusive prefix
+       (flag 2); publish our inclusive prefix. Status words pack
+       ``value << 2 | flag`` so one atomic read sees both.
+    4. Output slot = exclusive prefix + in-tile exclusive cumsum; slots past
+       ``capacity`` are not written; written entries are zeroed in r when ZERO.
+    """
+    tile = tl.atomic_add(ticket_ptr, 1)
+    offs = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    r = tl.load(r_ptr + offs, mask=m, other=0.0)
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(r.dtype)
+    acc = r + scale * g
+    sel = m & (acc != 0) & (tl.abs(acc) >= th)
+    s = sel.to(tl.int64)
+    count = tl.sum(s, axis=0)
+    # Tile 0 knows its inclusive prefix at once; the others publish an aggregate.
+    first = tile == 0
+    tl.atomic_xchg(status_ptr + tile, (count << 2) | tl.where(first, 2, 1))
+    excl = count * 0
+    done = first.to(tl.int32)
+    j = tile - 1
+    while done == 0:
+        # An atomic add of 0 is an atomic read that cannot be served from a stale cache line.
+        w = tl.atomic_add(status_ptr + j, 0)
+        flag = w & 3
+        excl += tl.where(flag != 0, w >> 2, 0)
+        done = (flag == 2).to(tl.int32)
+        j -= (flag == 1).to(j.dtype)
+    tl.atomic_xchg(status_ptr + tile, ((excl + count) << 2) | 2, mask=tile > 0)
+    pos = excl + tl.cumsum(s, axis=0) - s
+    write = sel & (pos < capacity)
+    tl.store(out_idx_ptr + pos, offs, mask=write)
+    tl.store(out_val_ptr + pos, acc, mask=write)
+    if ZERO:
+        acc = tl.where(write, 0.0, acc)
+    tl.store(r_ptr + offs, acc, mask=m)
+
+
+@triton.jit
+def radix_hist_kernel(x_ptr, n, prefix_ptr, hist_ptr,
+                      KEY_BITS: tl.constexpr, SHIFT: tl.constexpr, FIRST: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Histogram of one 8-bit digit of |x|'s bit pattern, over entries matching a prefix.
+
+    1. key = bits of x without the sign bit: for non-negative floats the
+       integer order of the bits is the numeric order, so a radix select over
+       keys is a select over magnitudes.
+    2. Entries whose bits above ``SHIFT + 8`` equal ``*prefix_ptr`` (every
+       entry when FIRST) add one to bin ``(key >> SHIFT) & 255``.
+    3. Each program loops over tiles (grid capped at a few waves), keeps its
+       histogram in registers and adds it to the global one once: 256 atomics
+       per program instead of one per element.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if KEY_BITS == 16:
+        sign_off: tl.constexpr = 0x7FFF
+    else:
+        sign_off: tl.constexpr = 0x7FFFFFFF
+    prefix = tl.load(prefix_ptr)
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # start is i64 when n is (Triton specialises on n)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
+        if KEY_BITS == 16:
+            key = (x.to(tl.int16, bitcast=True).to(tl.int32)) & sign_off
+        else:
+            key = x.to(tl.int32, bitcast=True) & sign_off
+        if FIRST:
+            match = m
+        else:
+            match = m & ((key >> (SHIFT + 8)) == prefix)
+        digit = (key >> SHIFT) & 255
+        hist += tl.histogram(digit, 256, mask=match)
+    tl.atomic_add(hist_ptr + tl.arange(0, 256), hist)

@@ -1,0 +1,259 @@
+"""CuPy RawKernel paths (CUDA C): fused error-feedback select and radix k-th largest.
+
+The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
+with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
+:func:`_module` only (``pip install 'sparsecomm[cupy]'``). Tensors stay torch
+tensors: kernels get their raw device pointers and run on torch's current
+stream, so no copies and no cross-stream races.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .radix import choose_digit, key_layout, key_to_float
+
+__all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "SELECT_THREADS",
+           "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
+
+SELECT_THREADS = 256
+SELECT_ITEMS = 16    # per thread: a 4096-element tile per block, like the Triton kernel
+HIST_THREADS = 512
+HIST_BLOCKS = 1056   # 8 blocks of 512 threads per SM on an H100 (132 SMs)
+
+_GRAD_TYPES = {torch.float32: ("float", "f32"), torch.float16: ("__half", "f16"),
+               torch.bfloat16: ("__nv_bfloat16", "bf16"), torch.float64: ("double", "f64")}
+_RES_TYPES = {torch.float32: ("float", "f32"), torch.float64: ("double", "f64")}
+
+_HEAD = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define SELECT_THREADS %(threads)d
+#define SELECT_ITEMS %(items)d
+#define SELECT_TILE (SELECT_THREADS * SELECT_ITEMS)
+
+template <typename R> __device__ __forceinline__ R widen(float v) { return (R)v; }
+template <typename R> __device__ __forceinline__ R widen(double v) { return (R)v; }
+template <typename R> __device__ __forceinline__ R widen(__half v) { return (R)__half2float(v); }
+template <typename R> __device__ __forceinline__ R widen(__nv_bfloat16 v) { return (R)__bfloat162float(v); }
+
+// Fused error-feedback select for one 4096-element tile (see ef_select_cupy).
+template <typename G, typename R>
+__device__ __forceinline__ void ef_select_tile(
+    const G* __restrict__ g, R* __restrict__ r, long long* __restrict__ out_idx,
+    R* __restrict__ out_val, unsigned long long* status, unsigned int* ticket,
+    long long n, R scale, R th, long long capacity, int zero)
+{
+    __shared__ unsigned int s_tile;
+    __shared__ long long s_warp[SELECT_THREADS / 32];
+    __shared__ long long s_excl;
+    // Tile numbers from a ticket, not blockIdx: a block only waits for tiles
+    // whose blocks already started, so the look-back cannot deadlock.
+    if (threadIdx.x == 0) s_tile = atomicAdd(ticket, 1u);
+    __syncthreads();
+    const long long tile = s_tile;
+    const long long base = tile * SELECT_TILE + (long long)threadIdx.x * SELECT_ITEMS;
+    R acc[SELECT_ITEMS];
+    unsigned int sel = 0;
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {
+        const long long i = base + j;
+        R a = (R)0;
+        if (i < n) {
+            a = r[i] + scale * widen<R>(g[i]);
+            const bool s = (a != (R)0) && (fabs(a) >= th);
+            sel |= (unsigned int)s << j;
+            cnt += s;
+        }
+        acc[j] = a;
+    }
+    // Block-wide exclusive scan of per-thread counts: warp shuffles, then warp totals.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    long long incl = cnt;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    long long warp_off = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < SELECT_THREADS / 32; ++w) {
+        if (w < warp) warp_off += s_warp[w];
+        total += s_warp[w];
+    }
+    // Decoupled look-back (one thread): status words are value << 2 | flag,
+    // flag 1 = this tile's count, 2 = inclusive prefix.
+    if (threadIdx.x == 0) {
+        long long excl = 0;
+        if (tile == 0) {
+            atomicExch(status, ((unsigned long long)total << 2) | 2ull);
+        } else {
+            atomicExch(status + tile, ((unsigned long long)total << 2) | 1ull);
+            long long j = tile - 1;
+            while (true) {
+                const unsigned long long w = atomicAdd(status + j, 0ull);  // coherent read
+                const unsigned int f = (unsigned int)(w & 3ull);
+                if (f == 0) continue;
+                excl += (long long)(w >> 2);
+                if (f == 2) break;
+                --j;
+            }
+            atomicExch(status + tile, ((unsigned long long)(excl + total) << 2) | 2ull);
+        }
+        s_excl = excl;
+    }
+    __syncthreads();
+    long long pos = s_excl + warp_off + incl - cnt;
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {
+        if ((sel >> j) & 1u) {
+            if (pos < capacity) {
+                out_idx[pos] = base + j;
+                out_val[pos] = acc[j];
+                if (zero) acc[j] = (R)0;
+            }
+            ++pos;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {
+        const long long i = base + j;
+        if (i < n) r[i] = acc[j];
+    }
+}
+
+// Histogram of one 8-bit digit of sign-less keys matching a prefix (see kth_largest_cupy).
+template <typename K>
+__device__ __forceinline__ void radix_hist_body(
+    const K* __restrict__ x, long long n, const int* __restrict__ prefix_p,
+    unsigned int* __restrict__ hist, int shift, int first, unsigned int keymask)
+{
+    __shared__ unsigned int h[256];
+    for (int t = threadIdx.x; t < 256; t += blockDim.x) h[t] = 0;
+    __syncthreads();
+    const unsigned int prefix = (unsigned int)*prefix_p;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const unsigned int key = (unsigned int)x[i] & keymask;
+        // Shared-memory atomics: cheap, and one global add per bin per block.
+        if (first || (key >> (shift + 8)) == prefix) atomicAdd(&h[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < 256; t += blockDim.x)
+        if (h[t]) atomicAdd(hist + t, h[t]);
+}
+
+extern "C" __global__ void radix_hist_u32(const unsigned int* x, long long n, const int* prefix,
+                                          unsigned int* hist, int shift, int first) {
+    radix_hist_body<unsigned int>(x, n, prefix, hist, shift, first, 0x7fffffffu);
+}
+extern "C" __global__ void radix_hist_u16(const unsigned short* x, long long n, const int* prefix,
+                                          unsigned int* hist, int shift, int first) {
+    radix_hist_body<unsigned short>(x, n, prefix, hist, shift, first, 0x7fffu);
+}
+"""
+
+_SELECT_ENTRY = r"""
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
+ef_select_%(gn)s_%(rn)s(const %(gt)s* g, %(rt)s* r, long long* out_idx, %(rt)s* out_val,
+                        unsigned long long* status, unsigned int* ticket, long long n,
+                        %(rt)s scale, %(rt)s th, long long capacity, int zero) {
+    ef_select_tile<%(gt)s, %(rt)s>(g, r, out_idx, out_val, status, ticket, n, scale, th,
+                                   capacity, zero);
+}
+"""
+
+
+def _source() -> str:
+    parts = [_HEAD % {"threads": SELECT_THREADS, "items": SELECT_ITEMS}]
+    for gt, gn in _GRAD_TYPES.values():
+        for rt, rn in _RES_TYPES.values():
+            parts.append(_SELECT_ENTRY % {"gt": gt, "gn": gn, "rt": rt, "rn": rn})
+    return "".join(parts)
+
+
+CUDA_SOURCE = _source()
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("the CuPy kernels need cupy: pip install 'sparsecomm[cupy]' "
+                          "(cupy-cuda12x for CUDA 12)") from e
+    return cupy, cupy.RawModule(code=CUDA_SOURCE, options=("--std=c++17",))
+
+
+def _launch(name: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
+    cupy, mod = _module()
+    with cupy.cuda.Device(device.index or 0):
+        # Run on torch's stream so the kernel is ordered with the torch ops around it.
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        mod.get_function(name)((grid,), (block,), args, stream=stream)
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    # A 64-bit integer passed by value is ABI-identical to a pointer argument.
+    return np.uint64(t.data_ptr())
+
+
+def ef_select_cupy(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+                   scale: float, zero_selected: bool, out_idx: torch.Tensor,
+                   out_val: torch.Tensor) -> int:
+    """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    1. One 256-thread block per 4096-element tile; each thread holds 16
+       consecutive elements in registers.
+    2. Block scan of per-thread counts (warp shuffles), then a decoupled
+       look-back across tiles gives the tile's output offset: outputs come
+       out in index order, in one pass over memory.
+    """
+    n = residual.numel()
+    if n == 0:
+        return 0
+    tile = SELECT_THREADS * SELECT_ITEMS
+    tiles = -(-n // tile)
+    dev = residual.device
+    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    rdt = np.float32 if residual.dtype == torch.float32 else np.float64
+    name = f"ef_select_{_GRAD_TYPES[grad.dtype][1]}_{_RES_TYPES[residual.dtype][1]}"
+    args = (_ptr(grad), _ptr(residual), _ptr(out_idx), _ptr(out_val), _ptr(status), _ptr(ticket),
+            np.int64(n), rdt(scale), rdt(threshold if threshold > 0 else 0.0), np.int64(capacity),
+            np.int32(zero_selected))
+    _launch(name, tiles, SELECT_THREADS, args, dev)
+    return int(status[tiles - 1]) >> 2
+
+
+def kth_largest_cupy(x: torch.Tensor, k: int) -> float:
+    """Exact k-th largest of |x| (fp16/bf16/fp32): 8-bit radix select in CUDA C.
+
+    1. Per digit, a grid-stride histogram kernel (shared-memory bins) over
+       keys matching the prefix so far.
+    2. ``radix.choose_digit`` on the device; one sync at the end.
+    """
+    bits, shifts, _ = key_layout(x.dtype)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    dev = x.device
+    krem = torch.tensor(k, dtype=torch.int64, device=dev)
+    prefix = torch.zeros((), dtype=torch.int64, device=dev)
+    prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    blocks = max(1, min(HIST_BLOCKS, -(-n // HIST_THREADS)))
+    name = "radix_hist_u16" if bits == 16 else "radix_hist_u32"
+    for i, shift in enumerate(shifts):
+        hist = torch.zeros(256, dtype=torch.int32, device=dev)
+        prefix32.copy_(prefix.reshape(1))
+        _launch(name, blocks, HIST_THREADS,
+                (_ptr(x), np.int64(n), _ptr(prefix32), _ptr(hist), np.int32(shift), np.int32(i == 0)),
+                dev)
+        choose_digit(hist, krem, prefix)
+    return key_to_float(int(prefix), x.dtype)

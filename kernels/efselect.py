@@ -1,0 +1,116 @@
+"""Fused error-feedback select: accumulate, threshold, compact into COO, in one pass.
+
+``ef_select`` replaces the torch chain ``r += s*g; m = |r| >= th; idx =
+nonzero(m); val = r[idx]; r[idx] = 0`` (five passes and three temporaries)
+with one pass that reads g and r, writes r, and writes only the selected
+entries. :func:`ef_select_torch` is that chain, kept as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+__all__ = ["ef_select", "ef_select_torch"]
+
+
+def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
+           out_idx: torch.Tensor | None, out_val: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if residual.dim() != 1 or not residual.is_contiguous():
+        raise ValueError("ef_select: residual must be a contiguous 1-D tensor (it is written in place)")
+    if residual.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"ef_select: residual must be float32 or float64, got {residual.dtype}")
+    if grad.numel() != residual.numel() or grad.device != residual.device:
+        raise ValueError("ef_select: grad and residual must have the same size and device")
+    if not grad.is_floating_point():
+        raise ValueError(f"ef_select: grad must be floating point, got {grad.dtype}")
+    if capacity < 0:
+        raise ValueError(f"ef_select: capacity must be >= 0, got {capacity}")
+    dev = residual.device
+    if out_idx is None:
+        out_idx = torch.empty(capacity, dtype=torch.int64, device=dev)
+    if out_val is None:
+        out_val = torch.empty(capacity, dtype=residual.dtype, device=dev)
+    if (out_idx.numel() < capacity or out_val.numel() < capacity or out_idx.dtype != torch.int64
+            or out_val.dtype != residual.dtype or not (out_idx.is_contiguous() and out_val.is_contiguous())):
+        raise ValueError("ef_select: out_idx/out_val must be contiguous int64 / residual-dtype "
+                         "buffers of at least `capacity` entries")
+    return grad.reshape(-1).contiguous(), out_idx, out_val
+
+
+def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+                    scale: float, zero_selected: bool, out_idx: torch.Tensor,
+                    out_val: torch.Tensor) -> int:
+    """The reference: the unfused torch chain with the same contract as :func:`ef_select`."""
+    acc = residual.add_(grad.to(residual.dtype), alpha=scale)
+    mag = acc.abs()
+    mask = (mag >= threshold) & (acc != 0) if threshold > 0 else acc != 0
+    idx = torch.nonzero(mask).flatten()
+    count = idx.numel()
+    w = min(count, capacity)
+    out_idx[:w] = idx[:w]
+    out_val[:w] = acc[idx[:w]]
+    if zero_selected and w:
+        residual.index_fill_(0, idx[:w], 0)
+    return count
+
+
+def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+              scale: float = 1.0, zero_selected: bool = True, *,
+              out_idx: torch.Tensor | None = None, out_val: torch.Tensor | None = None,
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Error-feedback accumulate and select in one pass over memory.
+
+    1. acc = residual + scale * grad, computed in the residual's dtype and
+       written back into ``residual``.
+    2. Selected: acc != 0 and |acc| >= threshold (threshold <= 0 selects
+       every nonzero entry).
+    3. The first ``capacity`` selected entries, by ascending index, are
+       written as (int64 index, value) into ``out_idx``/``out_val``; later
+       ones are counted but not written.
+    4. If ``zero_selected``, the written entries become 0 in ``residual``
+       (they were sent); overflowing entries keep acc, so nothing is lost.
+
+    Args:
+        grad: gradient, any float dtype (fp16/bf16/fp32/fp64), any shape with
+            ``residual.numel()`` elements, same device.
+        residual: contiguous 1-D float32/float64 error-feedback memory,
+            updated in place.
+        threshold: magnitude threshold.
+        capacity: entries the output buffers hold.
+        scale: multiplies grad (e.g. a learning rate or 1/P).
+        zero_selected: zero the written entries in ``residual``.
+        out_idx, out_val: preallocated buffers (allocated when None).
+        backend: ``torch``/``triton``/``cupy``/``cpu``/``auto`` (see
+            ``kernels.dispatch``); default: ``SPARSECOMM_KERNELS`` or auto.
+
+    Returns:
+        ``(out_idx, out_val, count)``: the buffers and the TRUE number of
+        selected entries; the first ``min(count, capacity)`` are valid.
+
+    Example::
+
+        idx, val, c = ef_select(g, r, th, capacity=2 * k)
+        idx, val = idx[:min(c, 2 * k)], val[:min(c, 2 * k)]
+    """
+    grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
+    name = dispatch.choose(residual, backend)
+    args = (grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
+            out_idx, out_val)
+    if name == "cpu":
+        from .cpu import ef_select_cpu
+
+        count = ef_select_cpu(*args)
+    elif name == "triton":
+        from .triton_kernels import ef_select_triton
+
+        count = ef_select_triton(*args)
+    elif name == "cupy":
+        from .cupy_kernels import ef_select_cupy
+
+        count = ef_select_cupy(*args)
+    else:
+        count = ef_select_torch(*args)
+    return out_idx, out_val, count

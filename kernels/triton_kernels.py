@@ -1,0 +1,80 @@
+"""Launchers for the Triton kernels (fused select, radix k-th largest).
+
+triton is imported inside :func:`_impl` only (``pip install 'sparsecomm[triton]'``);
+the kernels themselves are in ``kernels/_triton_impl.py``. Launch shapes are
+chosen for large tensors on A100/H100: see the constants below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .radix import choose_digit, key_layout, key_to_float
+
+__all__ = ["ef_select_triton", "kth_largest_triton", "SELECT_BLOCK", "HIST_BLOCK"]
+
+SELECT_BLOCK = 4096   # elements per program: 16 per thread at 8 warps
+SELECT_WARPS = 8
+HIST_BLOCK = 4096
+HIST_WARPS = 8
+HIST_PROGRAMS = 1024  # about 8 programs per SM on an H100 (132 SMs): enough to hide latency
+
+
+def _impl():
+    try:
+        from . import _triton_impl
+    except ImportError as e:
+        raise ImportError("the Triton kernels need triton: pip install 'sparsecomm[triton]' "
+                          "(triton>=3.0, matching your torch build)") from e
+    return _triton_impl
+
+
+def ef_select_triton(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
+                     out_val: torch.Tensor) -> int:
+    """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    1. One program per 4096-element tile, tile numbers from an atomic ticket.
+    2. A single-pass decoupled look-back scan of tile counts gives each
+       tile its output offset, so output order is index order.
+    3. The true count is the last tile's inclusive prefix (one sync).
+    """
+    impl = _impl()
+    n = residual.numel()
+    if n == 0:
+        return 0
+    tiles = -(-n // SELECT_BLOCK)
+    dev = residual.device
+    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    impl.ef_select_kernel[(tiles,)](grad, residual, out_idx, out_val, status, ticket, n, scale,
+                                    threshold if threshold > 0 else 0.0, capacity,
+                                    ZERO=zero_selected, BLOCK=SELECT_BLOCK,
+                                    num_warps=SELECT_WARPS)
+    return int(status[tiles - 1]) >> 2
+
+
+def kth_largest_triton(x: torch.Tensor, k: int) -> float:
+    """Exact k-th largest of |x| (fp16/bf16/fp32) by an 8-bit radix select in Triton.
+
+    1. Per digit (4 for fp32, 2 for 16-bit), one histogram kernel over the
+       whole tensor, restricted to keys matching the prefix chosen so far.
+    2. The digit is chosen on the device (``radix.choose_digit``): no sync
+       between passes; one sync at the end to return a float.
+    """
+    impl = _impl()
+    bits, shifts, _ = key_layout(x.dtype)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    dev = x.device
+    krem = torch.tensor(k, dtype=torch.int64, device=dev)
+    prefix = torch.zeros((), dtype=torch.int64, device=dev)
+    prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    grid = (max(1, min(HIST_PROGRAMS, -(-n // HIST_BLOCK))),)
+    for i, shift in enumerate(shifts):
+        hist = torch.zeros(256, dtype=torch.int32, device=dev)
+        prefix32.copy_(prefix.reshape(1))
+        impl.radix_hist_kernel[grid](x, n, prefix32, hist, KEY_BITS=bits, SHIFT=shift,
+                                     FIRST=i == 0, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
+        choose_digit(hist, krem, prefix)
+    return key_to_float(int(prefix), x.dtype)
