@@ -1,14 +1,23 @@
-"""Local (single-rank) kernels: top-k selection by magnitude and COO helpers.
+"""Local (single-rank) kernels: top-k selection by magnitude, fused select, COO and payload helpers.
 
-Installed as ``sparsecomm.kernels``. Each function here is the torch reference
-path, which runs on any device; faster device-specific paths plug in behind the
-same functions.
+Installed as ``sparsecomm.kernels``. Every operation with fast paths has one
+dispatcher (``kth_largest``, ``ef_select``, ``estimate_threshold``) that picks
+the torch reference, Triton, CuPy or numba (CPU) path for the tensor's device;
+``backend=`` and the environment variable ``SPARSECOMM_KERNELS`` override the
+choice (rules in ``kernels.dispatch``). Optional libraries (triton, cupy,
+numba) are imported only when a path that needs them runs.
 """
 
 from .coo import (index_dtype_for, pack_records, record_bytes, scatter_add,
                   split_by_boundaries, unpack_records)
+from .dispatch import BackendUnavailable
+from .efselect import ef_select
+from .estimate import estimate_threshold
+from .payload import cast_values, delta_decode, delta_encode, dequantize, quantize
 from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
-           "index_dtype_for", "scatter_add"]
+           "index_dtype_for", "scatter_add", "ef_select", "estimate_threshold",
+           "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
+           "delta_decode"]

@@ -104,23 +104,25 @@ def bracket_pass(x, use_abs, lo, hi, bounds, cand, cap, n_gt, n_cand):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def count_above(x, thresholds, bounds, counts):
-    """counts[c, j] = #{i in chunk c : |x_i| >= thresholds[j]} for descending thresholds.
+def count_above(x, thresholds, bounds, counts, every, tile):
+    """counts[c, j] = #{i counted in chunk c : |x_i| >= thresholds[j]} for descending thresholds.
 
-    One pass; most elements are below the last (smallest) threshold, so they
-    cost one compare; the rest find their bucket by a short scan.
+    One pass over every ``every``-th tile of ``tile`` entries (``every`` = 1:
+    all of x). Most entries are below the last (smallest) threshold and cost
+    one compare; the rest find their bucket by a short scan.
     """
     nch = bounds.size - 1
     nt = thresholds.size
     last = thresholds[nt - 1]
     for c in prange(nch):
-        for i in range(bounds[c], bounds[c + 1]):
-            v = abs(x[i])
-            if v >= last:
-                j = 0
-                while v < thresholds[j]:
-                    j += 1
-                counts[c, j] += 1
+        for t0 in range(bounds[c], bounds[c + 1], tile * every):
+            for i in range(t0, min(t0 + tile, bounds[c + 1])):
+                v = abs(x[i])
+                if v >= last:
+                    j = 0
+                    while v < thresholds[j]:
+                        j += 1
+                    counts[c, j] += 1
     # Buckets to cumulative counts: >= thresholds[j] includes every bucket <= j.
     for c in range(nch):
         for j in range(1, nt):

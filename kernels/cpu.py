@@ -9,6 +9,7 @@ Why numba rather than numpy: see ``kernels/_numba_impl.py``.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -16,6 +17,10 @@ import torch
 __all__ = ["ef_select_cpu", "kth_largest_cpu", "count_above_cpu"]
 
 _SMALL = 1 << 16  # below this, numpy's introselect beats sampling + a pass
+# numba's default (workqueue) threading layer aborts the process when two
+# Python threads enter parallel code at once, as the simulated world's rank
+# threads could: serialise the calls.
+_LOCK = threading.Lock()
 
 
 def _impl():
@@ -53,10 +58,11 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
     scratch_idx = np.empty(max(0, nch - 1) * capacity, dtype=np.int64)
     scratch_val = np.empty(max(0, nch - 1) * capacity, dtype=residual.numpy().dtype)
     counts = np.zeros(nch, dtype=np.int64)
-    total = impl.ef_select_chunks(grad.numpy(), residual.numpy(), _rd_scalar(scale, rd),
-                                  _rd_scalar(threshold, rd), capacity, zero_selected,
-                                  out_idx.numpy(), out_val.numpy(), scratch_idx, scratch_val,
-                                  bounds, counts)
+    with _LOCK:
+        total = impl.ef_select_chunks(grad.numpy(), residual.numpy(), _rd_scalar(scale, rd),
+                                      _rd_scalar(threshold, rd), capacity, zero_selected,
+                                      out_idx.numpy(), out_val.numpy(), scratch_idx, scratch_val,
+                                      bounds, counts)
     return int(total)
 
 
@@ -106,8 +112,9 @@ def kth_largest_cpu(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     cand = np.empty(cap * nch, dtype=arr.dtype)
     n_gt = np.zeros(nch, dtype=np.int64)
     n_cand = np.zeros(nch, dtype=np.int64)
-    impl.bracket_pass(arr, use_abs, arr.dtype.type(lo), arr.dtype.type(hi), bounds, cand, cap,
-                      n_gt, n_cand)
+    with _LOCK:
+        impl.bracket_pass(arr, use_abs, arr.dtype.type(lo), arr.dtype.type(hi), bounds, cand, cap,
+                          n_gt, n_cand)
     gt, nc = int(n_gt.sum()), int(n_cand.sum())
     if n_cand.max() > cap or not gt < k <= gt + nc:
         return _partition_kth(arr, k, use_abs)
@@ -122,8 +129,12 @@ def _partition_kth(arr: np.ndarray, k: int, use_abs: bool) -> float:
     return float(np.partition(a, n - k)[n - k])
 
 
-def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
-    """#{i : |x_i| >= t} for each of the descending ``thresholds``, in one parallel pass."""
+def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.ndarray:
+    """#{i : |x_i| >= t} for each of the descending ``thresholds``, in one parallel pass.
+
+    With ``every`` > 1 only every ``every``-th tile of 4096 entries is read and
+    the counts are scaled up by (entries / entries read): a block sample.
+    """
     impl = _impl()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
@@ -131,6 +142,14 @@ def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
     th = np.ascontiguousarray(thresholds, dtype=arr.dtype)
     nch = _chunks() if arr.size >= _SMALL else 1
     bounds = impl.chunk_bounds(arr.size, nch)
+    tile = 4096
+    # Chunks must start on tile boundaries for the block sample to be regular.
+    bounds = impl.chunk_bounds(arr.size, bounds.size - 1, align=tile * every)
     counts = np.zeros((bounds.size - 1, th.size), dtype=np.int64)
-    impl.count_above(arr, th, bounds, counts)
-    return counts.sum(axis=0)
+    with _LOCK:
+        impl.count_above(arr, th, bounds, counts, every, tile)
+    total = counts.sum(axis=0)
+    if every > 1:
+        seen = sum(min(tile, arr.size - t0) for t0 in range(0, arr.size, tile * every))
+        total = np.rint(total * (arr.size / seen)).astype(np.int64)
+    return total

@@ -12,23 +12,49 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates"]
+from . import dispatch
+
+__all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "topk_of_candidates"]
 
 
-def kth_largest(mag: torch.Tensor, k: int) -> float:
+def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None) -> float:
     """The k-th largest value of 1-D ``mag`` (1 <= k <= mag.numel()).
 
-    On CPU this is numpy's introselect (O(n), several times faster than
-    ``torch.topk``); elsewhere ``torch.topk``.
+    Exact. Paths (``kernels.dispatch``): ``torch`` is numpy's introselect on
+    CPU and ``torch.topk`` elsewhere (the reference); ``cpu`` is a sampled
+    bracket plus one numba pass (``kernels.cpu``); ``triton``/``cupy`` are
+    8-bit radix selects over the float bit patterns (fp16/bf16/fp32; other
+    dtypes use the torch path). The fast paths rank magnitudes, so they
+    equal the reference for the non-negative ``mag`` every caller passes.
     """
     n = mag.numel()
     if not 1 <= k <= n:
         raise ValueError(f"kth_largest: k={k} outside [1, {n}]")
+    name = dispatch.choose(mag, backend)
+    if name == "cpu":
+        from .cpu import kth_largest_cpu
+
+        return kth_largest_cpu(mag, k)
+    radix_ok = mag.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if name == "triton" and radix_ok:
+        from .triton_kernels import kth_largest_triton
+
+        return kth_largest_triton(mag, k)
+    if name == "cupy" and radix_ok:
+        from .cupy_kernels import kth_largest_cupy
+
+        return kth_largest_cupy(mag, k)
+    return kth_largest_torch(mag, k)
+
+
+def kth_largest_torch(mag: torch.Tensor, k: int) -> float:
+    """Reference k-th largest: numpy introselect on CPU, ``torch.topk`` elsewhere."""
+    n = mag.numel()
     if mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64):
         arr = mag.detach().numpy()
         return float(np.partition(arr, n - k)[n - k])
     if mag.device.type == "cpu":
-        return kth_largest(mag.float(), k)
+        return kth_largest_torch(mag.float(), k)
     return float(torch.topk(mag, k, sorted=False).values.min())
 
 

@@ -1,0 +1,109 @@
+"""Estimated top-k threshold: a sample, then one counting pass to correct it.
+
+Exact thresholds cost a selection over all n entries; Ok-Topk re-evaluates
+them only every tau calls and reuses them in between, so a cheap threshold
+whose count is within a few percent of k is often all a caller needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import dispatch
+
+__all__ = ["estimate_threshold", "candidate_thresholds", "count_above_torch", "GRID"]
+
+# Candidate count targets, as fractions of k. Spaced ~7% apart near 1 so the
+# interpolation between neighbours lands within a few percent of k, wide
+# enough (0.5..2) to hold k even when the sample is off by several standard
+# deviations (a 64k sample at density 0.01 has ~6% relative rank noise).
+GRID = (0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 1.0, 1.07, 1.15, 1.25, 1.4, 1.6, 2.0)
+
+
+def candidate_thresholds(x: torch.Tensor, k: int, sample_size: int = 65536) -> np.ndarray:
+    """Descending positive candidate thresholds from a strided sample of |x|.
+
+    1. Sample every ``n // sample_size``-th entry (strided: no RNG, cheap on
+       any device, and spread over every layer of a flattened model).
+    2. Candidate j is the sample's order statistic at descending rank
+       ``GRID[j] * k * m / n``; duplicates and zeros are dropped.
+    """
+    n = x.numel()
+    flat = x.reshape(-1)
+    stride = max(1, n // sample_size)
+    sample = flat[::stride].abs().float().cpu().numpy()
+    m = sample.size
+    ranks = sorted({min(m, max(1, int(round(f * k * m / n)))) for f in GRID})
+    part = np.partition(sample, [m - r for r in ranks])
+    th = np.array([part[m - r] for r in ranks], dtype=np.float64)
+    th = np.unique(th[th > 0])[::-1]  # unique sorts ascending; we want descending
+    if th.size == 0:  # the sample is all zero: count the nonzeros
+        th = np.array([np.finfo(np.float32).tiny])
+    return th
+
+
+def count_above_torch(x: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
+    """#{i : |x_i| >= t} for each descending threshold t (torch reference, any device)."""
+    asc = torch.tensor(thresholds[::-1].copy(), dtype=torch.float64, device=x.device).to(
+        x.dtype if x.dtype != torch.bfloat16 and x.dtype != torch.float16 else torch.float32)
+    mag = x.reshape(-1).abs().to(asc.dtype)
+    # bucket b = number of thresholds <= |x_i|; count(>= asc[j]) = #{b > j}.
+    b = torch.bucketize(mag, asc, right=True)
+    hist = torch.bincount(b, minlength=asc.numel() + 1).cpu().numpy()
+    ge_asc = np.cumsum(hist[::-1])[::-1][1:]  # ge_asc[j] = #{b >= j + 1}
+    return ge_asc[::-1].astype(np.int64)
+
+
+def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
+                       count_every: int = 8, backend: str | None = None) -> float:
+    """A threshold t with #{|x_i| >= t} close to k (within a few percent), cheaply.
+
+    1. Candidates from a strided sample (:func:`candidate_thresholds`).
+    2. One pass counts the entries at or above every candidate (numba on
+       CPU, ``torch.bucketize`` elsewhere). On CPU it reads every
+       ``count_every``-th tile of 4096 entries and scales: at density 0.01 an
+       eighth of 25M entries still holds ~31k selected, a 0.6% count noise,
+       for an eighth of the memory traffic.
+    3. k lies between two neighbouring candidates' counts: interpolate
+       between them, linearly in log(count), since tails of gradient
+       distributions are close to exponential over such a short span.
+       If k lies outside every count, the nearest candidate is returned.
+
+    Args:
+        x: values (signed or magnitudes), any shape, any float dtype.
+        k: target count, 1 <= k <= numel.
+        sample_size: sample entries used for the candidates.
+        count_every: CPU counting pass reads one tile in this many (1 = all).
+        backend: ``cpu``/``torch``/``auto`` (see ``kernels.dispatch``).
+
+    Returns:
+        The threshold, a positive float.
+    """
+    n = x.numel()
+    if not 1 <= k <= n:
+        raise ValueError(f"estimate_threshold: k={k} outside [1, {n}]")
+    th = candidate_thresholds(x, k, sample_size)
+    name = dispatch.choose(x, backend, supported=("torch", "cpu"))
+    if name == "cpu":
+        from .cpu import count_above_cpu
+
+        counts = count_above_cpu(x, th, count_every)
+    else:
+        counts = count_above_torch(x, th)
+    return _interpolate(th, counts, k)
+
+
+def _interpolate(th: np.ndarray, counts: np.ndarray, k: int) -> float:
+    if k <= counts[0]:
+        return float(th[0])
+    if k >= counts[-1]:
+        return float(th[-1])
+    j = int(np.searchsorted(counts, k, side="right")) - 1  # counts[j] <= k < counts[j+1]
+    c0, c1 = counts[j], counts[j + 1]
+    if c0 <= 0 or c1 == c0:
+        return float(th[j + 1] if c0 <= 0 else th[j])
+    w = (math.log(k) - math.log(c0)) / (math.log(c1) - math.log(c0))
+    return float(th[j] + w * (th[j + 1] - th[j]))
