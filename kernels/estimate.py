@@ -76,7 +76,8 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
         x: values (signed or magnitudes), any shape, any float dtype.
         k: target count, 1 <= k <= numel.
         sample_size: sample entries used for the candidates.
-        count_every: CPU counting pass reads one tile in this many (1 = all).
+        count_every: CPU counting pass reads at most one tile in this many
+            (fewer when k is small, so ~20k selected entries are still counted).
         backend: ``cpu``/``torch``/``auto`` (see ``kernels.dispatch``).
 
     Returns:
@@ -90,7 +91,10 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
     if name == "cpu":
         from .cpu import count_above_cpu
 
-        counts = count_above_cpu(x, th, count_every)
+        # Read enough tiles that ~20k selected entries are counted (count
+        # noise ~0.7%); small k means a full pass.
+        every = max(1, min(count_every, k // 20_000))
+        counts = count_above_cpu(x, th, every)
     else:
         counts = count_above_torch(x, th)
     return _interpolate(th, counts, k)

@@ -1,0 +1,99 @@
+"""Estimated thresholds and payload helpers against their references."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sparsecomm import kernels
+from sparsecomm.kernels.estimate import candidate_thresholds, count_above_torch
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))]
+
+
+def _inputs(n: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    t = torch.distributions.StudentT(torch.tensor(2.5))
+    torch.manual_seed(0)
+    return {"gauss": torch.randn(n, generator=gen),
+            "student_t": t.sample((n,)),
+            # slowly drifting scale along the vector, as across a model's layers
+            "drifting": torch.randn(n, generator=gen) * torch.linspace(0.05, 3.0, n)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("density", [0.01, 0.001])
+def test_estimate_within_5_percent(backend, density):
+    n = 1_000_000
+    k = int(density * n)
+    for name, x in _inputs(n).items():
+        th = kernels.estimate_threshold(x, k, backend=backend)
+        count = int((x.abs() >= th).sum())
+        assert abs(count / k - 1) <= 0.05, (name, count, k)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_count_above_cpu_matches_torch():
+    from sparsecomm.kernels.cpu import count_above_cpu
+
+    x = torch.randn(300_001)
+    th = candidate_thresholds(x, 3000)
+    assert count_above_cpu(x, th).tolist() == count_above_torch(x, th).tolist()
+
+
+def test_estimate_degenerate_inputs():
+    x = torch.zeros(100_000)
+    x[5] = 3.0
+    assert (x.abs() >= kernels.estimate_threshold(x, 10)).sum() >= 1
+    with pytest.raises(ValueError):
+        kernels.estimate_threshold(x, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cast_values(dtype):
+    v = torch.tensor([1.0, -2.5, 1e6, -1e6])
+    out = kernels.cast_values(v, dtype)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert out[:2].float().tolist() == [1.0, -2.5]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_round_trip(bits, stochastic):
+    gen = torch.Generator().manual_seed(bits)
+    v = torch.randn(5_003, generator=gen)
+    v[:1024] = 0  # an all-zero chunk (scale 0) must decode to zeros
+    packed, scales = kernels.quantize(v, bits, chunk=1024, stochastic=stochastic, generator=gen)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-v.numel() * bits // 8)
+    back = kernels.dequantize(packed, scales, bits, v.numel(), chunk=1024)
+    step = scales.repeat_interleave(1024)[:v.numel()] / (2 ** (bits - 1) - 1)
+    err = (back - v).abs()
+    assert (err <= step * (1.0 if stochastic else 0.5) + 1e-6).all()
+    assert back[:1024].abs().sum() == 0
+
+
+def test_stochastic_rounding_is_unbiased():
+    v = torch.full((200_000,), 0.3)
+    v[0] = 1.0  # scale 1: 0.3 sits between levels
+    packed, scales = kernels.quantize(v, 2, chunk=200_000, stochastic=True,
+                                      generator=torch.Generator().manual_seed(0))
+    back = kernels.dequantize(packed, scales, 2, v.numel(), chunk=200_000)
+    assert abs(float(back[1:].mean()) - 0.3) < 0.01
+
+
+@pytest.mark.parametrize("gap,dtype", [(1, torch.uint8), (255, torch.uint8), (256, torch.uint16),
+                                       (70_000, torch.uint32), (2**33, torch.int64)])
+def test_delta_round_trip(gap, dtype):
+    idx = torch.tensor([7, 7 + gap, 8 + gap, 8 + 2 * gap])
+    first, d = kernels.delta_encode(idx)
+    assert first == 7 and d.dtype == dtype
+    assert kernels.delta_decode(first, d).tolist() == idx.tolist()
+    first, d = kernels.delta_encode(idx[:1])
+    assert kernels.delta_decode(first, d).tolist() == [7]
+    first, d = kernels.delta_encode(idx[:0])
+    assert kernels.delta_decode(first, d).numel() == 0
+    with pytest.raises(ValueError):
+        kernels.delta_encode(idx.flip(0))
