@@ -4,6 +4,9 @@
 simulated world, with CSV/JSON and plots, and its projection to BERT's size on
 cluster network profiles.
 
+``sparsecomm train``: the convergence comparison (DDP with sparsecomm's hooks
+on scikit-learn's bundled digits), a final table and a plot.
+
 ``sparsecomm bench``: start local ranks (torch.multiprocessing + gloo, or the
 simulated world), run Ok-Topk and Dense on a realistic synthetic gradient, and
 print one table. Works on a fresh machine with no GPU and no MPI. Under an
@@ -90,6 +93,23 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import os
+
+    from . import train
+
+    os.makedirs(args.out, exist_ok=True)
+    print(f"# sparsecomm train: digits MLP, {args.ranks} gloo ranks, {args.epochs} epochs, "
+          f"configs {args.configs}", flush=True)
+    results = train.run(args.configs, ranks=args.ranks, epochs=args.epochs, lr=args.lr,
+                        batch=args.batch, network=args.network)
+    print(train.format_results(results))
+    train.write_json(results, os.path.join(args.out, "train.json"))
+    train.plot(results, os.path.join(args.out, "train.png"))
+    print(f"# wrote {args.out}/train.json and {args.out}/train.png")
+    return 0
+
+
 def _print_ratios(rows: list) -> None:
     print("\n# bytes per rank (busiest) / Ok-Topk's, per kind and P")
     for kind in sorted({r.kind for r in rows}):
@@ -142,7 +162,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="profiles (or alpha:beta) for the projection")
     st.add_argument("--target-n", type=int, default=133_547_324)
     st.add_argument("--out", default="study", help="output folder")
+    tr = sub.add_parser("train", help="convergence comparison on scikit-learn's digits (4 gloo ranks)")
+    tr.add_argument("--configs", type=lambda s: s.split(","),
+                    default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
+                             "dense-fp16", "oktopk-q8"])
+    tr.add_argument("--ranks", type=int, default=4)
+    tr.add_argument("--epochs", type=int, default=30)
+    tr.add_argument("--lr", type=float, default=0.05)
+    tr.add_argument("--batch", type=int, default=16, help="per rank")
+    tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
+    tr.add_argument("--out", default="train", help="output folder")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args)
     if args.command == "study":
         from .study import ALGORITHMS
 

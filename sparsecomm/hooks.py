@@ -1,0 +1,231 @@
+"""PyTorch DDP communication hooks running sparsecomm's allreduces.
+
+    state = sparsecomm.hooks.SparseHookState(ddp_model, algorithm="oktopk", density=0.01)
+    ddp_model.register_comm_hook(state, sparsecomm.hooks.sparse_allreduce_hook)
+
+The hook has the shape every DDP hook has, ``hook(state, bucket) ->
+torch.futures.Future[torch.Tensor]``. It runs the allreduce synchronously
+inside the hook and returns a completed future (sparsecomm's communicators
+are blocking, and running them on a side thread would race with DDP's own
+collectives on the same process group); DDP then copies the result into the
+gradients.
+
+Residuals are kept per *parameter*, not per bucket: DDP rebuilds its buckets
+after the first iteration (and a resumed run starts with the default layout
+again), so a new bucket layout picks up the residuals of the parameters it
+holds. Thresholds and region boundaries are per bucket layout and restart
+(exactly) when the set of parameters in a bucket changes; a bucket holding
+the same parameters in another order is put back in model order first, so
+it keeps them. A checkpoint therefore resumes bit-identically when the
+resumed run's buckets hold the same parameter sets (a model in one bucket,
+say); otherwise its first step re-evaluates thresholds exactly, and no
+residual is lost either way.
+"""
+
+# No "from __future__ import annotations" here: DDP checks the hook's annotations
+# against the real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import registry
+from .api import allreduce
+from .comm import Communicator, resolve
+from .state import State, check_density
+
+__all__ = ["SparseHookState", "sparse_allreduce_hook"]
+
+
+class SparseHookState:
+    """State of :func:`sparse_allreduce_hook` for one DDP model.
+
+    Args:
+        model: the DDP model (or its module): its parameter order names the
+            residuals, so that they survive bucket rebuilds and checkpoints.
+        algorithm: a name from ``sparsecomm.algorithms()``.
+        density: fraction of entries selected per bucket.
+        compressor: how values travel (see ``sparsecomm.compress``), or None.
+        op: "avg" (DDP's convention: the sum divided by the world size) or "sum".
+        warmup_steps: the first steps reduce every bucket densely (no
+            sparsification, no residual), as is usual before sparsifying.
+        min_bucket_elements: buckets smaller than this always go dense
+            (sparsifying a few thousand values saves nothing).
+        error_feedback: keep what was not sent in per-parameter residuals.
+        algorithm_options: extra keyword arguments of the algorithm's State
+            (e.g. ``{"tau": 32, "tau_prime": 64}`` for Ok-Topk).
+        group, comm: which ranks (default: DDP's default process group).
+
+    Statistics: ``stats`` holds, per step, the selected counts, bytes sent and
+    seconds of every bucket; ``totals`` running sums.
+    """
+
+    def __init__(self, model: torch.nn.Module, algorithm: str = "oktopk", density: float = 0.01, *,
+                 compressor: Any = None, op: str = "avg", warmup_steps: int = 0,
+                 min_bucket_elements: int = 16384, error_feedback: bool = True,
+                 algorithm_options: Optional[dict] = None, group: Any = None, comm: Any = None) -> None:
+        # Set by the user.
+        self.spec = registry.get(algorithm)
+        self.algorithm, self.density = algorithm, check_density(density)
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        for name, value in (("warmup_steps", warmup_steps), ("min_bucket_elements", min_bucket_elements)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        self.compressor, self.op = compressor, op
+        self.warmup_steps, self.min_bucket_elements = warmup_steps, min_bucket_elements
+        self.error_feedback = error_feedback
+        self.algorithm_options = dict(algorithm_options or {})
+        self.spec.state_class(density, **self._state_kwargs())  # validate the options now
+        self.group, self._comm_arg = group, comm
+        # Internal.
+        self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
+        self._numel = [p.numel() for p in model.parameters()]
+        self.step = 0
+        self.buckets: Dict[Tuple[int, ...], State] = {}
+        self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not yet in a bucket
+        self._comm: Optional[Communicator] = None
+        # Statistics.
+        self.stats: List[List[dict]] = [[]]
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0}
+
+    def _state_kwargs(self) -> dict:
+        kwargs = dict(self.algorithm_options)
+        if self.algorithm != "dense":
+            kwargs.setdefault("error_feedback", self.error_feedback)
+        return kwargs
+
+    @property
+    def comm(self) -> Communicator:
+        if self._comm is None:
+            self._comm = resolve(group=self.group, comm=self._comm_arg)
+        return self._comm
+
+    # ---- per-bucket state that survives re-bucketing --------------------------
+    def _bucket_state(self, key: Tuple[int, ...], device: torch.device) -> State:
+        state = self.buckets.get(key)
+        if state is not None:
+            return state
+        # A new layout: collect the residuals of its parameters from wherever they are.
+        self._pending.update(self._residuals_of_other_layouts(set(key)))
+        state = self.spec.state_class(self.density, **self._state_kwargs())
+        if self.error_feedback and any(i in self._pending for i in key):
+            parts = [self._pending.pop(i, None) for i in key]
+            state.residual = torch.cat([torch.zeros(self._numel[i], device=device) if r is None
+                                        else r.to(device) for i, r in zip(key, parts)])
+        self.buckets[key] = state
+        return state
+
+    def _residuals_of_other_layouts(self, wanted: set) -> Dict[int, torch.Tensor]:
+        found = {}
+        for key in [k for k in self.buckets if wanted & set(k)]:
+            old = self.buckets.pop(key)
+            found.update(self._split(key, old.residual))
+        return found
+
+    def _split(self, key: Tuple[int, ...], residual: Optional[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        if residual is None:
+            return {}
+        out, offset = {}, 0
+        for i in key:
+            out[i] = residual[offset:offset + self._numel[i]].clone()
+            offset += self._numel[i]
+        return out
+
+    def residuals(self) -> Dict[int, torch.Tensor]:
+        """Every parameter's residual, by parameter position in ``model.parameters()``."""
+        out = dict(self._pending)
+        for key, st in self.buckets.items():
+            out.update(self._split(key, st.residual))
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint needs: step, per-parameter residuals, per-layout algorithm states."""
+        algo = {}
+        for key, st in self.buckets.items():
+            copy = st.__class__.__new__(st.__class__)
+            copy.__dict__ = {**st.__dict__, "residual": None}
+            algo[key] = copy
+        return {"step": self.step, "residuals": self.residuals(), "algorithm_states": algo,
+                "totals": dict(self.totals)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step = d["step"]
+        self.totals = dict(d["totals"])
+        self.buckets = {}
+        for key, st in d["algorithm_states"].items():
+            st.residual = None
+            self.buckets[key] = st
+        self._pending = {}
+        for key in self.buckets:  # re-attach residuals to the saved layouts
+            st = self.buckets[key]
+            if self.error_feedback and any(i in d["residuals"] for i in key):
+                st.residual = torch.cat([d["residuals"].get(i, torch.zeros(self._numel[i])) for i in key])
+        placed = {i for key in self.buckets for i in key}
+        self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
+
+    def __getstate__(self) -> dict:  # communicators do not pickle
+        d = dict(self.__dict__)
+        d["_comm"] = None
+        d["group"] = d["_comm_arg"] = None
+        return d
+
+
+def sparse_allreduce_hook(state: SparseHookState,
+                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: sparse (or warm-up/small-bucket dense) allreduce of a bucket.
+
+    1. Put the bucket's parameters in model order and look up the algorithm
+       state by that set of parameters (new sets inherit the residuals of
+       their parameters).
+    2. Warm-up steps and small buckets: dense allreduce. Otherwise the
+       state's algorithm, with error feedback and the compressor.
+    3. Return a completed future with the reduced bucket (averaged for "avg").
+    """
+    buf = bucket.buffer()
+    order = [state._param_index[id(p)] for p in bucket.parameters()]
+    key = tuple(sorted(order))
+    # Canonical layout: parameters in model order, so a bucket holding the same
+    # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
+    # same vector to the algorithm and keeps its thresholds and boundaries.
+    permuted = list(key) != order and sum(state._numel[i] for i in order) == buf.numel()
+    if permuted:
+        starts, pos = {}, 0
+        for i in order:
+            starts[i] = pos
+            pos += state._numel[i]
+        buf = torch.cat([buf[starts[i]:starts[i] + state._numel[i]] for i in key])
+    t0 = time.perf_counter()
+    comm = state.comm
+    before = comm.stats.snapshot()
+    dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements
+    if dense:
+        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm)
+        selected = buf.numel()
+    else:
+        st = state._bucket_state(key, buf.device)
+        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm)
+        selected = st.last.global_selected
+    delta = comm.stats - before
+    state.stats[-1].append({"bucket": bucket.index(), "numel": buf.numel(), "dense": dense,
+                            "selected": selected, "bytes_sent": delta.bytes_sent,
+                            "messages": delta.messages_sent, "seconds": time.perf_counter() - t0})
+    state.totals["bytes_sent"] += delta.bytes_sent
+    state.totals["dense_buckets" if dense else "sparse_buckets"] += 1
+    if bucket.is_last():
+        state.step += 1
+        state.totals["steps"] += 1
+        state.stats.append([])
+        if len(state.stats) > 1000:  # keep memory bounded on long runs
+            del state.stats[:-1000]
+    if permuted:  # back to the bucket's own layout
+        pos, pieces = 0, {}
+        for i in key:
+            pieces[i] = out[pos:pos + state._numel[i]]
+            pos += state._numel[i]
+        out = torch.cat([pieces[i] for i in order])
+    fut = torch.futures.Future()
+    fut.set_result(out)
+    return fut
