@@ -66,7 +66,12 @@ def _study(args: argparse.Namespace) -> int:
     kinds = args.kinds.split(",")
     algs = args.algorithms
 
+    done: list = []
+    base = os.path.join(args.out, args.what)
+
     def progress(row: "study.VolumeRow") -> None:
+        done.append(row)
+        study.write_json(done, base + ".partial.json")  # a long study keeps what it measured
         print(f"  {row.kind:<9} P={row.P:<4} {row.algorithm:<10} bytes/rank max {row.bytes_max:>14,.0f} "
               f"mean {row.bytes_mean:>14,.0f}  msgs max {row.messages_max:>6.0f}  "
               f"measured/formula {row.ratio:6.3f}", flush=True)
@@ -74,7 +79,6 @@ def _study(args: argparse.Namespace) -> int:
     print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
           f"P={sizes} kinds={kinds}")
     rows = study.volume_study(sizes, algs, kinds, args.n, args.density, args.tau, progress=progress)
-    base = os.path.join(args.out, args.what)
     study.write_json(rows, base + ".json")
     study.write_csv(rows, base + ".csv")
     if args.what == "volume":

@@ -1,0 +1,14 @@
+"""Convergence comparison on scikit-learn's bundled digits (no download), 4 gloo ranks.
+
+    python examples/train_digits.py            # same as: sparsecomm train
+    python examples/train_digits.py --epochs 10 --configs dense,oktopk
+
+Writes train/train.json and train/train.png and prints the final table.
+"""
+
+import sys
+
+from sparsecomm.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))
