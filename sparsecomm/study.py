@@ -46,6 +46,9 @@ __all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv",
            "plot_volume", "plot_projection", "ALGORITHMS", "BERT_ELEMENTS"]
 
 ALGORITHMS = ["dense", "topka", "gaussiank", "topkdsa", "gtopk", "oktopk"]
+# Distinct markers and dashes: TopkA and Gaussiank often coincide and must both show.
+_STYLE = {"dense": ("o", "-"), "topka": ("s", "-"), "gaussiank": ("x", "--"), "topkdsa": ("^", "-"),
+          "gtopk": ("v", "-"), "oktopk": ("D", "-")}
 BERT_ELEMENTS = 133_547_324
 WORD = 4
 
@@ -211,7 +214,8 @@ def plot_volume(rows: list[VolumeRow], path: str) -> None:
         for alg in ALGORITHMS:
             pts = sorted((r.P, r.bytes_max) for r in sub if r.algorithm == alg)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=alg)
+                marker, dash = _STYLE[alg]
+                ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
         Ps = sorted({r.P for r in sub})
         k = sub[0].k
         ax.plot(Ps, [2 * k * (P - 1) / P * WORD for P in Ps], "k--", label="lower bound 2k(P-1)/P")
@@ -235,7 +239,8 @@ def plot_projection(proj: list[dict], path: str) -> None:
     for alg in ALGORITHMS:
         pts = sorted((d["P"], d["time_s"] * 1e3) for d in proj if d["algorithm"] == alg)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=alg)
+            marker, dash = _STYLE[alg]
+            ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
     d0 = proj[0]
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
