@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_records",
-           "unpack_records", "scatter_add"]
+           "unpack_records", "scatter_add", "isin_sorted"]
 
 
 def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
@@ -62,3 +62,15 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype,
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out[idx] += values`` with duplicate indexes summed; returns ``out``."""
     return out.index_add_(0, idx, values.to(out.dtype))
+
+
+def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(values, sorted_set)`` for an ascending ``sorted_set``, by binary search.
+
+    O(m log k) and no sort: ``torch.isin`` took 1.2 s for Ok-Topk's contributed
+    set at n = 25M (250k values in 250k), this takes milliseconds.
+    """
+    if sorted_set.numel() == 0:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    pos = torch.searchsorted(sorted_set, values).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set[pos] == values

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -24,7 +25,7 @@ from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError
 from .registry import SparseResult
-from .state import State, check_density, topk_count
+from .state import PhaseStats, State, check_density, topk_count
 
 __all__ = ["allreduce", "sparse_allreduce", "algorithms"]
 
@@ -170,10 +171,14 @@ def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
     if state is None:
         state = spec.state_class.exact(density)
     flat = tensor.detach().reshape(-1)
+    t0 = time.perf_counter()
     acc = state.compensate(flat)
+    accumulate = time.perf_counter() - t0
     k = topk_count(state.density, flat.numel())
     codec = get_compressor(compressor, flat.dtype)
     result = spec.fn(acc, k, c, state, codec)
+    # Error-feedback accumulation (fused with selection for Ok-Topk's reuse steps) is a phase too.
+    result.stats.phases = {"accumulate": PhaseStats(seconds=accumulate), **result.stats.phases}
     state.update(acc, result)
     state.record(result.stats)
     return result

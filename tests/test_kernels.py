@@ -92,3 +92,11 @@ def test_distributed_select_equals_gathered_select(P, dtype):
         got = set(i for idx, _ in res for i in idx)
         assert got == expected
         assert all(c == res[0][1] for _, c in res) and sum(res[0][1]) == len(expected)
+
+
+def test_isin_sorted_matches_isin():
+    gen = torch.Generator().manual_seed(3)
+    for m, k in ((0, 5), (5, 0), (100, 30), (1000, 1000)):
+        values = torch.randint(0, 300, (m,), generator=gen)
+        sorted_set = torch.unique(torch.randint(0, 300, (k,), generator=gen))
+        assert torch.equal(kernels.isin_sorted(values, sorted_set), torch.isin(values, sorted_set))

@@ -135,7 +135,7 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
                 tracked.append((me + d, child_idx, torch.ones(child_idx.numel(), dtype=torch.bool,
                                                                device=acc.device)))
                 cur_idx, cur_val = _merge(cur_idx, cur_val, child_idx, child_val, k)
-                tracked = [(c, i, alive & torch.isin(i, cur_idx)) for c, i, alive in tracked]
+                tracked = [(c, i, alive & kernels.isin_sorted(i, cur_idx)) for c, i, alive in tracked]
         if up_req is not None:
             up_req[0].wait()
 
@@ -157,14 +157,14 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
         sends = []
         mask_at = _HEADER + k * rb
         for child, child_idx, alive in reversed(tracked[1:]):
-            mask = alive & torch.isin(child_idx, survived)
+            mask = alive & kernels.isin_sorted(child_idx, survived)
             buf = template.clone()
             buf[mask_at:] = 0
             buf[mask_at:mask_at + mask.numel()] = mask.to(torch.uint8)
             sends.append((comm.isend(buf, child, _TAG_DOWN), buf))
         for req, _ in sends:
             req.wait()
-    own_alive = tracked[0][2] & torch.isin(idx, survived)
+    own_alive = tracked[0][2] & kernels.isin_sorted(idx, survived)
     stats.global_selected = res_idx.numel()
     kept_idx = kept_val = None
     if up_error is not None:

@@ -17,11 +17,13 @@ from ..compress import Compressor
 from ..distselect import global_topk_mask
 from ..registry import PhaseRecorder, SparseResult, register
 from .exchange import equal_boundaries, split_and_reduce
-from ..state import CallStats, State
+from ..state import CallStats, State, topk_count
 
 __all__ = ["OkTopkState", "oktopk"]
 
 _TAG_BALANCE = 0x5C02
+#: Candidates the fused select keeps, in units of k (the correction needs them all).
+FUSED_CAPACITY = 4
 
 
 class OkTopkState(State):
@@ -75,6 +77,31 @@ class OkTopkState(State):
         self.boundaries: torch.Tensor | None = None
         self._recompute_local = False
         self._recompute_global = False
+        self._preselected: tuple[torch.Tensor, int] | None = None
+
+    def reuse_due(self, t: int) -> bool:
+        """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
+        return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self._recompute_local)
+
+    def compensate(self, flat: torch.Tensor) -> torch.Tensor:
+        """residual += flat, fused with the reused-threshold selection when one is due.
+
+        ``kernels.ef_select`` accumulates and selects in one pass over memory
+        (numba on CPU, Triton/CuPy on GPU). Up to ``FUSED_CAPACITY * k``
+        candidates are kept, enough for the exact correction among them when
+        the reused threshold selects too many.
+        """
+        self._preselected = None
+        if not (self.error_feedback and self.reuse_due(self.iteration + 1)):
+            return super().compensate(flat)
+        self.n = flat.numel()
+        if self.residual is None or self.residual.device != flat.device:
+            self.residual = torch.zeros(flat.numel(), dtype=self.work_dtype(flat.dtype), device=flat.device)
+        capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
+        idx, _, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
+                                          zero_selected=False)
+        self._preselected = (idx[:min(count, capacity)], count)
+        return self.residual
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
@@ -113,10 +140,8 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     t = state.iteration + 1
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
-    mag = acc.abs()
-
     with rec.phase("local_select"):
-        local_idx = _local_select(mag, k, state, t, stats)
+        local_idx = _local_select(acc, k, state, t, stats)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
@@ -149,7 +174,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
         gval = codec.decode(gwire, scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
-    contributed_mask = torch.isin(local_idx, gidx)
+    contributed_mask = kernels.isin_sorted(local_idx, gidx)
     return SparseResult(n=n, indexes=gidx, values=gval,
                         contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
                         stats=stats, kept_idx=red_rel + starts[me],
@@ -157,20 +182,33 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
 
 # ---- step 1: local selection -------------------------------------------------
-def _local_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int,
+def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
                   stats: CallStats) -> torch.Tensor:
-    if st.local_threshold is None or (t - 1) % st.tau == 0 or st._recompute_local:
+    if not st.reuse_due(t):
+        mag = acc.abs()
         idx = kernels.topk_indexes(mag, k)
         st.local_threshold = float(mag[idx].min()) if idx.numel() else None
         st._recompute_local = False
         stats.events["local_recomputed"] = 1
         return idx
     lo, hi = st.count_bounds
-    idx = kernels.select_above(mag, st.local_threshold)
+    pre, st._preselected = st._preselected, None
+    if pre is not None:  # selected while accumulating the residual (fused, one pass)
+        idx, count = pre
+        if count > idx.numel():  # more candidates than the buffer held: select exactly
+            mag = acc.abs()
+            idx = kernels.topk_indexes(mag, k)
+            st.local_threshold = float(mag[idx].min()) if idx.numel() else None
+            stats.events["local_corrected"] = 1
+            return idx
+    else:
+        idx = kernels.select_above(acc.abs(), st.local_threshold)
     if idx.numel() > hi * k:
         # Too many: the exact top-k are among these few candidates.
-        idx = idx[kernels.topk_of_candidates(idx, mag[idx], k)]
-        st.local_threshold = float(mag[idx].min())
+        mag = acc[idx].abs()
+        keep = kernels.topk_of_candidates(idx, mag, k)
+        idx = idx[keep]
+        st.local_threshold = float(mag[keep].min())
         stats.events["local_corrected"] = 1
     elif idx.numel() < lo * k:
         st._recompute_local = True
