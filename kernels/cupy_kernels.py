@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import torch
 
-from .radix import choose_digit, key_layout, key_to_float
+from .radix import radix_select
 
 __all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "SELECT_THREADS",
            "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
@@ -240,20 +240,11 @@ def kth_largest_cupy(x: torch.Tensor, k: int) -> float:
        keys matching the prefix so far.
     2. ``radix.choose_digit`` on the device; one sync at the end.
     """
-    bits, shifts, _ = key_layout(x.dtype)
-    x = x.reshape(-1).contiguous()
-    n = x.numel()
-    dev = x.device
-    krem = torch.tensor(k, dtype=torch.int64, device=dev)
-    prefix = torch.zeros((), dtype=torch.int64, device=dev)
-    prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
-    blocks = max(1, min(HIST_BLOCKS, -(-n // HIST_THREADS)))
-    name = "radix_hist_u16" if bits == 16 else "radix_hist_u32"
-    for i, shift in enumerate(shifts):
-        hist = torch.zeros(256, dtype=torch.int32, device=dev)
-        prefix32.copy_(prefix.reshape(1))
-        _launch(name, blocks, HIST_THREADS,
-                (_ptr(x), np.int64(n), _ptr(prefix32), _ptr(hist), np.int32(shift), np.int32(i == 0)),
-                dev)
-        choose_digit(hist, krem, prefix)
-    return key_to_float(int(prefix), x.dtype)
+    blocks = max(1, min(HIST_BLOCKS, -(-x.numel() // HIST_THREADS)))
+
+    def histogram(x, n, prefix32, hist, bits, shift, first):
+        _launch("radix_hist_u16" if bits == 16 else "radix_hist_u32", blocks, HIST_THREADS,
+                (_ptr(x), np.int64(n), _ptr(prefix32), _ptr(hist), np.int32(shift), np.int32(first)),
+                x.device)
+
+    return radix_select(x, k, histogram)

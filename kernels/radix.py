@@ -39,6 +39,31 @@ def choose_digit(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor) -
     prefix.mul_(256).add_(d.to(prefix.dtype))
 
 
+def radix_select(x: torch.Tensor, k: int, histogram) -> float:
+    """Exact k-th largest of |x| by an 8-bit radix select, given a device histogram kernel.
+
+    1. For each digit (most significant first), ``histogram(x, n, prefix32,
+       hist, bits, shift, first)`` counts the digit of the keys matching the
+       prefix chosen so far into ``hist`` (256 int32 bins).
+    2. ``choose_digit`` picks the digit on the device: no sync between passes.
+    3. One sync at the end turns the key into a float.
+
+    Shared by the Triton and CuPy paths, which differ only in the histogram launch.
+    """
+    bits, shifts, _ = key_layout(x.dtype)
+    x = x.reshape(-1).contiguous()
+    dev = x.device
+    krem = torch.tensor(k, dtype=torch.int64, device=dev)
+    prefix = torch.zeros((), dtype=torch.int64, device=dev)
+    prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    for i, shift in enumerate(shifts):
+        hist = torch.zeros(256, dtype=torch.int32, device=dev)
+        prefix32.copy_(prefix.reshape(1))
+        histogram(x, x.numel(), prefix32, hist, bits, shift, i == 0)
+        choose_digit(hist, krem, prefix)
+    return key_to_float(int(prefix), x.dtype)
+
+
 def key_to_float(key: int, dtype: torch.dtype) -> float:
     """The float whose (sign-less) bit pattern is ``key``."""
     bits, _, idt = key_layout(dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .radix import choose_digit, key_layout, key_to_float
+from .radix import radix_select
 
 __all__ = ["ef_select_triton", "kth_largest_triton", "SELECT_BLOCK", "HIST_BLOCK"]
 
@@ -63,18 +63,10 @@ def kth_largest_triton(x: torch.Tensor, k: int) -> float:
        between passes; one sync at the end to return a float.
     """
     impl = _impl()
-    bits, shifts, _ = key_layout(x.dtype)
-    x = x.reshape(-1).contiguous()
-    n = x.numel()
-    dev = x.device
-    krem = torch.tensor(k, dtype=torch.int64, device=dev)
-    prefix = torch.zeros((), dtype=torch.int64, device=dev)
-    prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
-    grid = (max(1, min(HIST_PROGRAMS, -(-n // HIST_BLOCK))),)
-    for i, shift in enumerate(shifts):
-        hist = torch.zeros(256, dtype=torch.int32, device=dev)
-        prefix32.copy_(prefix.reshape(1))
+    grid = (max(1, min(HIST_PROGRAMS, -(-x.numel() // HIST_BLOCK))),)
+
+    def histogram(x, n, prefix32, hist, bits, shift, first):
         impl.radix_hist_kernel[grid](x, n, prefix32, hist, KEY_BITS=bits, SHIFT=shift,
-                                     FIRST=i == 0, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
-        choose_digit(hist, krem, prefix)
-    return key_to_float(int(prefix), x.dtype)
+                                     FIRST=first, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
+
+    return radix_select(x, k, histogram)
