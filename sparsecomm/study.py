@@ -204,6 +204,20 @@ def _pyplot():
     return plt
 
 
+def _lines(ax, points: dict[str, list[tuple[float, float]]], ylabel: str) -> None:
+    """One line per algorithm (fixed markers and dashes) on log-log axes over P."""
+    for alg in ALGORITHMS:
+        pts = sorted(points.get(alg, []))
+        if pts:
+            marker, dash = _STYLE[alg]
+            ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_volume(rows: list[VolumeRow], path: str) -> None:
     """Bytes per rank (busiest) vs P, log-log, one panel per kind, the lower bound drawn."""
     plt = _pyplot()
@@ -211,21 +225,13 @@ def plot_volume(rows: list[VolumeRow], path: str) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         sub = [r for r in rows if r.kind == kind]
-        for alg in ALGORITHMS:
-            pts = sorted((r.P, r.bytes_max) for r in sub if r.algorithm == alg)
-            if pts:
-                marker, dash = _STYLE[alg]
-                ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
+        _lines(ax, {alg: [(r.P, r.bytes_max) for r in sub if r.algorithm == alg] for alg in ALGORITHMS},
+               "bytes per rank per call (busiest rank)")
         Ps = sorted({r.P for r in sub})
         k = sub[0].k
         ax.plot(Ps, [2 * k * (P - 1) / P * WORD for P in Ps], "k--", label="lower bound 2k(P-1)/P")
         ax.plot(Ps, [6 * k * (P - 1) / P * WORD for P in Ps], "k:", label="Ok-Topk bound 6k(P-1)/P")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("ranks P")
-        ax.set_ylabel("bytes per rank per call (busiest rank)")
         ax.set_title(f"{kind}, n={sub[0].n:,}, k={k:,}")
-        ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -236,18 +242,10 @@ def plot_projection(proj: list[dict], path: str) -> None:
     """Modelled time per call vs P, one line per algorithm."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for alg in ALGORITHMS:
-        pts = sorted((d["P"], d["time_s"] * 1e3) for d in proj if d["algorithm"] == alg)
-        if pts:
-            marker, dash = _STYLE[alg]
-            ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
+    _lines(ax, {alg: [(d["P"], d["time_s"] * 1e3) for d in proj if d["algorithm"] == alg]
+                for alg in ALGORITHMS}, "modelled communication time per call (ms)")
     d0 = proj[0]
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks P")
-    ax.set_ylabel("modelled communication time per call (ms)")
     ax.set_title(f"{d0['target_n']:,} elements, density 1%, {d0['network']} ({d0['kind']})")
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
