@@ -12,7 +12,6 @@ small allgather per call.
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 import zlib

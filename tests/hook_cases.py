@@ -7,7 +7,6 @@ import io
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import sparsecomm
 from sparsecomm.hooks import SparseHookState, sparse_allreduce_hook
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparsecomm
-from sparsecomm.compress import COMPRESSORS, Quantize, get_compressor, pack_bits, unpack_bits
+from sparsecomm.compress import Quantize, get_compressor, pack_bits, unpack_bits
 
 ALGORITHMS = ["dense", "oktopk", "topka", "topkdsa", "gtopk", "gaussiank"]
 

@@ -70,7 +70,7 @@ class FakeBucket:
 def _params(sizes, rank, step=0):
     ps = [torch.nn.Parameter(torch.zeros(s)) for s in sizes]
     for i, p in enumerate(ps):
-        p.grad = torch.randn(s := sizes[i], generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
+        p.grad = torch.randn(sizes[i], generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
     return ps
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 from typing import Sequence
 
 import torch
