@@ -15,7 +15,11 @@ disk (``cache=True``) so only the first process pays the compile.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from .dispatch import import_numba
+
+import_numba()  # thread pool sized to torch's budget, before numba starts it
+
+from numba import njit, prange  # noqa: E402
 
 __all__ = ["ef_select_chunks", "bracket_pass", "count_above"]
 

@@ -55,6 +55,26 @@ def install_hint(backend: str) -> str:
     return _HINTS.get(_ALIASES.get(backend, backend), "")
 
 
+def import_numba():
+    """Import numba with a thread pool no larger than torch's thread budget.
+
+    numba sizes its pool from ``NUMBA_NUM_THREADS`` (default: every core) when
+    it is first imported, and idle pool threads keep cores busy. With P ranks
+    on one node (torchrun and ``sparsecomm.launch`` give each rank cores/P
+    torch threads) that made Ok-Topk 4x slower at P = 4 on 2 cores, and
+    ``numba.set_num_threads`` later does not shrink the pool. So the budget is
+    set before the import, unless the user set it.
+    """
+    import os
+    import sys
+
+    if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(max(1, torch.get_num_threads()))
+    import numba
+
+    return numba
+
+
 @functools.lru_cache(maxsize=None)
 def _library_ok(backend: str) -> bool:
     # Cached: importing triton/cupy/numba costs seconds, and availability does
@@ -69,8 +89,7 @@ def _library_ok(backend: str) -> bool:
 
             return bool(cupy.cuda.is_available())
         if backend == "cpu":
-            import numba  # noqa: F401
-
+            import_numba()
             return True
     except Exception:  # ImportError, or a broken CUDA runtime raising on probe
         return False
