@@ -226,6 +226,8 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         st = sparsecomm.OkTopkState(density=0.01, tau=32, tau_prime=64)
         out = sparsecomm.allreduce(grad, state=st, op="avg")
     """
+    if op not in _OPS and not check:  # no collective check asked for: still never guess an op
+        raise InputError(f"sparsecomm.allreduce: op must be 'sum' or 'avg', got {op!r}")
     if op not in _OPS and check:
         c = resolve(group=group, comm=comm)
         algorithm = _algorithm_name(algorithm, state)
