@@ -9,7 +9,7 @@ numba) are imported only when a path that needs them runs.
 """
 
 from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add,
-                  split_by_boundaries, unpack_records)
+                  split_by_boundaries, unique_indexes, unpack_records)
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
 from .estimate import estimate_threshold
@@ -18,6 +18,7 @@ from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
-           "index_dtype_for", "scatter_add", "isin_sorted", "ef_select", "estimate_threshold",
+           "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "ef_select",
+           "estimate_threshold",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode"]

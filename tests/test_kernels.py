@@ -94,6 +94,13 @@ def test_distributed_select_equals_gathered_select(P, dtype):
         assert all(c == res[0][1] for _, c in res) and sum(res[0][1]) == len(expected)
 
 
+@pytest.mark.parametrize("m,n", [(0, 10), (1, 1), (50, 1000), (5000, 300), (300, 300)])
+def test_unique_indexes_matches_unique(m, n):
+    # both branches: short lists (sort) and long lists next to n (mask)
+    idx = torch.randint(0, n, (m,), generator=torch.Generator().manual_seed(m + n))
+    assert torch.equal(kernels.unique_indexes(idx, n), torch.unique(idx))
+
+
 def test_isin_sorted_matches_isin():
     gen = torch.Generator().manual_seed(3)
     for m, k in ((0, 5), (5, 0), (100, 30), (1000, 1000)):

@@ -56,7 +56,7 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
         total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx,
                                     codec.decode(gwire, scale, acc.dtype))
-        uniq = torch.unique(gidx)
+        uniq = kernels.unique_indexes(gidx, n)
     stats.global_selected = uniq.numel()
     return SparseResult(n=n, indexes=uniq, values=total[uniq], contributed=idx,
                         sent=codec.decode(wire, scale, acc.dtype), stats=stats)
