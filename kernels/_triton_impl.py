@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "radix_hist_kernel"]
+__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel"]
 
 
 @triton.jit
@@ -102,3 +102,38 @@ def radix_hist_kernel(x_ptr, n, prefix_ptr, hist_ptr,
         digit = (key >> SHIFT) & 255
         hist += tl.histogram(digit, 256, mask=match)
     tl.atomic_add(hist_ptr + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def scatter_add_sorted_kernel(out_ptr, idx_ptr, val_ptr, m, BLOCK: tl.constexpr):
+    """out[i] += the run of values of index i, for idx sorted (stably) ascending.
+
+    1. A position starts a run when its index differs from the previous one.
+    2. Each run start sums its run in input order, ((out + v0) + v1) + ...,
+       reading ahead while the index repeats (a program loops as long as its
+       longest run: at most P for gathered records), and writes once. No
+       atomics: the result does not depend on scheduling, so every rank and
+       every run gets the same bits.
+    """
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < m
+    i = tl.load(idx_ptr + offs, mask=inb, other=-1)
+    prev = tl.load(idx_ptr + offs - 1, mask=inb & (offs > 0), other=-1)
+    start = inb & (i != prev)
+    acc = tl.load(out_ptr + i, mask=start, other=0.0)
+    acc += tl.load(val_ptr + offs, mask=start, other=0.0)
+    active = start
+    d = 1
+    more = tl.max(active.to(tl.int32), axis=0)
+    while more > 0:
+        nxt = offs + d
+        ok = active & (nxt < m)
+        j = tl.load(idx_ptr + nxt, mask=ok, other=-1)
+        ok = ok & (j == i)
+        v = tl.load(val_ptr + nxt, mask=ok, other=0.0)
+        acc = tl.where(ok, acc + v, acc)  # not acc + 0.0: that would turn -0.0 into +0.0
+        active = ok
+        d += 1
+        more = tl.max(active.to(tl.int32), axis=0)
+    tl.store(out_ptr + i, acc, mask=start)

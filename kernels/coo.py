@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from . import dispatch
+
 __all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_records",
-           "unpack_records", "scatter_add", "isin_sorted", "unique_indexes"]
+           "unpack_records", "scatter_add", "scatter_add_sorted_torch", "isin_sorted",
+           "unique_indexes"]
 
 
 def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
@@ -59,9 +62,71 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype,
     return idx, val
 
 
-def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``out[idx] += values`` with duplicate indexes summed; returns ``out``."""
-    return out.index_add_(0, idx, values.to(out.dtype))
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+                backend: str | None = None) -> torch.Tensor:
+    """``out[idx] += values``, duplicates summed in the order they appear; returns ``out``.
+
+    Deterministic on every path, and bitwise equal across paths: each
+    ``out[i]`` becomes ``((out[i] + v_first) + v_second) + ...`` over the
+    duplicates of i in input order, which is what a sequential loop (and
+    torch's CPU ``index_add_``) computes. That is what keeps ranks bitwise
+    identical when they sum the same gathered records (TopkA): CUDA's
+    ``index_add_`` adds duplicates with atomics, in a different order on
+    every run.
+
+    1. CPU (``torch`` path): ``index_add_``, a sequential loop.
+    2. Elsewhere: a stable sort by index (duplicates keep their order), then
+       one pass where the first entry of each run of equal indexes sums its
+       run in order and writes once: no atomics (``triton``, ``cupy``, or
+       :func:`scatter_add_sorted_torch`).
+
+    Args:
+        out: dense float tensor, updated in place.
+        idx: int64 indexes into ``out`` (any order, duplicates allowed).
+        values: same length as ``idx``; cast to ``out.dtype`` first.
+        backend: ``torch``/``triton``/``cupy``/``auto`` (``kernels.dispatch``).
+    """
+    values = values.to(out.dtype)
+    name = dispatch.choose(out, backend, supported=("torch", "triton", "cupy"))
+    if idx.numel() == 0:
+        return out
+    if name == "torch" and out.device.type == "cpu":
+        return out.index_add_(0, idx, values)
+    sidx, order = torch.sort(idx, stable=True)
+    sval = values[order]
+    if name == "triton":
+        from .triton_kernels import scatter_add_sorted_triton
+
+        scatter_add_sorted_triton(out, sidx, sval)
+    elif name == "cupy":
+        from .cupy_kernels import scatter_add_sorted_cupy
+
+        scatter_add_sorted_cupy(out, sidx, sval)
+    else:
+        scatter_add_sorted_torch(out, sidx, sval)
+    return out
+
+
+def scatter_add_sorted_torch(out: torch.Tensor, sidx: torch.Tensor, sval: torch.Tensor) -> torch.Tensor:
+    """Reference for sorted input: every run of equal indexes summed in order, written once.
+
+    Loops once per position in the longest run (at most P for gathered
+    records), each step a few vector ops over the runs.
+    """
+    m = sidx.numel()
+    if m == 0:
+        return out
+    start = torch.ones(m, dtype=torch.bool, device=sidx.device)
+    start[1:] = sidx[1:] != sidx[:-1]
+    pos = torch.nonzero(start).flatten()
+    first = sidx[pos]
+    acc = out[first] + sval[pos]
+    run = torch.diff(pos, append=torch.tensor([m], device=pos.device))
+    for d in range(1, int(run.max())):
+        more = run > d
+        acc[more] = acc[more] + sval[pos[more] + d]
+    out[first] = acc
+    return out
 
 
 def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:

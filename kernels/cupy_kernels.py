@@ -1,4 +1,4 @@
-"""CuPy RawKernel paths (CUDA C): fused error-feedback select and radix k-th largest.
+"""CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest, scatter-add.
 
 The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
 with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
@@ -16,13 +16,15 @@ import torch
 
 from .radix import radix_select
 
-__all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "SELECT_THREADS",
+__all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "scatter_add_sorted_cupy",
+           "SCATTER_THREADS", "SELECT_THREADS",
            "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
 
 SELECT_THREADS = 256
 SELECT_ITEMS = 16    # per thread: a 4096-element tile per block, like the Triton kernel
 HIST_THREADS = 512
 HIST_BLOCKS = 1056   # 8 blocks of 512 threads per SM on an H100 (132 SMs)
+SCATTER_THREADS = 256
 
 _GRAD_TYPES = {torch.float32: ("float", "f32"), torch.float16: ("__half", "f16"),
                torch.bfloat16: ("__nv_bfloat16", "bf16"), torch.float64: ("double", "f64")}
@@ -154,6 +156,30 @@ extern "C" __global__ void radix_hist_u32(const unsigned int* x, long long n, co
                                           unsigned int* hist, int shift, int first) {
     radix_hist_body<unsigned int>(x, n, prefix, hist, shift, first, 0x7fffffffu);
 }
+// Deterministic scatter-add of stably sorted indexes (see scatter_add_sorted_cupy).
+template <typename T>
+__device__ __forceinline__ void scatter_add_sorted_body(
+    T* __restrict__ out, const long long* __restrict__ idx, const T* __restrict__ val, long long m)
+{
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= m) return;
+    const long long i = idx[p];
+    if (p > 0 && idx[p - 1] == i) return;  // not the first of its run
+    T acc = out[i] + val[p];
+    // In input order, like a sequential loop: no atomics, so the same bits every run.
+    for (long long q = p + 1; q < m && idx[q] == i; ++q) acc += val[q];
+    out[i] = acc;
+}
+
+extern "C" __global__ void scatter_add_sorted_f32(float* out, const long long* idx, const float* val,
+                                                  long long m) {
+    scatter_add_sorted_body<float>(out, idx, val, m);
+}
+extern "C" __global__ void scatter_add_sorted_f64(double* out, const long long* idx, const double* val,
+                                                  long long m) {
+    scatter_add_sorted_body<double>(out, idx, val, m);
+}
+
 extern "C" __global__ void radix_hist_u16(const unsigned short* x, long long n, const int* prefix,
                                           unsigned int* hist, int shift, int first) {
     radix_hist_body<unsigned short>(x, n, prefix, hist, shift, first, 0x7fffu);
@@ -248,3 +274,23 @@ def kth_largest_cupy(x: torch.Tensor, k: int) -> float:
                 x.device)
 
     return radix_select(x, k, histogram)
+
+
+def scatter_add_sorted_cupy(out: torch.Tensor, sidx: torch.Tensor, sval: torch.Tensor) -> None:
+    """Deterministic ``out[sidx] += sval`` for stably sorted ``sidx`` (see ``coo.scatter_add``).
+
+    One thread per position; the first position of each run of equal
+    indexes sums the run in order and writes once. float32/float64 ``out``;
+    other dtypes go through the torch reference.
+    """
+    m = sidx.numel()
+    if m == 0:
+        return
+    if out.dtype not in (torch.float32, torch.float64):
+        from .coo import scatter_add_sorted_torch
+
+        scatter_add_sorted_torch(out, sidx, sval)
+        return
+    name = "scatter_add_sorted_f32" if out.dtype == torch.float32 else "scatter_add_sorted_f64"
+    _launch(name, -(-m // SCATTER_THREADS), SCATTER_THREADS,
+            (_ptr(out), _ptr(sidx.contiguous()), _ptr(sval.contiguous()), np.int64(m)), out.device)

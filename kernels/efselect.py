@@ -46,7 +46,7 @@ def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float
     """The reference: the unfused torch chain with the same contract as :func:`ef_select`."""
     acc = residual.add_(grad.to(residual.dtype), alpha=scale)
     mag = acc.abs()
-    mask = (mag >= threshold) & (acc != 0) if threshold > 0 else acc != 0
+    mask = (mag >= threshold) & (acc != 0)  # NaN is never selected, as on every path
     idx = torch.nonzero(mask).flatten()
     count = idx.numel()
     w = min(count, capacity)
@@ -66,7 +66,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     1. acc = residual + scale * grad, computed in the residual's dtype and
        written back into ``residual``.
     2. Selected: acc != 0 and |acc| >= threshold (threshold <= 0 selects
-       every nonzero entry).
+       every nonzero entry; NaN is never selected).
     3. The first ``capacity`` selected entries, by ascending index, are
        written as (int64 index, value) into ``out_idx``/``out_val``; later
        ones are counted but not written.

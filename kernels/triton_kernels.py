@@ -1,4 +1,4 @@
-"""Launchers for the Triton kernels (fused select, radix k-th largest).
+"""Launchers for the Triton kernels (fused select, radix k-th largest, deterministic scatter-add).
 
 triton is imported inside :func:`_impl` only (``pip install 'sparsecomm[triton]'``);
 the kernels themselves are in ``kernels/_triton_impl.py``. Launch shapes are
@@ -11,13 +11,16 @@ import torch
 
 from .radix import radix_select
 
-__all__ = ["ef_select_triton", "kth_largest_triton", "SELECT_BLOCK", "HIST_BLOCK"]
+__all__ = ["ef_select_triton", "kth_largest_triton", "scatter_add_sorted_triton", "SELECT_BLOCK",
+           "HIST_BLOCK", "SCATTER_BLOCK"]
 
 SELECT_BLOCK = 4096   # elements per program: 16 per thread at 8 warps
 SELECT_WARPS = 8
 HIST_BLOCK = 4096
 HIST_WARPS = 8
 HIST_PROGRAMS = 1024  # about 8 programs per SM on an H100 (132 SMs): enough to hide latency
+SCATTER_BLOCK = 1024  # run starts per program; 4 warps, 8 per thread
+SCATTER_WARPS = 4
 
 
 def _impl():
@@ -70,3 +73,24 @@ def kth_largest_triton(x: torch.Tensor, k: int) -> float:
                                      FIRST=first, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
 
     return radix_select(x, k, histogram)
+
+
+def scatter_add_sorted_triton(out: torch.Tensor, sidx: torch.Tensor, sval: torch.Tensor) -> None:
+    """Deterministic ``out[sidx] += sval`` for stably sorted ``sidx`` (see ``coo.scatter_add``).
+
+    One program per SCATTER_BLOCK positions; each run of equal indexes is
+    summed in order by the program holding its first position. float32/
+    float64 ``out``; 16-bit sums (rounded at every step on the CPU) go
+    through the torch reference.
+    """
+    m = sidx.numel()
+    if m == 0:
+        return
+    if out.dtype not in (torch.float32, torch.float64):
+        from .coo import scatter_add_sorted_torch
+
+        scatter_add_sorted_torch(out, sidx, sval)
+        return
+    grid = (-(-m // SCATTER_BLOCK),)
+    _impl().scatter_add_sorted_kernel[grid](out, sidx, sval, m, BLOCK=SCATTER_BLOCK,
+                                            num_warps=SCATTER_WARPS)

@@ -86,6 +86,33 @@ def test_ef_select_matches_reference(path, case, zero):
     torch.testing.assert_close(back, r0 + 0.5 * g)
 
 
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("cap_frac", [0.2, 0.5, 0.9, 1.0, 2.0])
+def test_ef_select_cpu_spans_and_overflow(threads, cap_frac):
+    # The CPU path cuts the vector into one span per torch thread and merges;
+    # the capacity can run out inside any span (or not at all).
+    from sparsecomm.kernels.cpu import ef_select_cpu
+
+    n = 200_003
+    gen = torch.Generator().manual_seed(threads)
+    g, r0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    expect = int(((r0 + g).abs() >= 2.0).sum())
+    cap = int(cap_frac * expect)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        r = r0.clone()
+        idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
+        c = ef_select_cpu(g, r, 2.0, cap, 1.0, True, idx, val)
+    finally:
+        torch.set_num_threads(old)
+    ri, rv, rc, rr = _run("torch", g, r0.clone(), 2.0, cap, 1.0, True)
+    assert c == rc == expect
+    w = min(c, cap)
+    assert torch.equal(idx[:w], ri[:w]) and torch.equal(val[:w], rv[:w]) and torch.equal(r, rr)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("gdtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_ef_select_grad_dtypes(path, gdtype):

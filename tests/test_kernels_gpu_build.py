@@ -22,6 +22,7 @@ _SELECT_SIG = {"g_ptr": "*{g}", "r_ptr": "*{r}", "out_idx_ptr": "*i64", "out_val
                "capacity": "i64", "ZERO": "constexpr", "BLOCK": "constexpr"}
 _HIST_SIG = {"x_ptr": "*{x}", "n": "i64", "prefix_ptr": "*i32", "hist_ptr": "*i32",
              "KEY_BITS": "constexpr", "SHIFT": "constexpr", "FIRST": "constexpr", "BLOCK": "constexpr"}
+_SCATTER_SIG = {"out_ptr": "*{t}", "idx_ptr": "*i64", "val_ptr": "*{t}", "m": "i64", "BLOCK": "constexpr"}
 
 
 _TRITON_BUILD = r"""
@@ -30,9 +31,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparsecomm.kernels import _triton_impl as impl
-from sparsecomm.kernels.triton_kernels import HIST_BLOCK, HIST_WARPS, SELECT_BLOCK, SELECT_WARPS
+from sparsecomm.kernels.triton_kernels import (HIST_BLOCK, HIST_WARPS, SCATTER_BLOCK, SCATTER_WARPS,
+                                               SELECT_BLOCK, SELECT_WARPS)
 
-SELECT_SIG, HIST_SIG = %r, %r
+SELECT_SIG, HIST_SIG, SCATTER_SIG = %r, %r, %r
 built = 0
 for arch in (80, 90):
     target = GPUTarget("cuda", arch, 32)
@@ -52,8 +54,14 @@ for arch in (80, 90):
                                options={"num_warps": HIST_WARPS})
             assert k.asm["cubin"]
             built += 1
+    for t in ("fp32", "fp64"):
+        sig = {k: v.format(t=t) for k, v in SCATTER_SIG.items()}
+        k = triton.compile(ASTSource(impl.scatter_add_sorted_kernel, sig, {"BLOCK": SCATTER_BLOCK}),
+                           target=target, options={"num_warps": SCATTER_WARPS})
+        assert k.asm["cubin"] and "atom." not in k.asm["ptx"]  # no atomics: deterministic sums
+        built += 1
 print("built", built)
-""" % (_SELECT_SIG, _HIST_SIG)
+""" % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
@@ -65,7 +73,7 @@ def test_triton_kernels_compile_for_sm80_sm90():
     out = subprocess.run([sys.executable, "-c", _TRITON_BUILD], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "built 28" in out.stdout
+    assert "built 32" in out.stdout
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -82,7 +90,8 @@ def test_cuda_source_compiles(arch, tmp_path):
     usage = re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores, (\d+) bytes spill loads\n"
                        r".*?Used (\d+) registers", out.stdout + out.stderr, re.S)
     names = {u[0] for u in usage}
-    assert {"ef_select_f32_f32", "ef_select_bf16_f32", "radix_hist_u32", "radix_hist_u16"} <= names
+    assert {"ef_select_f32_f32", "ef_select_bf16_f32", "radix_hist_u32", "radix_hist_u16",
+            "scatter_add_sorted_f32", "scatter_add_sorted_f64"} <= names
     for name, st, ld, regs in usage:
         print(f"sm_{arch} {name}: {regs} registers, spill stores {st} B, loads {ld} B")
         assert int(st) == 0 and int(ld) == 0
