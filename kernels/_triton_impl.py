@@ -2,7 +2,7 @@
 
 Only ``kernels.triton_kernels`` imports this module, inside its functions, so
 ``sparsecomm.kernels`` never needs triton. Sized for large tensors on
-A100/H100: 4096 elements per program and 8 warps (16 elements per thread,
+A100/H100 (block sizes and warps: see ``triton_kernels``; 8-16 elements per thread,
 vectorised 16-byte loads), one program per tile for the single-pass select,
 a capped grid with a loop for the histograms.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel"]
+__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel", "count_above_kernel"]
 
 
 @triton.jit
@@ -39,8 +39,10 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(r.dtype)
     acc = r + scale * g
     sel = m & (acc != 0) & (tl.abs(acc) >= th)
-    s = sel.to(tl.int64)
-    count = tl.sum(s, axis=0)
+    # In-tile counts and offsets in int32 (a tile holds < 2**31 entries): an
+    # int64 cumsum over the tile doubled the registers and halved occupancy.
+    s = sel.to(tl.int32)
+    count = tl.sum(s, axis=0).to(tl.int64)
     # Tile 0 knows its inclusive prefix at once; the others publish an aggregate.
     first = tile == 0
     tl.atomic_xchg(status_ptr + tile, (count << 2) | tl.where(first, 2, 1))
@@ -55,7 +57,7 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
         done = (flag == 2).to(tl.int32)
         j -= (flag == 1).to(j.dtype)
     tl.atomic_xchg(status_ptr + tile, ((excl + count) << 2) | 2, mask=tile > 0)
-    pos = excl + tl.cumsum(s, axis=0) - s
+    pos = excl + (tl.cumsum(s, axis=0) - s).to(tl.int64)
     write = sel & (pos < capacity)
     tl.store(out_idx_ptr + pos, offs, mask=write)
     tl.store(out_val_ptr + pos, acc, mask=write)
@@ -137,3 +139,26 @@ def scatter_add_sorted_kernel(out_ptr, idx_ptr, val_ptr, m, BLOCK: tl.constexpr)
         d += 1
         more = tl.max(active.to(tl.int32), axis=0)
     tl.store(out_ptr + i, acc, mask=start)
+
+
+@triton.jit
+def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[j] += #{i : |x_i| >= th[j]} for up to NT thresholds, in one pass.
+
+    Each program loops over tiles (grid capped at a few waves), compares every
+    |x| with every threshold (a BLOCK x NT tile of compares in registers:
+    thresholds are few), keeps its counts in registers and adds them to the
+    global counts once.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tj = tl.arange(0, NT)
+    th = tl.load(th_ptr + tj, mask=tj < nt, other=float("inf"))
+    acc = tl.zeros((NT,), dtype=tl.int64)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
+        ge = (x[:, None] >= th[None, :]) & m[:, None]
+        acc += tl.sum(ge.to(tl.int32), axis=0).to(tl.int64)
+    tl.atomic_add(counts_ptr + tj, acc, mask=tj < nt)

@@ -1,4 +1,5 @@
-"""CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest, scatter-add.
+"""CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest,
+deterministic scatter-add, threshold counts.
 
 The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
 with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
@@ -17,6 +18,7 @@ import torch
 from .radix import radix_select
 
 __all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "scatter_add_sorted_cupy",
+           "count_above_cupy",
            "SCATTER_THREADS", "SELECT_THREADS",
            "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
 
@@ -43,6 +45,42 @@ template <typename R> __device__ __forceinline__ R widen(double v) { return (R)v
 template <typename R> __device__ __forceinline__ R widen(__half v) { return (R)__half2float(v); }
 template <typename R> __device__ __forceinline__ R widen(__nv_bfloat16 v) { return (R)__bfloat162float(v); }
 
+// A thread's SELECT_ITEMS consecutive elements in 16-byte loads when the run is
+// whole and aligned (every tile but the last, for tensors from the allocator),
+// else element by element with zeros past n. One 16-byte load per 4 floats
+// instead of 4 loads: a warp's 32 threads then read whole 32-byte sectors.
+template <typename T>
+__device__ __forceinline__ void load_items(const T* p, long long base, long long n,
+                                           T (&v)[SELECT_ITEMS]) {
+    const T* q = p + base;
+    if (base + SELECT_ITEMS <= n && (reinterpret_cast<unsigned long long>(q) & 15ull) == 0) {
+        constexpr int VEC = SELECT_ITEMS * sizeof(T) / 16;
+        uint4 w[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) w[k] = reinterpret_cast<const uint4*>(q)[k];
+        memcpy(v, w, sizeof(w));  // a register move after unrolling
+    } else {
+#pragma unroll
+        for (int j = 0; j < SELECT_ITEMS; ++j) v[j] = base + j < n ? q[j] : (T)0.0f;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_items(T* p, long long base, long long n,
+                                            const T (&v)[SELECT_ITEMS]) {
+    T* q = p + base;
+    if (base + SELECT_ITEMS <= n && (reinterpret_cast<unsigned long long>(q) & 15ull) == 0) {
+        constexpr int VEC = SELECT_ITEMS * sizeof(T) / 16;
+        uint4 w[VEC];
+        memcpy(w, v, sizeof(w));
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) reinterpret_cast<uint4*>(q)[k] = w[k];
+    } else {
+#pragma unroll
+        for (int j = 0; j < SELECT_ITEMS; ++j) if (base + j < n) q[j] = v[j];
+    }
+}
+
 // Fused error-feedback select for one 4096-element tile (see ef_select_cupy).
 template <typename G, typename R>
 __device__ __forceinline__ void ef_select_tile(
@@ -60,18 +98,18 @@ __device__ __forceinline__ void ef_select_tile(
     const long long tile = s_tile;
     const long long base = tile * SELECT_TILE + (long long)threadIdx.x * SELECT_ITEMS;
     R acc[SELECT_ITEMS];
+    G gv[SELECT_ITEMS];
+    load_items<R>(r, base, n, acc);
+    load_items<G>(g, base, n, gv);
     unsigned int sel = 0;
     int cnt = 0;
 #pragma unroll
     for (int j = 0; j < SELECT_ITEMS; ++j) {
-        const long long i = base + j;
-        R a = (R)0;
-        if (i < n) {
-            a = r[i] + scale * widen<R>(g[i]);
-            const bool s = (a != (R)0) && (fabs(a) >= th);
-            sel |= (unsigned int)s << j;
-            cnt += s;
-        }
+        // Past n both loads gave 0, so acc is 0 and never selected.
+        const R a = acc[j] + scale * widen<R>(gv[j]);
+        const bool s = (a != (R)0) && (fabs(a) >= th);
+        sel |= (unsigned int)s << j;
+        cnt += s;
         acc[j] = a;
     }
     // Block-wide exclusive scan of per-thread counts: warp shuffles, then warp totals.
@@ -124,11 +162,7 @@ __device__ __forceinline__ void ef_select_tile(
             ++pos;
         }
     }
-#pragma unroll
-    for (int j = 0; j < SELECT_ITEMS; ++j) {
-        const long long i = base + j;
-        if (i < n) r[i] = acc[j];
-    }
+    store_items<R>(r, base, n, acc);
 }
 
 // Histogram of one 8-bit digit of sign-less keys matching a prefix (see kth_largest_cupy).
@@ -156,6 +190,48 @@ extern "C" __global__ void radix_hist_u32(const unsigned int* x, long long n, co
                                           unsigned int* hist, int shift, int first) {
     radix_hist_body<unsigned int>(x, n, prefix, hist, shift, first, 0x7fffffffu);
 }
+// counts[j] += #{i : |x_i| >= th[j]} for nt <= COUNT_MAX descending thresholds (see count_above_cupy).
+#define COUNT_MAX 16
+template <typename X>
+__device__ __forceinline__ void count_above_body(
+    const X* __restrict__ x, long long n, const float* __restrict__ th, int nt,
+    unsigned long long* __restrict__ counts)
+{
+    __shared__ unsigned long long s_counts[COUNT_MAX];
+    __shared__ float s_th[COUNT_MAX];
+    if (threadIdx.x < COUNT_MAX) {
+        s_counts[threadIdx.x] = 0;
+        s_th[threadIdx.x] = threadIdx.x < nt ? th[threadIdx.x] : __int_as_float(0x7f800000);
+    }
+    __syncthreads();
+    unsigned int c[COUNT_MAX];
+#pragma unroll
+    for (int j = 0; j < COUNT_MAX; ++j) c[j] = 0;
+    const float last = s_th[nt - 1];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = fabsf(widen<float>(x[i]));
+        if (v >= last) {  // rare: most entries are below the smallest threshold
+#pragma unroll
+            for (int j = 0; j < COUNT_MAX; ++j) c[j] += (v >= s_th[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < COUNT_MAX; ++j)
+        if (j < nt && c[j]) atomicAdd(&s_counts[j], (unsigned long long)c[j]);
+    __syncthreads();
+    if (threadIdx.x < nt && s_counts[threadIdx.x]) atomicAdd(counts + threadIdx.x, s_counts[threadIdx.x]);
+}
+
+#define COUNT_ENTRY(NAME, X) \
+extern "C" __global__ void NAME(const X* x, long long n, const float* th, int nt, \
+                                unsigned long long* counts) { \
+    count_above_body<X>(x, n, th, nt, counts); \
+}
+COUNT_ENTRY(count_above_f32, float)
+COUNT_ENTRY(count_above_f16, __half)
+COUNT_ENTRY(count_above_bf16, __nv_bfloat16)
+
 // Deterministic scatter-add of stably sorted indexes (see scatter_add_sorted_cupy).
 template <typename T>
 __device__ __forceinline__ void scatter_add_sorted_body(
@@ -294,3 +370,25 @@ def scatter_add_sorted_cupy(out: torch.Tensor, sidx: torch.Tensor, sval: torch.T
     name = "scatter_add_sorted_f32" if out.dtype == torch.float32 else "scatter_add_sorted_f64"
     _launch(name, -(-m // SCATTER_THREADS), SCATTER_THREADS,
             (_ptr(out), _ptr(sidx.contiguous()), _ptr(sval.contiguous()), np.int64(m)), out.device)
+
+
+def count_above_cupy(x: torch.Tensor, thresholds) -> np.ndarray:
+    """#{i : |x_i| >= t} for each of at most 16 descending ``thresholds`` (fp16/bf16/fp32 ``x``).
+
+    Grid-stride loop; per-thread counts in registers, only touched by the
+    rare entries above the smallest threshold; one shared and one global
+    atomic per threshold per block.
+    """
+    nt = len(thresholds)
+    if not 1 <= nt <= 16:
+        raise ValueError(f"count_above_cupy: 1..16 thresholds, got {nt}")
+    th = torch.tensor(np.asarray(thresholds, dtype=np.float32), device=x.device)
+    counts = torch.zeros(nt, dtype=torch.int64, device=x.device)
+    flat = x.reshape(-1).contiguous()
+    n = flat.numel()
+    name = {torch.float32: "count_above_f32", torch.float16: "count_above_f16",
+            torch.bfloat16: "count_above_bf16"}[flat.dtype]
+    blocks = max(1, min(HIST_BLOCKS, -(-n // HIST_THREADS)))
+    _launch(name, blocks, HIST_THREADS, (_ptr(flat), np.int64(n), _ptr(th), np.int32(nt), _ptr(counts)),
+            x.device)
+    return counts.cpu().numpy()

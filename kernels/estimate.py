@@ -63,7 +63,7 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
 
     1. Candidates from a strided sample (:func:`candidate_thresholds`).
     2. One pass counts the entries at or above every candidate (numba on
-       CPU, ``torch.bucketize`` elsewhere). On CPU it reads every
+       CPU, a Triton or CuPy kernel on CUDA, ``torch.bucketize`` otherwise). On CPU it reads every
        ``count_every``-th tile of 4096 entries and scales: at density 0.01 an
        eighth of 25M entries still holds ~31k selected, a 0.6% count noise,
        for an eighth of the memory traffic.
@@ -78,7 +78,7 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
         sample_size: sample entries used for the candidates.
         count_every: CPU counting pass reads at most one tile in this many
             (fewer when k is small, so ~20k selected entries are still counted).
-        backend: ``cpu``/``torch``/``auto`` (see ``kernels.dispatch``).
+        backend: ``cpu``/``triton``/``cupy``/``torch``/``auto`` (``kernels.dispatch``).
 
     Returns:
         The threshold, a positive float.
@@ -87,8 +87,18 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
     if not 1 <= k <= n:
         raise ValueError(f"estimate_threshold: k={k} outside [1, {n}]")
     th = candidate_thresholds(x, k, sample_size)
-    name = dispatch.choose(x, backend, supported=("torch", "cpu"))
-    if name == "cpu":
+    name = dispatch.choose(x, backend, supported=("torch", "cpu", "triton", "cupy"))
+    if name in ("triton", "cupy") and (x.dtype == torch.float64 or th.size > 16):
+        name = "torch"  # the GPU kernels compare in float32, for at most 16 thresholds
+    if name == "triton":
+        from .triton_kernels import count_above_triton
+
+        counts = count_above_triton(x, th)
+    elif name == "cupy":
+        from .cupy_kernels import count_above_cupy
+
+        counts = count_above_cupy(x, th)
+    elif name == "cpu":
         from .cpu import count_above_cpu
 
         # Read enough tiles that ~20k selected entries are counted (count

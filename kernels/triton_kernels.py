@@ -1,4 +1,5 @@
-"""Launchers for the Triton kernels (fused select, radix k-th largest, deterministic scatter-add).
+"""Launchers for the Triton kernels: fused select, radix k-th largest, deterministic
+scatter-add, threshold counts.
 
 triton is imported inside :func:`_impl` only (``pip install 'sparsecomm[triton]'``);
 the kernels themselves are in ``kernels/_triton_impl.py``. Launch shapes are
@@ -7,20 +8,29 @@ chosen for large tensors on A100/H100: see the constants below.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .radix import radix_select
 
-__all__ = ["ef_select_triton", "kth_largest_triton", "scatter_add_sorted_triton", "SELECT_BLOCK",
+__all__ = ["ef_select_triton", "kth_largest_triton", "scatter_add_sorted_triton",
+           "count_above_triton", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK"]
 
-SELECT_BLOCK = 4096   # elements per program: 16 per thread at 8 warps
+# Elements per program of the fused select: 8 per thread at 8 warps. Chosen from
+# the sm_90 cubin's registers (tests/test_kernels_gpu_build.py prints them):
+# 4096 per program needed 146 registers (1 block of 8 warps per SM), 2048 need
+# 80 (3 blocks, 48 KiB of loads in flight per SM) for this memory-bound pass.
+SELECT_BLOCK = 2048
 SELECT_WARPS = 8
 HIST_BLOCK = 4096
 HIST_WARPS = 8
 HIST_PROGRAMS = 1024  # about 8 programs per SM on an H100 (132 SMs): enough to hide latency
 SCATTER_BLOCK = 1024  # run starts per program; 4 warps, 8 per thread
 SCATTER_WARPS = 4
+COUNT_BLOCK = 512     # x 16 thresholds = 32 compares per thread at 8 warps
+COUNT_WARPS = 8
+MAX_THRESHOLDS = 16
 
 
 def _impl():
@@ -37,7 +47,7 @@ def ef_select_triton(grad: torch.Tensor, residual: torch.Tensor, threshold: floa
                      out_val: torch.Tensor) -> int:
     """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
 
-    1. One program per 4096-element tile, tile numbers from an atomic ticket.
+    1. One program per SELECT_BLOCK-element tile, tile numbers from an atomic ticket.
     2. A single-pass decoupled look-back scan of tile counts gives each
        tile its output offset, so output order is index order.
     3. The true count is the last tile's inclusive prefix (one sync).
@@ -94,3 +104,22 @@ def scatter_add_sorted_triton(out: torch.Tensor, sidx: torch.Tensor, sval: torch
     grid = (-(-m // SCATTER_BLOCK),)
     _impl().scatter_add_sorted_kernel[grid](out, sidx, sval, m, BLOCK=SCATTER_BLOCK,
                                             num_warps=SCATTER_WARPS)
+
+
+def count_above_triton(x: torch.Tensor, thresholds) -> np.ndarray:
+    """#{i : |x_i| >= t} for each of at most 16 ``thresholds`` (fp16/bf16/fp32 ``x``), one pass.
+
+    Compares in float32 (exact for 16-bit inputs); the grid is capped like
+    the histogram kernels and each program adds its counts once.
+    """
+    nt = len(thresholds)
+    if not 1 <= nt <= MAX_THRESHOLDS:
+        raise ValueError(f"count_above_triton: 1..{MAX_THRESHOLDS} thresholds, got {nt}")
+    th = torch.tensor(np.asarray(thresholds, dtype=np.float32), device=x.device)
+    counts = torch.zeros(MAX_THRESHOLDS, dtype=torch.int64, device=x.device)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    grid = (max(1, min(HIST_PROGRAMS, -(-n // COUNT_BLOCK))),)
+    _impl().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
+                                     num_warps=COUNT_WARPS)
+    return counts[:nt].cpu().numpy()

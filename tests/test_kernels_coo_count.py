@@ -1,4 +1,7 @@
-"""Deterministic scatter-add: every path bitwise against a sequential loop.
+"""Deterministic scatter-add and threshold counts: every GPU path against its reference.
+
+Scatter-add is compared bitwise with a sequential loop; threshold counts
+(``estimate_threshold``'s pass) exactly with ``count_above_torch``.
 
 Triton runs in interpreter mode on CPU tensors (TRITON_INTERPRET=1 before
 triton is first imported); CuPy only where ``cupy.cuda.is_available()``.
@@ -17,6 +20,7 @@ import torch
 
 from sparsecomm import kernels
 from sparsecomm.kernels.coo import scatter_add_sorted_torch
+from sparsecomm.kernels.estimate import candidate_thresholds, count_above_torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -103,3 +107,45 @@ def test_scatter_add_keeps_negative_zero():
 def test_scatter_add_dispatch_rejects_unavailable_backend():
     with pytest.raises(kernels.BackendUnavailable):
         kernels.scatter_add(torch.zeros(3), torch.tensor([0]), torch.ones(1), backend="cpu")
+
+
+def _count(path: str, x: torch.Tensor, th) -> list[int]:
+    if path == "torch":
+        return count_above_torch(x, th).tolist()
+    if path == "triton":
+        from sparsecomm.kernels.triton_kernels import count_above_triton
+
+        return count_above_triton(x, th).tolist()
+    from sparsecomm.kernels.cupy_kernels import count_above_cupy
+
+    return count_above_cupy(x.cuda(), th).tolist()
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 4099, 70_001])
+def test_count_above_matches_torch(path, dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    k = max(1, n // 100)
+    th = candidate_thresholds(x, k)
+    assert _count(path, x, th) == _count("torch", x, th)
+    # Ties: thresholds equal to entries count them (>=), with 16 thresholds, the most allowed.
+    ties = torch.tensor([float(v) for v in range(16)] * 7, dtype=dtype)
+    th16 = [float(v) for v in range(15, -1, -1)]
+    assert _count(path, ties, th16) == _count("torch", ties, th16) == [7 * (j + 1) for j in range(16)]
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_estimate_threshold_gpu_paths_agree(path):
+    # Same candidates, same exact counts: the estimate equals the torch path's.
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
+    if path == "triton":
+        from sparsecomm.kernels import estimate
+
+        th = candidate_thresholds(x, 500)
+        counts = _count("triton", x, th)
+        assert estimate._interpolate(th, counts, 500) == kernels.estimate_threshold(x, 500, backend="torch")
+    else:
+        y = x.cuda()
+        assert kernels.estimate_threshold(y, 500, backend="cupy") == kernels.estimate_threshold(x, 500, backend="torch")
