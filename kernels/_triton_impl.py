@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel", "count_above_kernel"]
+__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel", "count_above_kernel",
+           "pack_records_kernel", "unpack_records_kernel"]
 
 
 @triton.jit
@@ -162,3 +163,47 @@ def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK
         ge = (x[:, None] >= th[None, :]) & m[:, None]
         acc += tl.sum(ge.to(tl.int32), axis=0).to(tl.int64)
     tl.atomic_add(counts_ptr + tj, acc, mask=tj < nt)
+
+
+@triton.jit
+def pack_records_kernel(idx_ptr, bits_ptr, out_ptr, count, IB: tl.constexpr, VB: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Records ``(index: IB bytes, value: VB bytes)``, little-endian, one per entry.
+
+    The value arrives as its bit pattern (an integer of VB bytes), so one
+    kernel serves every wire dtype; the index is int64 and keeps its low IB
+    bytes. One pass: each entry's bytes are written once.
+    """
+    pid = tl.program_id(0)
+    rec = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = rec < count
+    i = tl.load(idx_ptr + rec, mask=m, other=0)
+    v = tl.load(bits_ptr + rec, mask=m, other=0).to(tl.int64)
+    base = out_ptr + rec * (IB + VB)
+    for b in tl.static_range(IB):
+        tl.store(base + b, ((i >> (8 * b)) & 255).to(tl.uint8), mask=m)
+    for b in tl.static_range(VB):
+        tl.store(base + IB + b, ((v >> (8 * b)) & 255).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, VB: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Inverse of :func:`pack_records_kernel`: int64 indexes and value bit patterns.
+
+    A 4-byte index is sign-extended, as viewing it as int32 and widening does.
+    """
+    pid = tl.program_id(0)
+    rec = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = rec < count
+    base = rec_ptr + rec * (IB + VB)
+    i = tl.zeros((BLOCK,), dtype=tl.int64)
+    for b in tl.static_range(IB):
+        i |= tl.load(base + b, mask=m, other=0).to(tl.int64) << (8 * b)
+    if IB == 4:
+        i = i.to(tl.int32).to(tl.int64)
+    v = tl.zeros((BLOCK,), dtype=tl.int64)
+    for b in tl.static_range(VB):
+        v |= tl.load(base + IB + b, mask=m, other=0).to(tl.int64) << (8 * b)
+    tl.store(idx_ptr + rec, i, mask=m)
+    tl.store(bits_ptr + rec, v.to(bits_ptr.dtype.element_ty), mask=m)

@@ -38,28 +38,72 @@ def record_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=index_dtype).element_size() + torch.empty(0, dtype=value_dtype).element_size()
 
 
+# Integer dtypes carrying a value's bit pattern, by its width in bytes.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
-                 value_dtype: torch.dtype) -> torch.Tensor:
-    """A (count, record_bytes) uint8 tensor of (index, value) records."""
+                 value_dtype: torch.dtype, backend: str | None = None) -> torch.Tensor:
+    """A (count, record_bytes) uint8 tensor of (index, value) records.
+
+    Paths (``kernels.dispatch``): ``torch`` writes the two columns with
+    strided copies; ``triton``/``cupy`` (CUDA) write each record's bytes in
+    one kernel from the int64 index and the value's bit pattern.
+    """
     count = rel_idx.numel()
     ib = torch.empty(0, dtype=index_dtype).element_size()
     out = torch.empty((count, record_bytes(index_dtype, value_dtype)), dtype=torch.uint8,
                       device=values.device)
-    out[:, :ib] = rel_idx.to(index_dtype).reshape(count, 1).view(torch.uint8)
-    out[:, ib:] = values.to(value_dtype).reshape(count, 1).view(torch.uint8)
+    name = dispatch.choose(values, backend, supported=("torch", "triton", "cupy"))
+    if name == "torch" or count == 0:
+        out[:, :ib] = rel_idx.to(index_dtype).reshape(count, 1).view(torch.uint8)
+        out[:, ib:] = values.to(value_dtype).reshape(count, 1).view(torch.uint8)
+        return out
+    vals = values.reshape(-1).to(value_dtype).contiguous()
+    bits = vals.view(_BITS[vals.element_size()])
+    idx = rel_idx.reshape(-1).to(torch.int64).contiguous()
+    if name == "triton":
+        from .triton_kernels import pack_records_triton
+
+        pack_records_triton(idx, bits, out, ib)
+    else:
+        from .cupy_kernels import pack_records_cupy
+
+        pack_records_cupy(idx, bits, out, ib)
     return out
 
 
-def unpack_records(records: torch.Tensor, index_dtype: torch.dtype,
-                   value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_records`: (int64 relative indexes, values)."""
     ib = torch.empty(0, dtype=index_dtype).element_size()
     if records.shape[0] == 0:  # an empty slice keeps its record stride, which view() rejects
         return (torch.empty(0, dtype=torch.int64, device=records.device),
                 torch.empty(0, dtype=value_dtype, device=records.device))
-    idx = records[:, :ib].contiguous().view(index_dtype).reshape(-1).to(torch.int64)
-    val = records[:, ib:].contiguous().view(value_dtype).reshape(-1)
-    return idx, val
+    name = dispatch.choose(records, backend, supported=("torch", "triton", "cupy"))
+    if name == "torch":
+        return _column(records, 0, ib, index_dtype).to(torch.int64), _column(records, ib, None, value_dtype)
+    count = records.shape[0]
+    vb = torch.empty(0, dtype=value_dtype).element_size()
+    idx = torch.empty(count, dtype=torch.int64, device=records.device)
+    bits = torch.empty(count, dtype=_BITS[vb], device=records.device)
+    if name == "triton":
+        from .triton_kernels import unpack_records_triton
+
+        unpack_records_triton(records.contiguous(), idx, bits, ib)
+    else:
+        from .cupy_kernels import unpack_records_cupy
+
+        unpack_records_cupy(records.contiguous(), idx, bits, ib)
+    return idx, bits.view(value_dtype)
+
+
+def _column(records: torch.Tensor, lo: int, hi: int | None, dtype: torch.dtype) -> torch.Tensor:
+    # A fresh copy: .contiguous() is a no-op on a single record, whose view
+    # keeps the record stride (12 for int64 + fp32) that view(int64) rejects.
+    col = records[:, lo:hi]
+    out = torch.empty(col.shape, dtype=torch.uint8, device=records.device)
+    return out.copy_(col).view(dtype).reshape(-1)
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,

@@ -1,5 +1,5 @@
 """CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest,
-deterministic scatter-add, threshold counts.
+deterministic scatter-add, threshold counts, COO record pack/unpack.
 
 The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
 with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
@@ -18,7 +18,7 @@ import torch
 from .radix import radix_select
 
 __all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "scatter_add_sorted_cupy",
-           "count_above_cupy",
+           "count_above_cupy", "pack_records_cupy", "unpack_records_cupy",
            "SCATTER_THREADS", "SELECT_THREADS",
            "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
 
@@ -232,6 +232,49 @@ COUNT_ENTRY(count_above_f32, float)
 COUNT_ENTRY(count_above_f16, __half)
 COUNT_ENTRY(count_above_bf16, __nv_bfloat16)
 
+// COO records (index: IB bytes, value: VB bytes, little-endian), one thread per record.
+template <int IB, int VB>
+__device__ __forceinline__ void pack_body(const long long* __restrict__ idx,
+                                          const unsigned char* __restrict__ bits,
+                                          unsigned char* __restrict__ out, long long count) {
+    const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= count) return;
+    const unsigned long long i = (unsigned long long)idx[r];
+    unsigned char* o = out + r * (IB + VB);
+#pragma unroll
+    for (int b = 0; b < IB; ++b) o[b] = (unsigned char)(i >> (8 * b));
+#pragma unroll
+    for (int b = 0; b < VB; ++b) o[IB + b] = bits[r * VB + b];
+}
+
+template <int IB, int VB>
+__device__ __forceinline__ void unpack_body(const unsigned char* __restrict__ rec,
+                                            long long* __restrict__ idx,
+                                            unsigned char* __restrict__ bits, long long count) {
+    const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= count) return;
+    const unsigned char* p = rec + r * (IB + VB);
+    unsigned long long i = 0;
+#pragma unroll
+    for (int b = 0; b < IB; ++b) i |= (unsigned long long)p[b] << (8 * b);
+    // A 4-byte index is sign-extended, as viewing it as int32 and widening does.
+    idx[r] = IB == 4 ? (long long)(int)(unsigned int)i : (long long)i;
+#pragma unroll
+    for (int b = 0; b < VB; ++b) bits[r * VB + b] = p[IB + b];
+}
+
+#define RECORD_ENTRIES(IB, VB) \
+extern "C" __global__ void pack_i##IB##_v##VB(const long long* idx, const unsigned char* bits, \
+                                             unsigned char* out, long long count) { \
+    pack_body<IB, VB>(idx, bits, out, count); \
+} \
+extern "C" __global__ void unpack_i##IB##_v##VB(const unsigned char* rec, long long* idx, \
+                                               unsigned char* bits, long long count) { \
+    unpack_body<IB, VB>(rec, idx, bits, count); \
+}
+RECORD_ENTRIES(4, 1) RECORD_ENTRIES(4, 2) RECORD_ENTRIES(4, 4) RECORD_ENTRIES(4, 8)
+RECORD_ENTRIES(8, 1) RECORD_ENTRIES(8, 2) RECORD_ENTRIES(8, 4) RECORD_ENTRIES(8, 8)
+
 // Deterministic scatter-add of stably sorted indexes (see scatter_add_sorted_cupy).
 template <typename T>
 __device__ __forceinline__ void scatter_add_sorted_body(
@@ -392,3 +435,19 @@ def count_above_cupy(x: torch.Tensor, thresholds) -> np.ndarray:
     _launch(name, blocks, HIST_THREADS, (_ptr(flat), np.int64(n), _ptr(th), np.int32(nt), _ptr(counts)),
             x.device)
     return counts.cpu().numpy()
+
+
+def pack_records_cupy(idx: torch.Tensor, bits: torch.Tensor, out: torch.Tensor, ib: int) -> None:
+    """Fill ``out`` (count x record bytes, uint8) from int64 ``idx`` and value bit patterns ``bits``."""
+    count = idx.numel()
+    if count:
+        _launch(f"pack_i{ib}_v{bits.element_size()}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
+                (_ptr(idx), _ptr(bits), _ptr(out), np.int64(count)), idx.device)
+
+
+def unpack_records_cupy(records: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor, ib: int) -> None:
+    """Fill int64 ``idx`` and the value bit patterns ``bits`` from contiguous ``records``."""
+    count = idx.numel()
+    if count:
+        _launch(f"unpack_i{ib}_v{bits.element_size()}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
+                (_ptr(records), _ptr(idx), _ptr(bits), np.int64(count)), idx.device)

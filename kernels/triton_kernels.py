@@ -1,5 +1,5 @@
 """Launchers for the Triton kernels: fused select, radix k-th largest, deterministic
-scatter-add, threshold counts.
+scatter-add, threshold counts, COO record pack/unpack.
 
 triton is imported inside :func:`_impl` only (``pip install 'sparsecomm[triton]'``);
 the kernels themselves are in ``kernels/_triton_impl.py``. Launch shapes are
@@ -14,7 +14,7 @@ import torch
 from .radix import radix_select
 
 __all__ = ["ef_select_triton", "kth_largest_triton", "scatter_add_sorted_triton",
-           "count_above_triton", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
+           "count_above_triton", "pack_records_triton", "unpack_records_triton", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK"]
 
 # Elements per program of the fused select: 8 per thread at 8 warps. Chosen from
@@ -31,6 +31,8 @@ SCATTER_WARPS = 4
 COUNT_BLOCK = 512     # x 16 thresholds = 32 compares per thread at 8 warps
 COUNT_WARPS = 8
 MAX_THRESHOLDS = 16
+RECORD_BLOCK = 1024   # records per program of pack/unpack
+RECORD_WARPS = 4
 
 
 def _impl():
@@ -123,3 +125,21 @@ def count_above_triton(x: torch.Tensor, thresholds) -> np.ndarray:
     _impl().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
                                      num_warps=COUNT_WARPS)
     return counts[:nt].cpu().numpy()
+
+
+def pack_records_triton(idx: torch.Tensor, bits: torch.Tensor, out: torch.Tensor, ib: int) -> None:
+    """Fill ``out`` (count x record bytes, uint8) from int64 ``idx`` and value bit patterns ``bits``."""
+    count = idx.numel()
+    if count:
+        _impl().pack_records_kernel[(-(-count // RECORD_BLOCK),)](
+            idx, bits, out, count, IB=ib, VB=bits.element_size(), BLOCK=RECORD_BLOCK,
+            num_warps=RECORD_WARPS)
+
+
+def unpack_records_triton(records: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor, ib: int) -> None:
+    """Fill int64 ``idx`` and the value bit patterns ``bits`` from contiguous ``records``."""
+    count = idx.numel()
+    if count:
+        _impl().unpack_records_kernel[(-(-count // RECORD_BLOCK),)](
+            records, idx, bits, count, IB=ib, VB=bits.element_size(), BLOCK=RECORD_BLOCK,
+            num_warps=RECORD_WARPS)
