@@ -23,10 +23,12 @@ def gradients(rank: int, step: int, kind: str, dtype: torch.dtype) -> torch.Tens
 
 
 @pytest.mark.parametrize("kind", ["random", "drifting"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_conservation_over_50_steps(kind, dtype):
+@pytest.mark.parametrize("dtype,local_select", [(torch.float32, "exact"), (torch.float64, "exact"),
+                                                (torch.bfloat16, "exact"), (torch.float32, "estimate")])
+def test_conservation_over_50_steps(kind, dtype, local_select):
     def body(rank: int):
-        state = sparsecomm.OkTopkState(DENSITY, tau=8, tau_prime=16, error_feedback=True)
+        state = sparsecomm.OkTopkState(DENSITY, tau=8, tau_prime=16, error_feedback=True,
+                                       local_select=local_select)
         fed = torch.zeros(N, dtype=torch.float64)
         contributed = torch.zeros(N, dtype=torch.float64)
         kept = torch.zeros(N, dtype=torch.float64)

@@ -37,6 +37,30 @@ def test_reused_thresholds_keep_counts_near_k_on_drifting_gradients():
         assert st.totals.get("repartitioned") == 1
 
 
+def test_estimated_local_threshold_stays_near_k():
+    # local_select="estimate": every re-evaluation (each tau calls) takes a sampled
+    # threshold; its count is within a few percent of k, and the bounds still hold.
+    n, P, tau = 200_000, 3, 4
+    k = math.ceil(0.01 * n)
+    res = run_steps(P, n, 12, "model", tau=tau, tau_prime=8, local_select="estimate")
+    for rows, st in res:
+        recomputed = [local for local, _, events in rows if events.get("local_recomputed")]
+        assert len(recomputed) >= 12 // tau
+        for local in recomputed:
+            assert abs(local - k) <= 0.05 * k
+        for local, glob, _ in rows:
+            assert 2 * k / 3 <= local <= 4 * k / 3 and glob <= 4 * k / 3
+    import pickle
+
+    assert pickle.loads(pickle.dumps(res[0][1])).local_select == "estimate"
+    try:
+        sparsecomm.OkTopkState(0.01, local_select="sampled")
+    except ValueError as e:
+        assert "local_select" in str(e)
+    else:
+        raise AssertionError("an unknown local_select was accepted")
+
+
 def test_far_off_threshold_is_capped_on_random_gradients():
     """The public reference selected 17x k one step after a recompute on random data."""
     n, P = 50_000, 3

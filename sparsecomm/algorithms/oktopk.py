@@ -47,6 +47,14 @@ class OkTopkState(State):
             bound the call goes on with fewer entries and the next call
             re-evaluates exactly.
         bucket: split-and-reduce steps whose messages are posted at once.
+        local_select: how the local threshold is re-evaluated every ``tau``
+            calls (and after a too-small count): ``"exact"`` selects exactly
+            the top-k (the paper); ``"estimate"`` uses
+            ``kernels.estimate_threshold`` (a sample plus one sampled
+            counting pass, ~3x cheaper than the exact select on CPU at 25M,
+            and one pass instead of a radix select's four on GPU), whose count
+            is within a few percent of k. The count bounds above still apply,
+            so the hard cap holds either way.
 
     Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
     (P+1 region starts), ``residual``, ``iteration``; statistics in ``last``
@@ -56,8 +64,10 @@ class OkTopkState(State):
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
                  balance_factor: float = 4.0, count_bounds: tuple[float, float] = (2 / 3, 4 / 3),
-                 bucket: int = 4) -> None:
+                 bucket: int = 4, local_select: str = "exact") -> None:
         super().__init__(density, error_feedback)
+        if local_select not in ("exact", "estimate"):
+            raise ValueError(f"local_select must be 'exact' or 'estimate', got {local_select!r}")
         for name, value in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -71,6 +81,7 @@ class OkTopkState(State):
         self.tau, self.tau_prime, self.bucket = tau, tau_prime, bucket
         self.balanced, self.balance_factor = balanced, float(balance_factor)
         self.count_bounds = (float(lo), float(hi))
+        self.local_select = local_select
         # Internal.
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
@@ -185,13 +196,18 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
                   stats: CallStats) -> torch.Tensor:
     if not st.reuse_due(t):
+        st._recompute_local = False
+        stats.events["local_recomputed"] = 1
+        if st.local_select == "estimate" and k < acc.numel():
+            # A threshold from a sample and sampled counts, then the same
+            # checks as a reused one (the hard cap included).
+            st.local_threshold = kernels.estimate_threshold(acc, k)
+            return _checked_select(acc, kernels.select_above(acc.abs(), st.local_threshold), k, st,
+                                   stats)
         mag = acc.abs()
         idx = kernels.topk_indexes(mag, k)
         st.local_threshold = float(mag[idx].min()) if idx.numel() else None
-        st._recompute_local = False
-        stats.events["local_recomputed"] = 1
         return idx
-    lo, hi = st.count_bounds
     pre, st._preselected = st._preselected, None
     if pre is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = pre
@@ -203,6 +219,13 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
             return idx
     else:
         idx = kernels.select_above(acc.abs(), st.local_threshold)
+    return _checked_select(acc, idx, k, st, stats)
+
+
+def _checked_select(acc: torch.Tensor, idx: torch.Tensor, k: int, st: OkTopkState,
+                    stats: CallStats) -> torch.Tensor:
+    """Apply the count bounds to a threshold selection ``idx``: cap it, or ask for a re-evaluation."""
+    lo, hi = st.count_bounds
     if idx.numel() > hi * k:
         # Too many: the exact top-k are among these few candidates.
         mag = acc[idx].abs()
