@@ -12,13 +12,13 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
                   split_by_boundaries, unique_indexes, unpack_records)
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
-from .estimate import estimate_threshold
+from .estimate import count_above, estimate_threshold
 from .payload import cast_values, delta_decode, delta_encode, dequantize, quantize
 from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "ef_select",
-           "estimate_threshold",
+           "estimate_threshold", "count_above",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode"]

@@ -29,7 +29,8 @@ import_numba()
 
 from numba import njit  # noqa: E402
 
-__all__ = ["ef_select_span", "bracket_span", "count_above_span", "chunk_bounds", "BLOCK"]
+__all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "chunk_bounds",
+           "BLOCK"]
 
 # Block of the fused select: one vectorised pass decides whether the block holds
 # a selection at all. 32 fp32 = 4 AVX2 vectors; at density 1% three blocks in
@@ -82,6 +83,45 @@ def ef_select_span(g, r, scale, th, capacity, zero, offset, out_idx, out_val):
     for i in range(nb * BLOCK, n):
         r[i] = r[i] + scale * g[i]
     return _compact(r, nb * BLOCK, n, th, capacity, zero, offset, out_idx, out_val, cnt)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _select_blocks(x, th, offset, out_idx, use_abs):
+    n = x.size
+    cnt = 0
+    nb = n // BLOCK
+    for b in range(nb):
+        b0 = b * BLOCK
+        hit = 0
+        for j in range(BLOCK):
+            v = abs(x[b0 + j]) if use_abs else x[b0 + j]
+            hit += v >= th
+        if hit:
+            for i in range(b0, b0 + BLOCK):
+                v = abs(x[i]) if use_abs else x[i]
+                if v >= th:
+                    out_idx[cnt] = offset + i
+                    cnt += 1
+    for i in range(nb * BLOCK, n):
+        v = abs(x[i]) if use_abs else x[i]
+        if v >= th:
+            out_idx[cnt] = offset + i
+            cnt += 1
+    return cnt
+
+
+@njit(nogil=True, cache=True)
+def select_span(x, th, offset, out_idx, use_abs):
+    """Indexes (+ ``offset``) of x >= th (|x| >= th with ``use_abs``) over one span; the count.
+
+    ``th`` > 0. ``out_idx`` must hold the whole span. Same two-level loop as
+    :func:`ef_select_span`: a vectorised count per block, a second look only
+    at blocks with a hit. The two variants are compiled separately so the
+    inner loop has no branch on ``use_abs``.
+    """
+    if use_abs:
+        return _select_blocks(x, th, offset, out_idx, True)
+    return _select_blocks(x, th, offset, out_idx, False)
 
 
 @njit(nogil=True, cache=True)

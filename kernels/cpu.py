@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["ef_select_cpu", "kth_largest_cpu", "count_above_cpu"]
+__all__ = ["ef_select_cpu", "select_above_cpu", "kth_largest_cpu", "count_above_cpu"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOL: ThreadPoolExecutor | None = None
@@ -134,6 +134,36 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
             r[src_i[fit:]] = src_v[fit:]
         off += counts[c]
     return int(off)
+
+
+def select_above_cpu(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
+    """Sorted int64 indexes of ``x >= threshold`` (of ``|x|`` with ``use_abs``); nonzero only.
+
+    1. Cut ``x`` into spans; each span compacts its hits into its own
+       buffer (np.empty of the span's length: only written pages are touched).
+    2. Concatenate in span order: the result is sorted.
+
+    Replaces ``torch.nonzero(x.abs() >= th)``: three passes, a full-size
+    ``abs`` (45 ms of fresh pages at 25M) and a full-size mask.
+    """
+    impl = _impl()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    arr = x.detach().reshape(-1).numpy()
+    n = arr.size
+    th = arr.dtype.type(threshold)
+    th = max(th, np.finfo(arr.dtype).smallest_subnormal)  # "> 0" when threshold <= 0
+    bounds = impl.chunk_bounds(n, _spans(n))
+    nch = bounds.size - 1
+    bufs = [np.empty(int(bounds[c + 1] - bounds[c]), dtype=np.int64) for c in range(nch)]
+    counts = _map(impl.select_span, [(arr[bounds[c]:bounds[c + 1]], th, int(bounds[c]), bufs[c],
+                                      bool(use_abs)) for c in range(nch)])
+    out = np.empty(sum(counts), dtype=np.int64)
+    off = 0
+    for c in range(nch):
+        out[off:off + counts[c]] = bufs[c][:counts[c]]
+        off += counts[c]
+    return torch.from_numpy(out)
 
 
 def _rd_scalar(value: float, dtype: torch.dtype):

@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["estimate_threshold", "candidate_thresholds", "count_above_torch", "GRID"]
+__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "GRID"]
 
 # Candidate count targets, as fractions of k. Spaced ~7% apart near 1 so the
 # interpolation between neighbours lands within a few percent of k, wide
@@ -87,27 +87,38 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
     if not 1 <= k <= n:
         raise ValueError(f"estimate_threshold: k={k} outside [1, {n}]")
     th = candidate_thresholds(x, k, sample_size)
+    # Read enough tiles on CPU that ~20k selected entries are counted (count
+    # noise ~0.7%); small k means a full pass.
+    counts = count_above(x, th, backend, every=max(1, min(count_every, k // 20_000)))
+    return _interpolate(th, counts, k)
+
+
+def count_above(x: torch.Tensor, thresholds: np.ndarray, backend: str | None = None,
+                every: int = 1) -> np.ndarray:
+    """#{i : |x_i| >= t} for each of the descending positive ``thresholds``, in one pass.
+
+    Paths: ``cpu`` (numba; with ``every`` > 1 it reads one tile of 4096 in
+    ``every`` and scales the counts: an estimate), ``triton``/``cupy`` (CUDA,
+    fp16/bf16/fp32, at most 16 thresholds, else torch), ``torch``
+    (``bucketize``, any device). Exact unless ``every`` > 1.
+    """
+    th = np.asarray(thresholds, dtype=np.float64)
     name = dispatch.choose(x, backend, supported=("torch", "cpu", "triton", "cupy"))
     if name in ("triton", "cupy") and (x.dtype == torch.float64 or th.size > 16):
         name = "torch"  # the GPU kernels compare in float32, for at most 16 thresholds
     if name == "triton":
         from .triton_kernels import count_above_triton
 
-        counts = count_above_triton(x, th)
-    elif name == "cupy":
+        return count_above_triton(x, th)
+    if name == "cupy":
         from .cupy_kernels import count_above_cupy
 
-        counts = count_above_cupy(x, th)
-    elif name == "cpu":
+        return count_above_cupy(x, th)
+    if name == "cpu":
         from .cpu import count_above_cpu
 
-        # Read enough tiles that ~20k selected entries are counted (count
-        # noise ~0.7%); small k means a full pass.
-        every = max(1, min(count_every, k // 20_000))
-        counts = count_above_cpu(x, th, every)
-    else:
-        counts = count_above_torch(x, th)
-    return _interpolate(th, counts, k)
+        return count_above_cpu(x, th, every)
+    return count_above_torch(x, th)
 
 
 def _interpolate(th: np.ndarray, counts: np.ndarray, k: int) -> float:

@@ -17,15 +17,18 @@ from . import dispatch
 __all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "topk_of_candidates"]
 
 
-def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None) -> float:
-    """The k-th largest value of 1-D ``mag`` (1 <= k <= mag.numel()).
+def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
+                use_abs: bool = False) -> float:
+    """The k-th largest value of 1-D ``mag`` (of ``|mag|`` with ``use_abs``), 1 <= k <= numel.
 
     Exact. Paths (``kernels.dispatch``): ``torch`` is numpy's introselect on
     CPU and ``torch.topk`` elsewhere (the reference); ``cpu`` is a sampled
     bracket plus one numba pass (``kernels.cpu``); ``triton``/``cupy`` are
-    8-bit radix selects over the float bit patterns (fp16/bf16/fp32; other
-    dtypes use the torch path). The fast paths rank magnitudes, so they
-    equal the reference for the non-negative ``mag`` every caller passes.
+    8-bit radix selects over the float bit patterns without the sign bit
+    (fp16/bf16/fp32; other dtypes use the torch path), i.e. over |x|. The
+    fast paths rank magnitudes, so without ``use_abs`` they equal the
+    reference for the non-negative ``mag`` every caller passes. With
+    ``use_abs`` no ``|x|`` tensor is materialised on the CPU path.
     """
     n = mag.numel()
     if not 1 <= k <= n:
@@ -34,7 +37,7 @@ def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None) -> float:
     if name == "cpu":
         from .cpu import kth_largest_cpu
 
-        return kth_largest_cpu(mag, k)
+        return kth_largest_cpu(mag, k, use_abs)
     radix_ok = mag.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if name == "triton" and radix_ok:
         from .triton_kernels import kth_largest_triton
@@ -44,7 +47,7 @@ def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None) -> float:
         from .cupy_kernels import kth_largest_cupy
 
         return kth_largest_cupy(mag, k)
-    return kth_largest_torch(mag, k)
+    return kth_largest_torch(mag.abs() if use_abs else mag, k)
 
 
 def kth_largest_torch(mag: torch.Tensor, k: int) -> float:
@@ -79,22 +82,36 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Te
     return torch.nonzero(keep).flatten()
 
 
-def topk_indexes(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indexes of the top-k of 1-D magnitudes ``mag`` (exact, ties to lower index)."""
+def topk_indexes(mag: torch.Tensor, k: int, *, use_abs: bool = False) -> torch.Tensor:
+    """Sorted int64 indexes of the top-k of 1-D magnitudes ``mag`` (exact, ties to lower index).
+
+    With ``use_abs``, ``mag`` may be signed and ``|mag|`` is ranked (without
+    materialising it on the CPU path).
+    """
     n = mag.numel()
     if k >= n:
-        return torch.nonzero(mag > 0).flatten()
-    th = kth_largest(mag, k)
-    if th <= 0:
-        return torch.nonzero(mag > 0).flatten()
-    idx = torch.nonzero(mag >= th).flatten()
-    if idx.numel() == k:
+        return select_above(mag, 0.0, use_abs=use_abs)
+    th = kth_largest(mag, k, use_abs=use_abs)
+    idx = select_above(mag, th, use_abs=use_abs)  # th <= 0: every nonzero entry, fewer than k
+    if th <= 0 or idx.numel() == k:
         return idx
-    return idx[topk_of_candidates(idx, mag[idx], k)]
+    cand = mag[idx]
+    return idx[topk_of_candidates(idx, cand.abs() if use_abs else cand, k)]
 
 
-def select_above(mag: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Sorted int64 indexes of nonzero entries with ``mag >= threshold``."""
+def select_above(mag: torch.Tensor, threshold: float, backend: str | None = None, *,
+                 use_abs: bool = False) -> torch.Tensor:
+    """Sorted int64 indexes of nonzero entries with ``mag >= threshold`` (``|mag|`` with ``use_abs``).
+
+    ``mag`` is 1-D (non-negative unless ``use_abs``). Paths: ``cpu`` is one
+    numba pass (``kernels.cpu.select_above_cpu``); ``torch`` is ``nonzero``
+    of a mask (any device; on CUDA a single fused kernel already).
+    """
+    if dispatch.choose(mag, backend, supported=("torch", "cpu")) == "cpu":
+        from .cpu import select_above_cpu
+
+        return select_above_cpu(mag, threshold, use_abs)
+    m = mag.abs() if use_abs else mag
     if threshold > 0:
-        return torch.nonzero(mag >= threshold).flatten()
-    return torch.nonzero(mag > 0).flatten()
+        return torch.nonzero(m >= threshold).flatten()
+    return torch.nonzero(m > 0).flatten()

@@ -222,3 +222,26 @@ def test_auto_on_gpu_matches_torch():
     b = kernels.ef_select(g, r2, 2.0, 50_000, backend="torch")
     assert a[2] == b[2] and torch.equal(a[0][:a[2]], b[0][:b[2]])
     assert kernels.kth_largest(r.abs(), 1000) == kernels.kth_largest(r.abs(), 1000, backend="torch")
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("n", [0, 1, 33, 70_001, 200_003])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_select_above_cpu_matches_torch(n, threads):
+    gen = torch.Generator().manual_seed(n)
+    mag = torch.randn(n, generator=gen).abs()
+    mag[::7] = 0.0  # zeros are never selected, even with threshold 0
+    if n > 40:
+        mag[5] = mag[40] = 1.5  # ties at the threshold are selected
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for th in (1.5, 0.0, -1.0, 2.5, 1e9):
+            got = kernels.select_above(mag, th, backend="cpu")
+            assert torch.equal(got, kernels.select_above(mag, th, backend="torch")), th
+        for dtype in (torch.float16, torch.float64):
+            m = mag.to(dtype)
+            assert torch.equal(kernels.select_above(m, 1.0, backend="cpu"),
+                               kernels.select_above(m, 1.0, backend="torch"))
+    finally:
+        torch.set_num_threads(old)

@@ -11,6 +11,7 @@ from statistics import NormalDist
 
 import torch
 
+from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
@@ -54,16 +55,19 @@ def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankSta
     stats = CallStats(algorithm="gaussiank", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        mag = acc.abs()
         th = gaussian_threshold(acc, state.density)
-        nonzero = int((mag > 0).sum())
+        nonzero = None
         lowered = 0
         while th > 0 and lowered < MAX_LOWERINGS:
-            count = int((mag >= th).sum())
-            if count >= 0.75 * k or count >= nonzero:
+            count = int(kernels.count_above(acc, [th])[0])  # one pass, no |acc| tensor
+            if count >= 0.75 * k:
+                break
+            if nonzero is None:
+                nonzero = int(torch.count_nonzero(acc))
+            if count >= nonzero:
                 break
             th *= LOWER_FACTOR
             lowered += 1
-        idx = torch.nonzero((mag >= th) & (mag > 0)).flatten()
+        idx = kernels.select_above(acc, th, use_abs=True)
         stats.events["lowered"] = lowered
     return allgather_and_sum(acc, idx, comm, codec, stats, rec)

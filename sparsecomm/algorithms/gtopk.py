@@ -107,7 +107,7 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
     rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
     rounds = math.ceil(math.log2(P)) if P > 1 else 0
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc.abs(), k)
+        idx = kernels.topk_indexes(acc, k, use_abs=True)
         values = acc[idx]
         scale = _scale_of(codec, values)
         sent = codec.roundtrip(values, scale)

@@ -202,23 +202,21 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
             # A threshold from a sample and sampled counts, then the same
             # checks as a reused one (the hard cap included).
             st.local_threshold = kernels.estimate_threshold(acc, k)
-            return _checked_select(acc, kernels.select_above(acc.abs(), st.local_threshold), k, st,
+            return _checked_select(acc, kernels.select_above(acc, st.local_threshold, use_abs=True), k, st,
                                    stats)
-        mag = acc.abs()
-        idx = kernels.topk_indexes(mag, k)
-        st.local_threshold = float(mag[idx].min()) if idx.numel() else None
+        idx = kernels.topk_indexes(acc, k, use_abs=True)
+        st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
         return idx
     pre, st._preselected = st._preselected, None
     if pre is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = pre
         if count > idx.numel():  # more candidates than the buffer held: select exactly
-            mag = acc.abs()
-            idx = kernels.topk_indexes(mag, k)
-            st.local_threshold = float(mag[idx].min()) if idx.numel() else None
+            idx = kernels.topk_indexes(acc, k, use_abs=True)
+            st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
             stats.events["local_corrected"] = 1
             return idx
     else:
-        idx = kernels.select_above(acc.abs(), st.local_threshold)
+        idx = kernels.select_above(acc, st.local_threshold, use_abs=True)
     return _checked_select(acc, idx, k, st, stats)
 
 

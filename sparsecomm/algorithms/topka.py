@@ -35,7 +35,7 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
     stats = CallStats(algorithm="topka", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc.abs(), k)
+        idx = kernels.topk_indexes(acc, k, use_abs=True)
     return allgather_and_sum(acc, idx, comm, codec, stats, rec)
 
 

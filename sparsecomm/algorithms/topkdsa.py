@@ -47,7 +47,7 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     stats = CallStats(algorithm="topkdsa", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc.abs(), k)
+        idx = kernels.topk_indexes(acc, k, use_abs=True)
     stats.local_selected = idx.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
