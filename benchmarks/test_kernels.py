@@ -127,6 +127,18 @@ def test_numpy_partition(benchmark, n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_topk_indexes(benchmark, n):
+    # What an algorithm needs: the sorted indexes of the exact top-k of |x|.
+    x, _ = _data(n, 1)
+    k = max(1, int(DENSITY * n))
+    t = _time(lambda: kernels.topk_indexes(x, k, use_abs=True))
+    idx = kernels.topk_indexes(x, k, use_abs=True)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(idx, ref) or torch.equal(x.abs()[idx].sort().values, x.abs()[ref].sort().values)
+    _record(benchmark, n, f"exact top-k indexes ({choose(x)})", t, 4 * n)
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_topk(benchmark, n):
     x, _ = _data(n, 1)
     k = max(1, int(DENSITY * n))
@@ -169,7 +181,7 @@ def pytest_terminal_summary_table() -> str:
             ratio = ""
             if name.startswith("fused") and add and chain:
                 ratio = f"{s / add:.2f}x the add, {chain / s:.1f}x faster than the chain"
-            elif "threshold" in name and topk:
+            elif ("threshold" in name or "top-k indexes" in name) and topk:
                 ratio = f"{topk / s:.1f}x faster than torch.topk"
             lines.append(f"{n:>11}  {name:<58} {1e3 * s:>9.2f} {n / s / 1e6:>9.0f} {nb / s / 1e9:>7.2f}  {ratio}")
     return "\n".join(lines)
