@@ -13,7 +13,7 @@ import torch
 
 from sparsecomm.algorithms.exchange import equal_boundaries
 from sparsecomm.comm.base import Communicator, Request
-from sparsecomm.compress import Compressor, Quantize, pack_bits, unpack_bits
+from sparsecomm.compress import Compressor, Quantize
 from sparsecomm.registry import PhaseRecorder, SparseResult, register
 from sparsecomm.state import CallStats, State
 
@@ -57,16 +57,15 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
 
 
 def _encode_chunk(codec: Compressor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    wire = codec.encode(values, scale)
     if isinstance(codec, Quantize):
-        return pack_bits(wire, codec.bits)
-    return wire.view(torch.uint8)
+        return codec.encode_packed(values, scale)  # quantise and pack to b bits in one pass
+    return codec.encode(values, scale).view(torch.uint8)
 
 
 def _decode_chunk(codec: Compressor, payload: torch.Tensor, count: int, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     if isinstance(codec, Quantize):
-        return codec.decode(unpack_bits(payload, codec.bits, count), scale, dtype)
+        return codec.decode_packed(payload, count, scale, dtype)
     return codec.decode(payload.clone().view(codec.wire_dtype), scale, dtype)
 
 

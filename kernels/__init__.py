@@ -13,7 +13,8 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
 from .estimate import count_above, estimate_threshold
-from .payload import cast_values, delta_decode, delta_encode, dequantize, quantize
+from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
+                      pack_unsigned, quantize, unpack_unsigned)
 from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
@@ -21,4 +22,4 @@ __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "ef_select",
            "estimate_threshold", "count_above",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
-           "delta_decode"]
+           "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

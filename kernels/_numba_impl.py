@@ -29,8 +29,8 @@ import_numba()
 
 from numba import njit  # noqa: E402
 
-__all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "chunk_bounds",
-           "BLOCK"]
+__all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "encode_codes_span",
+           "decode_codes_span", "chunk_bounds", "BLOCK"]
 
 # Block of the fused select: one vectorised pass decides whether the block holds
 # a selection at all. 32 fp32 = 4 AVX2 vectors; at density 1% three blocks in
@@ -171,6 +171,52 @@ def count_above_span(x, thresholds, counts, every, tile):
     for j in range(nt):  # >= thresholds[j] includes every bucket <= j
         run += buckets[j]
         counts[j] += run
+
+
+@njit(nogil=True, cache=True)
+def encode_codes_span(v, f, bits, out, b0, b1):
+    """Bytes ``out[b0:b1]`` of ``kernels.payload.encode_codes`` (float32 ``v``, factor ``f``).
+
+    np.rint rounds half to even, like torch.round. 8 bits is its own loop
+    (one code per byte, vectorised); 2 and 4 bits gather 8/bits codes per byte.
+    """
+    levels = np.float32((1 << (bits - 1)) - 1)
+    if bits == 8:
+        o8 = out.view(np.int8)
+        for i in range(b0, b1):
+            o8[i] = np.int8(min(max(np.rint(v[i] * f), -levels), levels))
+        return
+    per = 8 // bits
+    off = 1 << (bits - 1)
+    n = v.size
+    for b in range(b0, b1):
+        acc = 0
+        for j in range(per):
+            i = b * per + j
+            if i < n:
+                q = np.int32(min(max(np.rint(v[i] * f), -levels), levels))
+                acc |= (q + off) << (bits * j)
+        out[b] = acc
+
+
+@njit(nogil=True, cache=True)
+def decode_codes_span(packed, bits, g, out, b0, b1):
+    """The values of bytes ``packed[b0:b1]`` of ``kernels.payload.decode_codes`` (float32)."""
+    if bits == 8:
+        p8 = packed.view(np.int8)
+        for i in range(b0, b1):
+            out[i] = np.float32(p8[i]) * g
+        return
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    off = 1 << (bits - 1)
+    n = out.size
+    for b in range(b0, b1):
+        byte = np.int32(packed[b])
+        for j in range(per):
+            i = b * per + j
+            if i < n:
+                out[i] = np.float32(((byte >> (bits * j)) & mask) - off) * g
 
 
 def chunk_bounds(n: int, chunks: int, align: int = 64) -> np.ndarray:

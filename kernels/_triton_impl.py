@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel", "count_above_kernel",
-           "pack_records_kernel", "unpack_records_kernel"]
+           "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel", "decode_codes_kernel"]
 
 
 @triton.jit
@@ -207,3 +207,50 @@ def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, V
         v |= tl.load(base + IB + b, mask=m, other=0).to(tl.int64) << (8 * b)
     tl.store(idx_ptr + rec, i, mask=m)
     tl.store(bits_ptr + rec, v.to(bits_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _round_half_even(x):
+    # floor + exact fraction (x - floor(x) is exact in float32): floor(x + 0.5)
+    # would round 0.49999997 up, and ties must go to the even neighbour like torch.round.
+    fl = tl.floor(x)
+    d = x - fl
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return fl + up.to(tl.float32)
+
+
+@triton.jit
+def encode_codes_kernel(v_ptr, out_ptr, n, nbytes, f, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK output bytes of ``kernels.payload.encode_codes``: each gathers its 8/BITS codes."""
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << (BITS - 1)) - 1
+    pid = tl.program_id(0)
+    ob = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, PER)
+    i = ob[:, None] * PER + j[None, :]
+    m = i < n
+    x = tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32) * f
+    q = tl.minimum(tl.maximum(_round_half_even(x), -LEVELS), LEVELS).to(tl.int32)
+    if BITS == 8:
+        u = q & 255
+    else:
+        u = q + (1 << (BITS - 1))
+    u = tl.where(m, u, 0) << (j[None, :] * BITS)
+    tl.store(out_ptr + ob, tl.sum(u, axis=1).to(tl.uint8), mask=ob < nbytes)
+
+
+@triton.jit
+def decode_codes_kernel(packed_ptr, out_ptr, count, g, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK values of ``kernels.payload.decode_codes`` (float32)."""
+    PER: tl.constexpr = 8 // BITS
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < count
+    byte = tl.load(packed_ptr + i // PER, mask=m, other=0).to(tl.int32)
+    u = (byte >> ((i % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
+    if BITS == 8:
+        q = tl.where(u > 127, u - 256, u)
+    else:
+        q = u - (1 << (BITS - 1))
+    tl.store(out_ptr + i, q.to(tl.float32) * g, mask=m)

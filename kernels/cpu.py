@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["ef_select_cpu", "select_above_cpu", "kth_largest_cpu", "count_above_cpu"]
+__all__ = ["ef_select_cpu", "select_above_cpu", "kth_largest_cpu", "count_above_cpu",
+           "encode_codes_cpu", "decode_codes_cpu"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOL: ThreadPoolExecutor | None = None
@@ -251,3 +252,22 @@ def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> 
         seen = sum(min(tile, arr.size - t0) for t0 in range(0, arr.size, tile * every))
         total = np.rint(total * (arr.size / seen)).astype(np.int64)
     return total
+
+
+def encode_codes_cpu(values: torch.Tensor, bits: int, f: np.float32, out: torch.Tensor) -> None:
+    """numba ``kernels.payload.encode_codes`` of float32 ``values`` into ``out`` (uint8), by spans of bytes."""
+    impl = _impl()
+    v, o = values.numpy(), out.numpy()
+    bounds = impl.chunk_bounds(o.size, _spans(values.numel()))
+    _map(impl.encode_codes_span, [(v, f, bits, o, int(bounds[c]), int(bounds[c + 1]))
+                                  for c in range(bounds.size - 1)])
+
+
+def decode_codes_cpu(packed: torch.Tensor, bits: int, g: np.float32, out: torch.Tensor) -> None:
+    """numba ``kernels.payload.decode_codes`` into float32 ``out``, by spans of bytes."""
+    impl = _impl()
+    p, o = packed.numpy(), out.numpy()
+    nbytes = -(-o.size * bits // 8)
+    bounds = impl.chunk_bounds(nbytes, _spans(o.size))
+    _map(impl.decode_codes_span, [(p, bits, g, o, int(bounds[c]), int(bounds[c + 1]))
+                                  for c in range(bounds.size - 1)])

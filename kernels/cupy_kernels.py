@@ -1,5 +1,5 @@
 """CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest,
-deterministic scatter-add, threshold counts, COO record pack/unpack.
+deterministic scatter-add, threshold counts, COO record pack/unpack, quantise-and-pack.
 
 The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
 with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
@@ -18,7 +18,8 @@ import torch
 from .radix import radix_select
 
 __all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "scatter_add_sorted_cupy",
-           "count_above_cupy", "pack_records_cupy", "unpack_records_cupy",
+           "count_above_cupy", "pack_records_cupy", "unpack_records_cupy", "encode_codes_cupy",
+           "decode_codes_cupy",
            "SCATTER_THREADS", "SELECT_THREADS",
            "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
 
@@ -275,6 +276,49 @@ extern "C" __global__ void unpack_i##IB##_v##VB(const unsigned char* rec, long l
 RECORD_ENTRIES(4, 1) RECORD_ENTRIES(4, 2) RECORD_ENTRIES(4, 4) RECORD_ENTRIES(4, 8)
 RECORD_ENTRIES(8, 1) RECORD_ENTRIES(8, 2) RECORD_ENTRIES(8, 4) RECORD_ENTRIES(8, 8)
 
+// Quantise with a factor and pack 8/BITS codes per byte (see kernels.payload.encode_codes);
+// one thread per output byte. rintf rounds half to even, like torch.round.
+template <int BITS>
+__device__ __forceinline__ void encode_codes_body(const float* __restrict__ v, unsigned char* __restrict__ out,
+                                                  long long n, long long nbytes, float f) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nbytes) return;
+    constexpr int PER = 8 / BITS;
+    constexpr float LEVELS = (float)((1 << (BITS - 1)) - 1);
+    unsigned int acc = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const long long i = b * PER + j;
+        if (i < n) {
+            const int q = (int)fminf(fmaxf(rintf(v[i] * f), -LEVELS), LEVELS);
+            acc |= (BITS == 8 ? (unsigned int)(q & 255) : (unsigned int)(q + (1 << (BITS - 1)))) << (BITS * j);
+        }
+    }
+    out[b] = (unsigned char)acc;
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_codes_body(const unsigned char* __restrict__ packed,
+                                                  float* __restrict__ out, long long count, float g) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    constexpr int PER = 8 / BITS;
+    const int u = (packed[i / PER] >> (BITS * (int)(i %% PER))) & ((1 << BITS) - 1);
+    const int q = BITS == 8 ? (u > 127 ? u - 256 : u) : u - (1 << (BITS - 1));
+    out[i] = (float)q * g;
+}
+
+#define CODES_ENTRIES(BITS) \
+extern "C" __global__ void encode_codes_b##BITS(const float* v, unsigned char* out, long long n, \
+                                                long long nbytes, float f) { \
+    encode_codes_body<BITS>(v, out, n, nbytes, f); \
+} \
+extern "C" __global__ void decode_codes_b##BITS(const unsigned char* packed, float* out, \
+                                                long long count, float g) { \
+    decode_codes_body<BITS>(packed, out, count, g); \
+}
+CODES_ENTRIES(2) CODES_ENTRIES(4) CODES_ENTRIES(8)
+
 // Deterministic scatter-add of stably sorted indexes (see scatter_add_sorted_cupy).
 template <typename T>
 __device__ __forceinline__ void scatter_add_sorted_body(
@@ -451,3 +495,20 @@ def unpack_records_cupy(records: torch.Tensor, idx: torch.Tensor, bits: torch.Te
     if count:
         _launch(f"unpack_i{ib}_v{bits.element_size()}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
                 (_ptr(records), _ptr(idx), _ptr(bits), np.int64(count)), idx.device)
+
+
+def encode_codes_cupy(values: torch.Tensor, bits: int, f: float, out: torch.Tensor) -> None:
+    """``kernels.payload.encode_codes`` of float32 ``values`` (factor ``f``) into uint8 ``out``."""
+    nbytes = out.numel()
+    if nbytes:
+        _launch(f"encode_codes_b{bits}", -(-nbytes // SCATTER_THREADS), SCATTER_THREADS,
+                (_ptr(values), _ptr(out), np.int64(values.numel()), np.int64(nbytes), np.float32(f)),
+                values.device)
+
+
+def decode_codes_cupy(packed: torch.Tensor, bits: int, g: float, out: torch.Tensor) -> None:
+    """``kernels.payload.decode_codes`` into float32 ``out`` (factor ``g``)."""
+    count = out.numel()
+    if count:
+        _launch(f"decode_codes_b{bits}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
+                (_ptr(packed), _ptr(out), np.int64(count), np.float32(g)), packed.device)

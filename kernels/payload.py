@@ -1,15 +1,22 @@
 """Payload compression helpers for compressors: value casts, b-bit quantisation, delta indexes.
 
-Torch only (any device): these run on O(k) selected entries, not on the
-whole gradient, so they are never the bottleneck.
+``encode_codes``/``decode_codes`` quantise with a given scale and pack the
+codes to b bits in one pass; they serve the compressed dense allreduce
+(``q8``/``q4``/``q2`` on the whole gradient), so they have numba, Triton and
+CuPy paths behind a dispatcher. The other helpers run on O(k) selected
+entries and stay torch only (any device): they are never the bottleneck.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from . import dispatch
+
 __all__ = ["cast_values", "quantize", "dequantize", "delta_encode", "delta_decode",
-           "QUANT_BITS"]
+           "encode_codes", "decode_codes", "encode_codes_torch", "decode_codes_torch",
+           "pack_unsigned", "unpack_unsigned", "QUANT_BITS"]
 
 QUANT_BITS = (2, 4, 8)
 _DELTA_DTYPES = ((255, torch.uint8), (65535, torch.uint16), (2**32 - 1, torch.uint32))
@@ -67,7 +74,7 @@ def quantize(values: torch.Tensor, bits: int, chunk: int = 1024, stochastic: boo
     else:
         q = torch.round(q)
     codes = (q.clamp(-levels, levels) + levels).to(torch.uint8).reshape(-1)[:n]
-    return _pack(codes, bits), scales
+    return pack_unsigned(codes, bits), scales
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, n: int,
@@ -76,12 +83,13 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, n: int,
     if bits not in QUANT_BITS:
         raise ValueError(f"dequantize: bits must be one of {QUANT_BITS}, got {bits}")
     levels = 2 ** (bits - 1) - 1
-    codes = _unpack(packed, bits, n).float() - levels
+    codes = unpack_unsigned(packed, bits, n).float() - levels
     scale = scales.repeat_interleave(chunk)[:n]
     return (codes / levels * scale).to(dtype)
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_unsigned(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit codes (uint8) packed 8/bits per byte, the first in the low bits."""
     per = 8 // bits
     if per == 1:
         return codes
@@ -95,13 +103,114 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def unpack_unsigned(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_unsigned`: ``n`` uint8 codes."""
     per = 8 // bits
     if per == 1:
         return packed[:n]
     mask = (1 << bits) - 1
     parts = [(packed >> (bits * j)) & mask for j in range(per)]
     return torch.stack(parts, dim=1).reshape(-1)[:n]
+
+
+# ---- quantise with a given scale and pack, in one pass (the dense compressors' wire format) ----
+
+def _factor(bits: int, scale: float) -> tuple[int, float]:
+    levels = 2 ** (bits - 1) - 1
+    return levels, (levels / scale if scale > 0 else 0.0)
+
+
+def encode_codes_torch(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+    """Reference of :func:`encode_codes`, as a chain of torch ops (``compress.Quantize``'s
+    encode followed by ``compress.pack_bits``)."""
+    levels, f = _factor(bits, scale)
+    q = torch.round(values.reshape(-1).to(torch.float32) * f).clamp_(-levels, levels).to(torch.int8)
+    if bits == 8:
+        return q.view(torch.uint8)
+    return pack_unsigned((q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8), bits)
+
+
+def decode_codes_torch(packed: torch.Tensor, bits: int, count: int, scale: float,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Reference of :func:`decode_codes`."""
+    if bits == 8:
+        q = packed[:count].view(torch.int8)
+    else:
+        q = (unpack_unsigned(packed, bits, count).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    levels = 2 ** (bits - 1) - 1
+    return (q.to(torch.float32) * (scale / levels)).to(dtype)
+
+
+def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | None = None
+                 ) -> torch.Tensor:
+    """Quantise ``values`` to signed ``bits``-bit codes with ``scale`` and pack them, in one pass.
+
+    1. q = round_half_even(float32(v) * float32(L / scale)), clamped to
+       [-L, L] with L = 2**(bits-1) - 1 (q = 0 for every entry when scale <= 0).
+    2. 8 bits: the int8 code's byte. 2 and 4 bits: q + 2**(bits-1), packed
+       8/bits per byte, the first code in the low bits, the last byte padded
+       with zero bits.
+
+    Args:
+        values: float tensor (any shape; read flat).
+        bits: 2, 4 or 8.
+        scale: the magnitude mapped to L (max |v| agreed by the ranks).
+        backend: ``torch``/``cpu``/``triton``/``cupy``/``auto`` (``kernels.dispatch``).
+
+    Returns:
+        ``ceil(n * bits / 8)`` uint8 bytes, bitwise equal on every path.
+    """
+    if bits not in QUANT_BITS:
+        raise ValueError(f"encode_codes: bits must be one of {QUANT_BITS}, got {bits}")
+    flat = values.reshape(-1)
+    name = dispatch.choose(flat, backend)
+    if name == "torch" or flat.numel() == 0:
+        return encode_codes_torch(flat, bits, scale)
+    if flat.dtype != torch.float32:
+        flat = flat.float()  # the reference's first step
+    levels, f = _factor(bits, scale)
+    out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=flat.device)
+    if name == "cpu":
+        from .cpu import encode_codes_cpu
+
+        encode_codes_cpu(flat, bits, np.float32(f), out)
+    elif name == "triton":
+        from .triton_kernels import encode_codes_triton
+
+        encode_codes_triton(flat.contiguous(), bits, float(np.float32(f)), out)
+    else:
+        from .cupy_kernels import encode_codes_cupy
+
+        encode_codes_cupy(flat.contiguous(), bits, float(np.float32(f)), out)
+    return out
+
+
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
+                 backend: str | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode_codes`: ``count`` values q * (scale / L) in ``dtype``.
+
+    The fast paths cover float32 output; others go through the reference.
+    """
+    if bits not in QUANT_BITS:
+        raise ValueError(f"decode_codes: bits must be one of {QUANT_BITS}, got {bits}")
+    name = dispatch.choose(packed, backend)
+    if name == "torch" or count == 0 or dtype != torch.float32:
+        return decode_codes_torch(packed, bits, count, scale, dtype)
+    g = np.float32(scale / (2 ** (bits - 1) - 1))
+    out = torch.empty(count, dtype=torch.float32, device=packed.device)
+    if name == "cpu":
+        from .cpu import decode_codes_cpu
+
+        decode_codes_cpu(packed, bits, g, out)
+    elif name == "triton":
+        from .triton_kernels import decode_codes_triton
+
+        decode_codes_triton(packed.contiguous(), bits, float(g), out)
+    else:
+        from .cupy_kernels import decode_codes_cupy
+
+        decode_codes_cupy(packed.contiguous(), bits, float(g), out)
+    return out
 
 
 def delta_encode(indexes: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Launchers for the Triton kernels: fused select, radix k-th largest, deterministic
-scatter-add, threshold counts, COO record pack/unpack.
+scatter-add, threshold counts, COO record pack/unpack, quantise-and-pack.
 
 triton is imported inside :func:`_impl` only (``pip install 'sparsecomm[triton]'``);
 the kernels themselves are in ``kernels/_triton_impl.py``. Launch shapes are
@@ -14,7 +14,8 @@ import torch
 from .radix import radix_select
 
 __all__ = ["ef_select_triton", "kth_largest_triton", "scatter_add_sorted_triton",
-           "count_above_triton", "pack_records_triton", "unpack_records_triton", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
+           "count_above_triton", "pack_records_triton", "unpack_records_triton",
+           "encode_codes_triton", "decode_codes_triton", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK"]
 
 # Elements per program of the fused select: 8 per thread at 8 warps. Chosen from
@@ -33,6 +34,8 @@ COUNT_WARPS = 8
 MAX_THRESHOLDS = 16
 RECORD_BLOCK = 1024   # records per program of pack/unpack
 RECORD_WARPS = 4
+CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
+CODES_WARPS = 4
 
 
 def _impl():
@@ -143,3 +146,19 @@ def unpack_records_triton(records: torch.Tensor, idx: torch.Tensor, bits: torch.
         _impl().unpack_records_kernel[(-(-count // RECORD_BLOCK),)](
             records, idx, bits, count, IB=ib, VB=bits.element_size(), BLOCK=RECORD_BLOCK,
             num_warps=RECORD_WARPS)
+
+
+def encode_codes_triton(values: torch.Tensor, bits: int, f: float, out: torch.Tensor) -> None:
+    """``kernels.payload.encode_codes`` of float32 ``values`` (factor ``f``) into uint8 ``out``."""
+    nbytes = out.numel()
+    if nbytes:
+        _impl().encode_codes_kernel[(-(-nbytes // CODES_BLOCK),)](
+            values, out, values.numel(), nbytes, f, BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)
+
+
+def decode_codes_triton(packed: torch.Tensor, bits: int, g: float, out: torch.Tensor) -> None:
+    """``kernels.payload.decode_codes`` into float32 ``out`` (factor ``g``)."""
+    count = out.numel()
+    if count:
+        _impl().decode_codes_kernel[(-(-count // CODES_BLOCK),)](
+            packed, out, count, g, BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)

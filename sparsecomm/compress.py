@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from . import kernels
 from .comm.base import Communicator
 
 __all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "get_compressor", "COMPRESSORS",
@@ -136,29 +137,35 @@ class Quantize(Compressor):
     def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         return (wire.to(torch.float32) * (scale / self.levels)).to(dtype)
 
+    def encode_packed(self, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """``pack_bits(encode(values, scale), bits)``: in one fused pass when rounding to nearest."""
+        if self.stochastic:
+            return pack_bits(self.encode(values, scale), self.bits)
+        return kernels.encode_codes(values, self.bits, scale)
+
+    def decode_packed(self, payload: torch.Tensor, count: int, scale: float,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """``decode(unpack_bits(payload, bits, count), scale, dtype)``, fused."""
+        return kernels.decode_codes(payload, self.bits, count, scale, dtype)
+
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack int8 codes in [-(2^(b-1)-1), 2^(b-1)-1] into bytes, 8/b codes per byte."""
+    """Pack int8 codes in [-(2^(b-1)-1), 2^(b-1)-1] into bytes, 8/b codes per byte.
+
+    8 bits: the codes' bytes. 2 and 4 bits: code + 2^(b-1), the first code in
+    the low bits (``kernels.payload.pack_unsigned``).
+    """
     if bits == 8:
         return codes.view(torch.uint8)
-    per = 8 // bits
-    u = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)  # offset to unsigned
-    pad = (-u.numel()) % per
-    if pad:
-        u = torch.cat([u, torch.zeros(pad, dtype=torch.uint8, device=u.device)])
-    u = u.reshape(-1, per).to(torch.int32)
-    shifts = torch.arange(per, device=u.device, dtype=torch.int32) * bits
-    return (u << shifts).sum(1).to(torch.uint8)
+    return kernels.pack_unsigned((codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8), bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits` for ``count`` codes."""
     if bits == 8:
         return packed.view(torch.int8)[:count]
-    per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    u = (packed.to(torch.int32).reshape(-1, 1) >> shifts) & ((1 << bits) - 1)
-    return (u.reshape(-1)[:count] - (1 << (bits - 1))).to(torch.int8)
+    u = kernels.unpack_unsigned(packed, bits, count)
+    return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
 COMPRESSORS = ["fp16", "bf16", "trunc16", "q8", "q4", "q2", "q8s", "q4s", "q2s"]

@@ -28,6 +28,10 @@ _PACK_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "out_ptr": "*u8", "count": "
              "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNPACK_SIG = {"rec_ptr": "*u8", "idx_ptr": "*i64", "bits_ptr": "*{b}", "count": "i64",
                "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
+_ENCODE_SIG = {"v_ptr": "*fp32", "out_ptr": "*u8", "n": "i64", "nbytes": "i64", "f": "fp32",
+               "BITS": "constexpr", "BLOCK": "constexpr"}
+_DECODE_SIG = {"packed_ptr": "*u8", "out_ptr": "*fp32", "count": "i64", "g": "fp32",
+               "BITS": "constexpr", "BLOCK": "constexpr"}
 _SCATTER_SIG = {"out_ptr": "*{t}", "idx_ptr": "*i64", "val_ptr": "*{t}", "m": "i64", "BLOCK": "constexpr"}
 
 
@@ -37,11 +41,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparsecomm.kernels import _triton_impl as impl
-from sparsecomm.kernels.triton_kernels import (COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS,
+from sparsecomm.kernels.triton_kernels import (CODES_BLOCK, CODES_WARPS, COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS,
                                                MAX_THRESHOLDS, RECORD_BLOCK, RECORD_WARPS,
                                                SCATTER_BLOCK, SCATTER_WARPS, SELECT_BLOCK, SELECT_WARPS)
 
-SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG = %r, %r, %r, %r, %r, %r
+SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG = (
+    %r, %r, %r, %r, %r, %r, %r, %r)
 built = 0
 import os, re, subprocess, tempfile
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -103,8 +108,15 @@ for arch in (80, 90):
                 k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": RECORD_WARPS})
                 assert k.asm["cubin"]
                 built += 1
+    for bits in (2, 4, 8):
+        for fn, sig in ((impl.encode_codes_kernel, ENCODE_SIG), (impl.decode_codes_kernel, DECODE_SIG)):
+            k = triton.compile(ASTSource(fn, sig, {"BITS": bits, "BLOCK": CODES_BLOCK}), target=target,
+                               options={"num_warps": CODES_WARPS})
+            assert k.asm["cubin"]
+            usage(k, arch)
+            built += 1
 print("built", built)
-""" % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG)
+""" % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
@@ -117,7 +129,7 @@ def test_triton_kernels_compile_for_sm80_sm90():
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     print(out.stdout)
-    assert "built 70" in out.stdout
+    assert "built 82" in out.stdout
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -136,7 +148,8 @@ def test_cuda_source_compiles(arch, tmp_path):
     names = {u[0] for u in usage}
     assert {"ef_select_f32_f32", "ef_select_bf16_f32", "radix_hist_u32", "radix_hist_u16",
             "scatter_add_sorted_f32", "scatter_add_sorted_f64", "count_above_f32",
-            "count_above_bf16", "pack_i4_v4", "unpack_i8_v2"} <= names
+            "count_above_bf16", "pack_i4_v4", "unpack_i8_v2", "encode_codes_b4",
+            "decode_codes_b2"} <= names
     for name, st, ld, regs in usage:
         print(f"sm_{arch} {name}: {regs} registers, spill stores {st} B, loads {ld} B")
         assert int(st) == 0 and int(ld) == 0

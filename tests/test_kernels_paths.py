@@ -1,7 +1,8 @@
-"""Deterministic scatter-add and threshold counts: every GPU path against its reference.
+"""Scatter-add, threshold counts, COO records and quantised codes: every path against its reference.
 
 Scatter-add is compared bitwise with a sequential loop; threshold counts
-(``estimate_threshold``'s pass) exactly with ``count_above_torch``.
+(``estimate_threshold``'s pass) exactly with ``count_above_torch``; records
+and codes byte for byte with the torch path.
 
 Triton runs in interpreter mode on CPU tensors (TRITON_INTERPRET=1 before
 triton is first imported); CuPy only where ``cupy.cuda.is_available()``.
@@ -203,3 +204,55 @@ def test_pack_unpack_torch_round_trip(index_dtype, value_dtype, count):
     assert rec.shape == (count, kernels.record_bytes(index_dtype, value_dtype))
     ridx, rval = kernels.unpack_records(rec, index_dtype, value_dtype)
     assert torch.equal(ridx, idx) and torch.equal(rval, val)
+
+
+def _codes(path: str, v, bits, scale):
+    from sparsecomm.kernels import payload
+
+    if path in ("torch", "cpu"):
+        packed = payload.encode_codes(v, bits, scale, backend=path)
+        return packed, payload.decode_codes(packed, bits, v.numel(), scale, torch.float32, backend=path)
+    levels = 2 ** (bits - 1) - 1
+    f = float(torch.tensor(levels / scale if scale > 0 else 0.0, dtype=torch.float32))
+    g = float(torch.tensor(scale / levels, dtype=torch.float32))
+    out = torch.empty(-(-v.numel() * bits // 8), dtype=torch.uint8)
+    back = torch.empty(v.numel())
+    if path == "triton":
+        from sparsecomm.kernels.triton_kernels import decode_codes_triton, encode_codes_triton
+
+        encode_codes_triton(v.float().contiguous(), bits, f, out)
+        decode_codes_triton(out, bits, g, back)
+        return out, back
+    from sparsecomm.kernels.cupy_kernels import decode_codes_cupy, encode_codes_cupy
+
+    o, b = out.cuda(), back.cuda()
+    encode_codes_cupy(v.float().cuda(), bits, f, o)
+    decode_codes_cupy(o, bits, g, b)
+    return o.cpu(), b.cpu()
+
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+CODE_PATHS = [pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))] + PATHS[1:]
+
+
+@pytest.mark.parametrize("path", CODE_PATHS)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_decode_codes_match_torch_bytewise(path, bits, n, dtype):
+    levels = 2 ** (bits - 1) - 1
+    gen = torch.Generator().manual_seed(bits * n)
+    v = (torch.randn(n, generator=gen) * levels).to(dtype)
+    v[: min(n, 6)] = torch.tensor([0.5, 1.5, -2.5, 2.5, -0.5, 1e6])[: min(n, 6)].to(dtype)  # ties, clamp
+    for scale in (float(levels), float(v.float().abs().max()), 0.0):
+        packed, back = _codes(path, v, bits, scale)
+        ref = _codes("torch", v, bits, scale)
+        assert torch.equal(packed, ref[0]), scale
+        assert torch.equal(back, ref[1]), scale
+    # Half to even, as torch.round: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2 at scale = levels.
+    if n >= 4 and bits >= 4:
+        from sparsecomm.kernels import payload
+
+        q = payload.decode_codes(_codes(path, v, bits, float(levels))[0], bits, 4, float(levels),
+                                 torch.float32, backend="torch")
+        assert q.tolist() == [0.0, 2.0, -2.0, 2.0]
