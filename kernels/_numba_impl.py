@@ -16,7 +16,8 @@ loops inside numba's ``prange`` ran 1.8x slower even on one thread (the plain
 add took 27 ms against 17 ms serial at 25M) and numba's thread pool fought
 with torch's and with the simulated world's rank threads. Every function here
 is ``nogil`` and works on one contiguous span, so ``kernels.cpu`` splits a
-tensor into one span per thread of a plain Python thread pool.
+tensor into a few spans per thread and runs them on the calling thread plus a
+plain Python thread pool.
 """
 
 from __future__ import annotations

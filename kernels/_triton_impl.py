@@ -90,8 +90,9 @@ def radix_hist_kernel(x_ptr, n, prefix_ptr, hist_ptr,
         sign_off: tl.constexpr = 0x7FFFFFFF
     prefix = tl.load(prefix_ptr)
     hist = tl.zeros((256,), dtype=tl.int32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)  # start is i64 when n is (Triton specialises on n)
+    # int64 start: with n just below 2**31 an int32 start + nprog * BLOCK would wrap.
+    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
         m = offs < n
         x = tl.load(x_ptr + offs, mask=m, other=0.0)
         if KEY_BITS == 16:
@@ -156,7 +157,7 @@ def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK
     tj = tl.arange(0, NT)
     th = tl.load(th_ptr + tj, mask=tj < nt, other=float("inf"))
     acc = tl.zeros((NT,), dtype=tl.int64)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
+    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):  # int64: see radix_hist_kernel
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
         x = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
@@ -213,6 +214,8 @@ def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, V
 def _round_half_even(x):
     # floor + exact fraction (x - floor(x) is exact in float32): floor(x + 0.5)
     # would round 0.49999997 up, and ties must go to the even neighbour like torch.round.
+    # The caller's kernel must be launched with enable_fp_fusion=False: fused into an
+    # FMA, x - floor(x) would use the unrounded product and round differently.
     fl = tl.floor(x)
     d = x - fl
     odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0

@@ -51,6 +51,8 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
     one kernel from the int64 index and the value's bit pattern.
     """
     count = rel_idx.numel()
+    if values.numel() != count:
+        raise ValueError(f"pack_records: {count} indexes but {values.numel()} values")
     ib = torch.empty(0, dtype=index_dtype).element_size()
     out = torch.empty((count, record_bytes(index_dtype, value_dtype)), dtype=torch.uint8,
                       device=values.device)
@@ -136,7 +138,7 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
         return out
     if name == "torch" and out.device.type == "cpu":
         return out.index_add_(0, idx, values)
-    sidx, order = torch.sort(idx, stable=True)
+    sidx, order = torch.sort(idx.to(torch.int64), stable=True)  # the kernels read int64
     sval = values[order]
     if name == "triton":
         from .triton_kernels import scatter_add_sorted_triton

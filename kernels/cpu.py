@@ -1,15 +1,21 @@
-"""Fast CPU paths (numba) for the fused select, the exact k-th largest and threshold counts.
+"""Fast CPU paths (numba): fused select, threshold selection, exact k-th largest,
+threshold counts, quantise-and-pack.
 
 numba is optional (the ``cpu`` extra: ``pip install numba``). It is imported
 inside :func:`_impl`, never when ``sparsecomm.kernels`` is imported; the
 dispatchers only pick these paths when numba imports (``kernels.dispatch``).
 Why numba rather than numpy: see ``kernels/_numba_impl.py``.
+
+Threads: every operation cuts its tensor into spans (a few per thread) and
+runs them on the calling thread plus a shared pool. The thread budget is the
+calling thread's ``torch.get_num_threads()`` (torch keeps it per thread).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,8 +26,17 @@ __all__ = ["ef_select_cpu", "select_above_cpu", "kth_largest_cpu", "count_above_
            "encode_codes_cpu", "decode_codes_cpu"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_pools() -> None:
+    # A forked child inherits the executors but not their threads: start afresh.
+    _POOLS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _impl():
@@ -45,29 +60,35 @@ def _spans(n: int) -> int:
     thread on the free core simply takes more of them (measured: 22 ms with one
     span per thread against 16 ms at 25M on 2 cores).
     """
-    if n < _SMALL or _threads() == 1:
+    threads = _threads()
+    if n < _SMALL or threads == 1:
         return 1
-    return max(1, min(4 * _threads(), n // _SMALL))
+    return max(1, min(4 * threads, n // _SMALL))
 
 
-def _pool() -> ThreadPoolExecutor:
-    """A process-wide pool of torch's thread budget minus one (the caller works too)."""
-    global _POOL
-    want = _threads() - 1
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process-wide pool of ``workers`` threads (one per size ever asked for).
+
+    Pools are never resized or shut down: rank threads of one process may
+    have different budgets, and a pool another thread is submitting to must
+    stay alive.
+    """
     with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers != want:  # the budget changed: resize
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL = ThreadPoolExecutor(want, thread_name_prefix="sparsecomm-cpu")
-        return _POOL
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="sparsecomm-cpu")
+        return pool
 
 
 def _map(fn, spans: list) -> list:
-    """``[fn(*args) for args in spans]``; the caller and the pool take spans in turn.
+    """``[fn(*args) for args in spans]``; the caller and up to threads-1 helpers take spans in turn.
 
-    The kernels release the GIL, so the spans run in parallel.
+    The kernels release the GIL, so the spans run in parallel. Every helper
+    submitted is waited for (or cancelled before it starts) before this
+    returns or raises, so no span runs after the caller has moved on.
     """
-    if len(spans) == 1 or _threads() == 1:
+    helpers_wanted = min(_threads(), len(spans)) - 1
+    if helpers_wanted <= 0:
         return [fn(*args) for args in spans]
     out: list = [None] * len(spans)
     ticket = itertools.count()  # next() on it is atomic under the GIL
@@ -76,10 +97,23 @@ def _map(fn, spans: list) -> list:
         while (c := next(ticket)) < len(spans):
             out[c] = fn(*spans[c])
 
-    helpers = [_pool().submit(work) for _ in range(min(_threads(), len(spans)) - 1)]
-    work()
-    for h in helpers:
-        h.result()  # re-raises a helper's exception
+    pool = _pool(helpers_wanted)
+    helpers = []
+    try:
+        for _ in range(helpers_wanted):
+            helpers.append(pool.submit(work))
+        work()
+    finally:
+        errors = []
+        for h in helpers:
+            # A helper still queued (behind other ranks' work) has nothing left to do.
+            if not h.cancel():
+                try:
+                    h.result()
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    errors.append(e)
+    if errors:
+        raise errors[0]
     return out
 
 
@@ -96,6 +130,14 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
        Entries that land past ``capacity`` are dropped from the output and
        their residual is restored to acc, so nothing is lost on overflow.
     """
+    if not threshold > 0:
+        # "Every nonzero entry": the reference, whose acc != 0 test does not
+        # depend on flushing denormals (a kernel comparing |acc| with the
+        # smallest subnormal would select zeros under torch.set_flush_denormal).
+        from .efselect import ef_select_torch
+
+        return ef_select_torch(grad, residual, threshold, capacity, scale, zero_selected, out_idx,
+                               out_val)
     impl = _impl()
     rd = residual.dtype
     if grad.dtype != rd:  # numba has no bf16 and slow fp16: widen (rare on CPU)
@@ -112,9 +154,8 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
     si = np.empty(int(start[-1]), dtype=np.int64)
     sv = np.empty(int(start[-1]), dtype=r.dtype)
     sc, th = _rd_scalar(scale, rd), _rd_scalar(threshold, rd)
-    # |acc| >= th > 0 excludes zeros by itself; "every nonzero" (th <= 0) is
-    # |acc| >= the smallest subnormal, so the kernel needs no second compare.
-    th = max(th, np.finfo(th.dtype).smallest_subnormal)
+    if not th > 0:  # a positive threshold below the dtype's range: every nonzero entry
+        return ef_select_cpu(grad, residual, 0.0, capacity, scale, zero_selected, out_idx, out_val)
     spans = []
     for c in range(nch):
         lo, hi = int(bounds[c]), int(bounds[c + 1])
@@ -138,7 +179,10 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
 
 
 def select_above_cpu(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
-    """Sorted int64 indexes of ``x >= threshold`` (of ``|x|`` with ``use_abs``); nonzero only.
+    """Sorted int64 indexes of ``x >= threshold`` (of ``|x|`` with ``use_abs``).
+
+    A threshold <= 0 selects ``x > 0`` (``|x| > 0`` with ``use_abs``): the
+    nonzero magnitudes.
 
     1. Cut ``x`` into spans; each span compacts its hits into its own
        buffer (np.empty of the span's length: only written pages are touched).
@@ -147,13 +191,15 @@ def select_above_cpu(x: torch.Tensor, threshold: float, use_abs: bool = False) -
     Replaces ``torch.nonzero(x.abs() >= th)``: three passes, a full-size
     ``abs`` (45 ms of fresh pages at 25M) and a full-size mask.
     """
-    impl = _impl()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     arr = x.detach().reshape(-1).numpy()
     n = arr.size
     th = arr.dtype.type(threshold)
-    th = max(th, np.finfo(arr.dtype).smallest_subnormal)  # "> 0" when threshold <= 0
+    if not th > 0:  # every nonzero entry (rare): the exact != 0 test, whatever the denormal mode
+        m = x.abs() > 0 if use_abs else x > 0
+        return torch.nonzero(m).flatten()
+    impl = _impl()
     bounds = impl.chunk_bounds(n, _spans(n))
     nch = bounds.size - 1
     bufs = [np.empty(int(bounds[c + 1] - bounds[c]), dtype=np.int64) for c in range(nch)]
@@ -178,7 +224,7 @@ def kth_largest_cpu(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     1. Strided sample of about 64k elements; its order statistics around
        rank k*m/n (plus/minus 6 standard deviations of a binomial rank) give a
        bracket [lo, hi] that holds the k-th largest with near certainty.
-    2. One pass (a span per thread): count entries > hi, collect entries in [lo, hi]
+    2. One pass (spans over threads): count entries > hi, collect entries in [lo, hi]
        (about 1% of n or less).
     3. If n_gt < k <= n_gt + n_cand the answer is the (k - n_gt)-th largest
        candidate (numpy introselect on the small set). Otherwise (a sample
@@ -230,7 +276,7 @@ def _partition_kth(arr: np.ndarray, k: int, use_abs: bool) -> float:
 
 
 def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.ndarray:
-    """#{i : |x_i| >= t} for each of the descending ``thresholds``, in one pass (a span per thread).
+    """#{i : |x_i| >= t} for each of the descending ``thresholds``, in one pass (spans over threads).
 
     With ``every`` > 1 only every ``every``-th tile of 4096 entries is read and
     the counts are scaled up by (entries / entries read): a block sample.

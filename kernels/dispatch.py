@@ -20,7 +20,8 @@ Rules, in order:
 2. Else the environment variable ``SPARSECOMM_KERNELS``. It is process-wide
    and applies to tensors of every device, so when its backend cannot run on
    a given tensor the dispatcher falls back to ``auto`` for that tensor
-   (warning once) instead of failing.
+   (warning once) instead of failing; operations that have no such backend
+   at all take their ``auto`` choice silently.
 3. ``auto``: CUDA tensors use triton, then cupy, then torch; CPU tensors use
    cpu (numba), then torch; other devices use torch.
 """
@@ -155,9 +156,11 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
         name = _ALIASES.get(env, env)
         if name not in BACKENDS:
             raise ValueError(f"{_ENV}={env!r}: unknown backend; choose from {BACKENDS}")
-        if name != "auto":
-            if name in supported and available(name, dev):
+        if name != "auto" and name in supported:
+            if available(name, dev):
                 return name
             _warn_once(f"{_ENV}={env}: cannot run on {dev.type} tensors here, using auto"
                        + (f" (install: {install_hint(name)})" if install_hint(name) else ""))
+        # An operation without that backend (e.g. scatter_add has no numba path)
+        # simply takes its auto choice: the variable is a process-wide preference.
     return _auto(dev, supported)

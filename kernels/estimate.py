@@ -102,7 +102,14 @@ def count_above(x: torch.Tensor, thresholds: np.ndarray, backend: str | None = N
     fp16/bf16/fp32, at most 16 thresholds, else torch), ``torch``
     (``bucketize``, any device). Exact unless ``every`` > 1.
     """
-    th = np.asarray(thresholds, dtype=np.float64)
+    th = np.asarray(thresholds, dtype=np.float64).reshape(-1)
+    if th.size == 0 or not (th > 0).all() or (th.size > 1 and not (np.diff(th) < 0).all()):
+        raise ValueError("count_above: thresholds must be positive and strictly descending, "
+                         f"got {th.tolist()[:8]}")
+    if every < 1:
+        raise ValueError(f"count_above: every must be >= 1, got {every}")
+    if x.numel() == 0:
+        return np.zeros(th.size, dtype=np.int64)
     name = dispatch.choose(x, backend, supported=("torch", "cpu", "triton", "cupy"))
     if name in ("triton", "cupy") and (x.dtype == torch.float64 or th.size > 16):
         name = "torch"  # the GPU kernels compare in float32, for at most 16 thresholds

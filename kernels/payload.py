@@ -193,6 +193,8 @@ def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtyp
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"decode_codes: bits must be one of {QUANT_BITS}, got {bits}")
+    if packed.numel() * 8 < count * bits:
+        raise ValueError(f"decode_codes: {packed.numel()} bytes cannot hold {count} {bits}-bit codes")
     name = dispatch.choose(packed, backend)
     if name == "torch" or count == 0 or dtype != torch.float32:
         return decode_codes_torch(packed, bits, count, scale, dtype)

@@ -122,7 +122,7 @@ def count_above_triton(x: torch.Tensor, thresholds) -> np.ndarray:
         raise ValueError(f"count_above_triton: 1..{MAX_THRESHOLDS} thresholds, got {nt}")
     th = torch.tensor(np.asarray(thresholds, dtype=np.float32), device=x.device)
     counts = torch.zeros(MAX_THRESHOLDS, dtype=torch.int64, device=x.device)
-    flat = x.reshape(-1)
+    flat = x.reshape(-1).contiguous()  # reshape keeps a strided 1-D view as it is
     n = flat.numel()
     grid = (max(1, min(HIST_PROGRAMS, -(-n // COUNT_BLOCK))),)
     _impl().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
@@ -152,8 +152,10 @@ def encode_codes_triton(values: torch.Tensor, bits: int, f: float, out: torch.Te
     """``kernels.payload.encode_codes`` of float32 ``values`` (factor ``f``) into uint8 ``out``."""
     nbytes = out.numel()
     if nbytes:
+        # No FMA contraction: the rounding must see the rounded float32 product, as torch does.
         _impl().encode_codes_kernel[(-(-nbytes // CODES_BLOCK),)](
-            values, out, values.numel(), nbytes, f, BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)
+            values, out, values.numel(), nbytes, f, BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS,
+            enable_fp_fusion=False)
 
 
 def decode_codes_triton(packed: torch.Tensor, bits: int, g: float, out: torch.Tensor) -> None:

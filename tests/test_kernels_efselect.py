@@ -212,6 +212,13 @@ def test_dispatch_rules(monkeypatch):
         dispatch._warn_once.cache_clear()
         assert dispatch.choose(x) in ("cpu", "torch")
     assert dispatch.choose(x, supported=("torch",)) == "torch"
+    import warnings
+
+    monkeypatch.setenv("SPARSECOMM_KERNELS", "cpu")  # an operation without a cpu path: no warning
+    dispatch._warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.choose(x, supported=("torch", "triton", "cupy")) == "torch"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
@@ -245,3 +252,48 @@ def test_select_above_cpu_matches_torch(n, threads):
                                kernels.select_above(m, 1.0, backend="torch"))
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_threshold_zero_selects_nonzeros_even_with_flushed_denormals():
+    # "Every nonzero entry" must not depend on the denormal mode of the calling thread.
+    torch.set_flush_denormal(True)
+    try:
+        x = torch.tensor([0.0, 1.0, 0.0, -2.0] * 20_000)
+        assert torch.equal(kernels.select_above(x, 0.0, backend="cpu", use_abs=True),
+                           torch.nonzero(x != 0).flatten())
+        r = x.clone()
+        _, _, c = kernels.ef_select(torch.zeros_like(x), r, 0.0, 10, backend="cpu")
+        assert c == 40_000
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_cpu_kernels_with_different_thread_budgets_per_thread():
+    # torch keeps the thread budget per thread: rank threads with 2 and 3 threads
+    # share the pools without tearing them down under each other.
+    import threading
+
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0))
+    expect = torch.nonzero(x.abs() >= 1.5).flatten()
+    errors = []
+
+    def rank(budget):
+        torch.set_num_threads(budget)
+        try:
+            for _ in range(60):
+                assert torch.equal(kernels.select_above(x, 1.5, backend="cpu", use_abs=True), expect)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    old = torch.get_num_threads()
+    try:
+        threads = [threading.Thread(target=rank, args=(b,)) for b in (2, 3, 2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(old)
+    assert not errors, errors[0]

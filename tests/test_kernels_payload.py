@@ -97,3 +97,17 @@ def test_delta_round_trip(gap, dtype):
     assert kernels.delta_decode(first, d).numel() == 0
     with pytest.raises(ValueError):
         kernels.delta_encode(idx.flip(0))
+
+
+def test_count_above_and_codes_reject_bad_arguments():
+    from sparsecomm.kernels import payload
+
+    x = torch.randn(100)
+    for bad in ([], [1.0, 2.0], [0.0], [-1.0]):
+        with pytest.raises(ValueError, match="thresholds"):
+            kernels.count_above(x, bad)
+    assert kernels.count_above(torch.empty(0), [2.0, 1.0]).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="cannot hold"):
+        payload.decode_codes(torch.zeros(3, dtype=torch.uint8), 4, 7, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="indexes but"):
+        kernels.pack_records(torch.arange(3), torch.ones(2), torch.int32, torch.float32)

@@ -53,6 +53,23 @@ def test_estimated_local_threshold_stays_near_k():
     import pickle
 
     assert pickle.loads(pickle.dumps(res[0][1])).local_select == "estimate"
+
+    # Ties the sample cannot resolve: 1000 entries of 2.0 and 6000 of 1.0 for k = 2000.
+    # The estimate lands between them and selects 1000 < 2k/3 every time; the exact
+    # fallback must take over in the same call.
+    def tied(rank):
+        st = sparsecomm.OkTopkState(0.01, tau=2, tau_prime=2, local_select="estimate")
+        counts = []
+        for _ in range(3):
+            g = torch.zeros(n)
+            g[:1000] = 2.0
+            g[1000:7000] = 1.0
+            sparsecomm.allreduce(g, state=st)
+            counts.append((st.last.local_selected, st.last.events.get("local_estimate_fallback", 0)))
+        return counts
+
+    for counts in sparsecomm.simulate(2, tied).results:
+        assert counts[0] == (k, 1) and all(c >= 2 * k / 3 for c, _ in counts)
     try:
         sparsecomm.OkTopkState(0.01, local_select="sampled")
     except ValueError as e:

@@ -201,9 +201,14 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
         if st.local_select == "estimate" and k < acc.numel():
             # A threshold from a sample and sampled counts, then the same
             # checks as a reused one (the hard cap included).
-            st.local_threshold = kernels.estimate_threshold(acc, k)
-            return _checked_select(acc, kernels.select_above(acc, st.local_threshold, use_abs=True), k, st,
-                                   stats)
+            th = kernels.estimate_threshold(acc, k)
+            idx = kernels.select_above(acc, th, use_abs=True)
+            if idx.numel() >= st.count_bounds[0] * k:
+                st.local_threshold = th
+                return _checked_select(acc, idx, k, st, stats)
+            # Too few (ties, or a sample in step with a periodic layout would
+            # give the same estimate every time): select exactly instead.
+            stats.events["local_estimate_fallback"] = 1
         idx = kernels.topk_indexes(acc, k, use_abs=True)
         st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
         return idx
