@@ -39,6 +39,21 @@ def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: 
     try:
         save_result(outdir, rank, lambda: fn(rank, size, *args))
     finally:
+        # Tear down together, with the function's objects (e.g. DDP reducers) gone
+        # first: a rank destroying its group while a peer still used it aborted the
+        # peer ("terminate called without an active exception") under load. A rank
+        # that failed joins too; if the barrier itself fails, the saved results
+        # still say what went wrong.
+        import gc
+
+        gc.collect()
+        try:
+            if backend == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+            else:
+                dist.barrier()
+        except Exception:  # noqa: BLE001 - the saved result is the report
+            pass
         dist.destroy_process_group()
 
 
@@ -70,12 +85,17 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
         return collect(outdir, nprocs)
 
 
-def save_result(outdir: str, rank: int, fn: Callable[[], Any]) -> None:
-    """Save ``fn()`` (or the traceback it raised) as rank ``rank``'s result in ``outdir``."""
+def save_result(outdir: str, rank: int, fn: Callable[[], Any]) -> bool:
+    """Save ``fn()`` (or the traceback it raised) as rank ``rank``'s result in ``outdir``.
+
+    Returns whether ``fn`` succeeded.
+    """
     try:
         torch.save({"ok": fn()}, f"{outdir}/{rank}.pt")
+        return True
     except BaseException:  # noqa: BLE001 - reported by whoever collects
         torch.save({"error": traceback.format_exc()}, f"{outdir}/{rank}.pt")
+        return False
 
 
 def collect(outdir: str, nprocs: int) -> list[Any]:
