@@ -58,8 +58,8 @@ def _compact(r, b0, b1, th, capacity, zero, offset, out_idx, out_val, cnt):
 def ef_select_span(g, r, scale, th, capacity, zero, offset, out_idx, out_val):
     """Fused error-feedback select over one span; returns the TRUE count.
 
-    ``th`` must be > 0 (the caller turns "every nonzero" into the smallest
-    subnormal), so |acc| >= th alone decides and excludes zeros and NaN.
+    ``th`` must be > 0 (the caller sends "every nonzero", th <= 0, to the
+    torch reference), so |acc| >= th alone decides and excludes zeros and NaN.
 
     1. For each block of BLOCK entries: acc = r + scale * g is written to r
        and the selected entries are counted. This loop has no data-dependent

@@ -136,6 +136,8 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     name = dispatch.choose(out, backend, supported=("torch", "triton", "cupy"))
     if idx.numel() == 0:
         return out
+    if out.dtype not in (torch.float32, torch.float64):
+        name = "torch"  # the GPU kernels sum in fp32/fp64; 16-bit sums round at every step
     if name == "torch" and out.device.type == "cpu":
         return out.index_add_(0, idx, values)
     sidx, order = torch.sort(idx.to(torch.int64), stable=True)  # the kernels read int64

@@ -443,16 +443,11 @@ def scatter_add_sorted_cupy(out: torch.Tensor, sidx: torch.Tensor, sval: torch.T
     """Deterministic ``out[sidx] += sval`` for stably sorted ``sidx`` (see ``coo.scatter_add``).
 
     One thread per position; the first position of each run of equal
-    indexes sums the run in order and writes once. float32/float64 ``out``;
-    other dtypes go through the torch reference.
+    indexes sums the run in order and writes once. float32/float64 ``out``
+    (``coo.scatter_add`` sends 16-bit sums to the torch path).
     """
     m = sidx.numel()
     if m == 0:
-        return
-    if out.dtype not in (torch.float32, torch.float64):
-        from .coo import scatter_add_sorted_torch
-
-        scatter_add_sorted_torch(out, sidx, sval)
         return
     name = "scatter_add_sorted_f32" if out.dtype == torch.float32 else "scatter_add_sorted_f64"
     _launch(name, -(-m // SCATTER_THREADS), SCATTER_THREADS,

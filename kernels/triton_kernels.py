@@ -95,16 +95,10 @@ def scatter_add_sorted_triton(out: torch.Tensor, sidx: torch.Tensor, sval: torch
 
     One program per SCATTER_BLOCK positions; each run of equal indexes is
     summed in order by the program holding its first position. float32/
-    float64 ``out``; 16-bit sums (rounded at every step on the CPU) go
-    through the torch reference.
+    float64 ``out`` (``coo.scatter_add`` sends 16-bit sums to the torch path).
     """
     m = sidx.numel()
     if m == 0:
-        return
-    if out.dtype not in (torch.float32, torch.float64):
-        from .coo import scatter_add_sorted_torch
-
-        scatter_add_sorted_torch(out, sidx, sval)
         return
     grid = (-(-m // SCATTER_BLOCK),)
     _impl().scatter_add_sorted_kernel[grid](out, sidx, sval, m, BLOCK=SCATTER_BLOCK,

@@ -11,27 +11,19 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-import importlib.util
 
 import pytest
 import torch
+
+from gpu_paths import HAVE_NUMBA, HAVE_TRITON, cupy_ok
 
 from sparsecomm import kernels
 from sparsecomm.kernels import dispatch
 from sparsecomm.kernels.efselect import ef_select_torch
 from sparsecomm.kernels.radix import radix_kth_largest_torch
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _cupy_ok() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
 
 
 def _run(path: str, g, r, th, cap, scale, zero):
@@ -58,7 +50,7 @@ def _run(path: str, g, r, th, cap, scale, zero):
 
 PATHS = [pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")),
          pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")),
-         pytest.param("cupy", marks=pytest.mark.skipif(not _cupy_ok(), reason="cupy.cuda.is_available() is False"))]
+         pytest.param("cupy", marks=pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False"))]
 
 # (name, n, threshold, capacity): random, all selected, none selected, overflow,
 # n not a multiple of the 4096 tile, tiny.
@@ -164,7 +156,7 @@ def test_kth_largest_triton(dtype):
         assert kth_largest_triton(x, k) == radix_kth_largest_torch(x, k)
 
 
-@pytest.mark.skipif(not _cupy_ok(), reason="cupy.cuda.is_available() is False")
+@pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_kth_largest_cupy(dtype):
     from sparsecomm.kernels.cupy_kernels import kth_largest_cupy

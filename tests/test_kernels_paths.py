@@ -14,25 +14,18 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-import importlib.util
 
 import pytest
 import torch
+
+from gpu_paths import HAVE_NUMBA, HAVE_TRITON, cupy_ok
 
 from sparsecomm import kernels
 from sparsecomm.kernels.coo import scatter_add_sorted_torch
 from sparsecomm.kernels.estimate import candidate_thresholds, count_above_torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _cupy_ok() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
 
 
 def _sequential(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
@@ -46,8 +39,8 @@ def _sequential(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torc
 def _sorted_path(path: str, out, idx, val):
     sidx, order = torch.sort(idx, stable=True)
     sval = val.to(out.dtype)[order]
-    if path == "torch":
-        scatter_add_sorted_torch(out, sidx, sval)
+    if path == "torch" or out.dtype not in (torch.float32, torch.float64):
+        scatter_add_sorted_torch(out, sidx, sval)  # coo.scatter_add's rule for 16-bit sums
     elif path == "triton":
         from sparsecomm.kernels.triton_kernels import scatter_add_sorted_triton
 
@@ -63,7 +56,7 @@ def _sorted_path(path: str, out, idx, val):
 
 PATHS = ["torch",
          pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")),
-         pytest.param("cupy", marks=pytest.mark.skipif(not _cupy_ok(), reason="cupy.cuda.is_available() is False"))]
+         pytest.param("cupy", marks=pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False"))]
 
 
 def _case(name: str, gen: torch.Generator):
@@ -83,7 +76,7 @@ def _case(name: str, gen: torch.Generator):
 @pytest.mark.parametrize("case", ["gathered", "one_index", "empty", "unique", "dense_dups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_scatter_add_matches_sequential_bitwise(path, case, dtype):
-    # 16-bit outputs go through the torch path on Triton/CuPy: still checked here.
+    # 16-bit outputs go through the torch path on Triton/CuPy (coo.scatter_add): still checked.
     gen = torch.Generator().manual_seed(len(case))
     n, idx = _case(case, gen)
     val = torch.randn(idx.numel(), generator=gen).to(dtype)
@@ -231,7 +224,6 @@ def _codes(path: str, v, bits, scale):
     return o.cpu(), b.cpu()
 
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 CODE_PATHS = [pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))] + PATHS[1:]
 
 
