@@ -1,11 +1,32 @@
 """Local (single-rank) kernels: top-k selection by magnitude, fused select, COO and payload helpers.
 
-Installed as ``sparsecomm.kernels``. Every operation with fast paths has one
-dispatcher (``kth_largest``, ``ef_select``, ``estimate_threshold``) that picks
-the torch reference, Triton, CuPy or numba (CPU) path for the tensor's device;
+Installed as ``sparsecomm.kernels``. Every operation with fast paths
+(``kth_largest``, ``select_above``, ``ef_select``, ``count_above``,
+``scatter_add``, ``pack_records``/``unpack_records``,
+``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
+declared next to its torch reference: backend -> implementation, and the rule
+under which a backend hands a call to the reference. ``dispatch`` picks the
+torch reference, Triton, CuPy or numba (CPU) path for the tensor's device;
 ``backend=`` and the environment variable ``SPARSECOMM_KERNELS`` override the
 choice (rules in ``kernels.dispatch``). Optional libraries (triton, cupy,
 numba) are imported only when a path that needs them runs.
+
+Layout, one concern per module:
+
+* operations and their torch references: ``select`` (k-th largest, top-k,
+  threshold selection), ``efselect``, ``estimate``, ``coo``, ``payload``;
+  ``radix`` is the digit choice the Triton and CuPy radix selects share.
+* ``dispatch``: the backend rules and ``KernelOp``.
+* one pair of modules per library, named alike: ``<library>_backend`` holds
+  the launchers, one function per operation named after it, with the
+  operation's signature (what the tables name); ``_<library>_jit`` holds the
+  kernel bodies the library compiles just in time (numba ``@njit`` loops,
+  ``@triton.jit`` kernels, CUDA C source for CuPy's NVRTC):
+  ``numba_backend`` + ``_numba_jit`` (the ``cpu`` backend),
+  ``triton_backend`` + ``_triton_jit``, ``cupy_backend`` + ``_cupy_jit``.
+
+Imports run one way: backend modules may use the operation modules' helpers,
+operation modules name backends only as strings in their tables.
 """
 
 from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add,

@@ -14,8 +14,9 @@ import torch
 from . import dispatch
 
 __all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_records",
-           "unpack_records", "scatter_add", "scatter_add_sorted_torch", "isin_sorted",
-           "unique_indexes"]
+           "pack_records_torch", "record_fields", "unpack_records", "unpack_records_torch",
+           "record_buffers", "scatter_add", "scatter_add_torch", "scatter_add_sorted_torch",
+           "sort_by_index", "isin_sorted", "unique_indexes"]
 
 
 def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
@@ -53,51 +54,60 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
     count = rel_idx.numel()
     if values.numel() != count:
         raise ValueError(f"pack_records: {count} indexes but {values.numel()} values")
-    ib = torch.empty(0, dtype=index_dtype).element_size()
     out = torch.empty((count, record_bytes(index_dtype, value_dtype)), dtype=torch.uint8,
                       device=values.device)
-    name = dispatch.choose(values, backend, supported=("torch", "triton", "cupy"))
-    if name == "torch" or count == 0:
-        out[:, :ib] = rel_idx.to(index_dtype).reshape(count, 1).view(torch.uint8)
-        out[:, ib:] = values.to(value_dtype).reshape(count, 1).view(torch.uint8)
-        return out
-    vals = values.reshape(-1).to(value_dtype).contiguous()
-    bits = vals.view(_BITS[vals.element_size()])
-    idx = rel_idx.reshape(-1).to(torch.int64).contiguous()
-    if name == "triton":
-        from .triton_kernels import pack_records_triton
-
-        pack_records_triton(idx, bits, out, ib)
-    else:
-        from .cupy_kernels import pack_records_cupy
-
-        pack_records_cupy(idx, bits, out, ib)
+    _PACK_RECORDS(rel_idx, values, index_dtype, value_dtype, out, backend=backend)
     return out
+
+
+def pack_records_torch(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                       value_dtype: torch.dtype, out: torch.Tensor) -> None:
+    """Reference of :func:`pack_records`: fills ``out`` column by column with strided copies."""
+    count = rel_idx.numel()
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    out[:, :ib] = rel_idx.to(index_dtype).reshape(count, 1).view(torch.uint8)
+    out[:, ib:] = values.to(value_dtype).reshape(count, 1).view(torch.uint8)
+
+
+def record_fields(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the record kernels read: contiguous int64 indexes and the values' bit patterns."""
+    vals = values.reshape(-1).to(value_dtype).contiguous()
+    return rel_idx.reshape(-1).to(torch.int64).contiguous(), vals.view(_BITS[vals.element_size()])
 
 
 def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype,
                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_records`: (int64 relative indexes, values)."""
-    ib = torch.empty(0, dtype=index_dtype).element_size()
     if records.shape[0] == 0:  # an empty slice keeps its record stride, which view() rejects
         return (torch.empty(0, dtype=torch.int64, device=records.device),
                 torch.empty(0, dtype=value_dtype, device=records.device))
-    name = dispatch.choose(records, backend, supported=("torch", "triton", "cupy"))
-    if name == "torch":
-        return _column(records, 0, ib, index_dtype).to(torch.int64), _column(records, ib, None, value_dtype)
+    return _UNPACK_RECORDS(records, index_dtype, value_dtype, backend=backend)
+
+
+def unpack_records_torch(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`unpack_records` (non-empty ``records``): the two columns, copied out."""
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    return _column(records, 0, ib, index_dtype).to(torch.int64), _column(records, ib, None, value_dtype)
+
+
+def record_buffers(records: torch.Tensor, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the unpack kernels write: int64 indexes and an integer tensor for the values' bit patterns."""
     count = records.shape[0]
     vb = torch.empty(0, dtype=value_dtype).element_size()
-    idx = torch.empty(count, dtype=torch.int64, device=records.device)
-    bits = torch.empty(count, dtype=_BITS[vb], device=records.device)
-    if name == "triton":
-        from .triton_kernels import unpack_records_triton
+    return (torch.empty(count, dtype=torch.int64, device=records.device),
+            torch.empty(count, dtype=_BITS[vb], device=records.device))
 
-        unpack_records_triton(records.contiguous(), idx, bits, ib)
-    else:
-        from .cupy_kernels import unpack_records_cupy
 
-        unpack_records_cupy(records.contiguous(), idx, bits, ib)
-    return idx, bits.view(value_dtype)
+# An empty pack is the torch path's (the kernels need a record to launch).
+_PACK_RECORDS = dispatch.KernelOp(
+    "pack_records", pack_records_torch, on=1, triton="triton_backend:pack_records",
+    cupy="cupy_backend:pack_records",
+    accepts={("triton", "cupy"): lambda rel_idx, *_: rel_idx.numel() > 0})
+_UNPACK_RECORDS = dispatch.KernelOp(
+    "unpack_records", unpack_records_torch, triton="triton_backend:unpack_records",
+    cupy="cupy_backend:unpack_records")
 
 
 def _column(records: torch.Tensor, lo: int, hi: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +134,8 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     2. Elsewhere: a stable sort by index (duplicates keep their order), then
        one pass where the first entry of each run of equal indexes sums its
        run in order and writes once: no atomics (``triton``, ``cupy``, or
-       :func:`scatter_add_sorted_torch`).
+       :func:`scatter_add_sorted_torch`); 16-bit sums always take the
+       torch path (the kernels sum in fp32/fp64, 16-bit sums round at every step).
 
     Args:
         out: dense float tensor, updated in place.
@@ -133,26 +144,27 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
         backend: ``torch``/``triton``/``cupy``/``auto`` (``kernels.dispatch``).
     """
     values = values.to(out.dtype)
-    name = dispatch.choose(out, backend, supported=("torch", "triton", "cupy"))
-    if idx.numel() == 0:
-        return out
-    if out.dtype not in (torch.float32, torch.float64):
-        name = "torch"  # the GPU kernels sum in fp32/fp64; 16-bit sums round at every step
-    if name == "torch" and out.device.type == "cpu":
-        return out.index_add_(0, idx, values)
-    sidx, order = torch.sort(idx.to(torch.int64), stable=True)  # the kernels read int64
-    sval = values[order]
-    if name == "triton":
-        from .triton_kernels import scatter_add_sorted_triton
-
-        scatter_add_sorted_triton(out, sidx, sval)
-    elif name == "cupy":
-        from .cupy_kernels import scatter_add_sorted_cupy
-
-        scatter_add_sorted_cupy(out, sidx, sval)
-    else:
-        scatter_add_sorted_torch(out, sidx, sval)
+    _SCATTER_ADD(out, idx, values, backend=backend)
     return out
+
+
+def scatter_add_torch(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Reference of :func:`scatter_add`, for ``values`` already in ``out.dtype``.
+
+    ``index_add_`` on CPU, sorted runs (:func:`scatter_add_sorted_torch`) elsewhere.
+    """
+    if idx.numel() == 0:
+        return
+    if out.device.type == "cpu":
+        out.index_add_(0, idx, values)
+        return
+    scatter_add_sorted_torch(out, *sort_by_index(idx, values))
+
+
+def sort_by_index(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 indexes, values) stably sorted by index: duplicates keep their input order."""
+    sidx, order = torch.sort(idx.to(torch.int64), stable=True)  # the kernels read int64
+    return sidx, values[order]
 
 
 def scatter_add_sorted_torch(out: torch.Tensor, sidx: torch.Tensor, sval: torch.Tensor) -> torch.Tensor:
@@ -175,6 +187,16 @@ def scatter_add_sorted_torch(out: torch.Tensor, sidx: torch.Tensor, sval: torch.
         acc[more] = acc[more] + sval[pos[more] + d]
     out[first] = acc
     return out
+
+
+def _wide_sum(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> bool:
+    return out.dtype in (torch.float32, torch.float64)
+
+
+# The GPU kernels sum in fp32/fp64: 16-bit outputs go to torch.
+_SCATTER_ADD = dispatch.KernelOp(
+    "scatter_add", scatter_add_torch, triton="triton_backend:scatter_add",
+    cupy="cupy_backend:scatter_add", accepts={("triton", "cupy"): _wide_sum})
 
 
 def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Backend choice for the local kernels: one rule shared by every dispatcher.
+"""Backend choice for the local kernels, and the one table-driven dispatcher every operation uses.
 
 Every operation with fast paths (``ef_select``, ``kth_largest``,
-``estimate_threshold``) has one dispatcher that calls :func:`choose` with the
-tensor it works on. The backends:
+``count_above``, ...) declares a :class:`KernelOp` next to its torch
+reference: backend name -> implementation, plus the rule under which a chosen
+backend hands the call to the reference. Calling the op picks the backend by
+:func:`choose`, applies that rule and runs the implementation. The backends:
 
 * ``torch``  -- the reference, any device, always available.
 * ``triton`` -- Triton kernels, CUDA tensors (``pip install 'sparsecomm[triton]'``).
@@ -24,36 +26,32 @@ Rules, in order:
    at all take their ``auto`` choice silently.
 3. ``auto``: CUDA tensors use triton, then cupy, then torch; CPU tensors use
    cpu (numba), then torch; other devices use torch.
+
+After the choice, the operation's own rule may still send a call to torch
+(``KernelOp(accepts=...)``, e.g. float64 input to a kernel written for
+16/32-bit floats): that is a property of the arguments, not of the machine,
+so it is silent even for an explicit ``backend=``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
+from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["BACKENDS", "BackendUnavailable", "choose", "available", "install_hint"]
+__all__ = ["BACKENDS", "BackendUnavailable", "KernelOp", "OPS", "choose", "available", "install_hint",
+           "import_numba"]
 
-BACKENDS = ("torch", "triton", "cupy", "cpu", "auto")
-_ALIASES = {"numba": "cpu"}
-_HINTS = {
-    "triton": "pip install 'sparsecomm[triton]'  (triton>=3.0, needs a CUDA GPU)",
-    "cupy": "pip install 'sparsecomm[cupy]'  (cupy-cuda12x, needs a CUDA GPU)",
-    "cpu": "pip install numba  (the 'cpu' extra)",
-    "torch": "",
-}
 _ENV = "SPARSECOMM_KERNELS"
+_ALIASES = {"numba": "cpu"}
 
 
 class BackendUnavailable(RuntimeError):
     """A backend asked for by name cannot run on this tensor or machine."""
-
-
-def install_hint(backend: str) -> str:
-    """How to install what ``backend`` needs."""
-    return _HINTS.get(_ALIASES.get(backend, backend), "")
 
 
 def import_numba():
@@ -66,7 +64,6 @@ def import_numba():
     ``numba.set_num_threads`` later does not shrink the pool. So the budget is
     set before the import, unless the user set it.
     """
-    import os
     import sys
 
     if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
@@ -76,43 +73,73 @@ def import_numba():
     return numba
 
 
+def _triton_ok() -> bool:
+    import triton  # noqa: F401
+
+    return torch.cuda.is_available()
+
+
+def _cupy_ok() -> bool:
+    import cupy
+
+    return bool(cupy.cuda.is_available())
+
+
+def _numba_ok() -> bool:
+    import_numba()
+    return True
+
+
+# The backends, in the order error messages list them: the device type each
+# runs on (None: any), the probe that says whether its library works here,
+# and how to install it. A new backend is one entry here and one in _AUTO.
+_REGISTRY: dict[str, tuple[str | None, Callable[[], bool] | None, str]] = {
+    "torch": (None, None, ""),
+    "triton": ("cuda", _triton_ok, "pip install 'sparsecomm[triton]'  (triton>=3.0, needs a CUDA GPU)"),
+    "cupy": ("cuda", _cupy_ok, "pip install 'sparsecomm[cupy]'  (cupy-cuda12x, needs a CUDA GPU)"),
+    "cpu": ("cpu", _numba_ok, "pip install numba  (the 'cpu' extra)"),
+}
+# ``auto``'s preference per device type; any other device type runs torch.
+_AUTO = {"cuda": ("triton", "cupy", "torch"), "cpu": ("cpu", "torch")}
+
+BACKENDS = (*_REGISTRY, "auto")
+
+
+def install_hint(backend: str) -> str:
+    """How to install what ``backend`` needs."""
+    entry = _REGISTRY.get(_ALIASES.get(backend, backend))
+    return entry[2] if entry else ""
+
+
 @functools.lru_cache(maxsize=None)
 def _library_ok(backend: str) -> bool:
     # Cached: importing triton/cupy/numba costs seconds, and availability does
     # not change during a process.
+    entry = _REGISTRY.get(backend)
+    if entry is None:
+        return False
+    probe = entry[1]
+    if probe is None:
+        return True
     try:
-        if backend == "triton":
-            import triton  # noqa: F401
-
-            return torch.cuda.is_available()
-        if backend == "cupy":
-            import cupy
-
-            return bool(cupy.cuda.is_available())
-        if backend == "cpu":
-            import_numba()
-            return True
+        return probe()
     except Exception:  # ImportError, or a broken CUDA runtime raising on probe
         return False
-    return backend == "torch"
 
 
 def available(backend: str, device: torch.device | str = "cpu") -> bool:
     """Whether ``backend`` can run on tensors of ``device`` here."""
     backend = _ALIASES.get(backend, backend)
     dev = torch.device(device).type
-    if backend == "torch":
-        return True
-    if backend in ("triton", "cupy"):
-        return dev == "cuda" and _library_ok(backend)
-    if backend == "cpu":
-        return dev == "cpu" and _library_ok("cpu")
-    return False
+    entry = _REGISTRY.get(backend)
+    if entry is None:
+        return False
+    runs_on = entry[0]
+    return runs_on is None or (dev == runs_on and _library_ok(backend))
 
 
 def _auto(dev: torch.device, supported: tuple[str, ...]) -> str:
-    order = ("triton", "cupy", "torch") if dev.type == "cuda" else ("cpu", "torch")
-    for name in order:
+    for name in _AUTO.get(dev.type, ("torch",)):
         if name in supported and available(name, dev):
             return name
     return "torch"
@@ -164,3 +191,89 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
         # An operation without that backend (e.g. scatter_add has no numba path)
         # simply takes its auto choice: the variable is a process-wide preference.
     return _auto(dev, supported)
+
+
+#: Every operation's table, by operation name (filled as the kernel modules are imported).
+OPS: dict[str, KernelOp] = {}
+
+
+class KernelOp:
+    """One operation's table: backend name -> implementation, and when a backend falls back to torch.
+
+    Every implementation takes the operation's arguments (without
+    ``backend``) and returns its result, so the table alone knows the
+    backends. Calling ``op(*args, backend=None)`` chooses a backend for
+    ``args[on]`` (:func:`choose`), applies the fallback rule and runs.
+
+    Args:
+        name: the operation's name (its public function), the key in :data:`OPS`.
+        torch: the torch reference, a callable (always importable).
+        on: position of the argument whose device decides the backend.
+        accepts: backend, or tuple of backends -> predicate over the
+            arguments; where it is false the call runs the torch reference
+            (e.g. "triton/cupy only for fp16/bf16/fp32").
+        **paths: backend -> ``"module:function"``, the module relative to
+            ``sparsecomm.kernels``. Imported when first chosen: backend
+            modules import optional libraries.
+
+    Example::
+
+        _KTH = KernelOp("kth_largest", kth_largest_torch, cpu="numba_backend:kth_largest",
+                        accepts={("triton", "cupy"): lambda mag, k, use_abs: mag.dtype == torch.float32})
+        _KTH(mag, k, False, backend=None)
+    """
+
+    def __init__(self, name: str, torch: Callable[..., Any], *, on: int = 0,
+                 accepts: Mapping[str | tuple[str, ...], Callable[..., bool]] | None = None,
+                 **paths: str) -> None:
+        for backend, path in paths.items():
+            if backend not in _REGISTRY or backend == "torch":
+                raise ValueError(f"{name}: unknown kernel backend {backend!r}")
+            if path.count(":") != 1:
+                raise ValueError(f"{name}: {backend} path {path!r} is not 'module:function'")
+        self.name = name
+        self.on = on
+        # In registry order, like choose()'s default.
+        self.backends: tuple[str, ...] = tuple(b for b in _REGISTRY if b == "torch" or b in paths)
+        self._paths = dict(paths)
+        self._loaded: dict[str, Callable[..., Any]] = {"torch": torch}
+        self._accepts: dict[str, Callable[..., bool]] = {}
+        for key, rule in (accepts or {}).items():
+            for backend in (key,) if isinstance(key, str) else key:
+                if backend not in paths:
+                    raise ValueError(f"{name}: a rule for {backend!r}, which is not in the table")
+                self._accepts[backend] = rule
+        OPS[name] = self
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self.name!r}, backends={self.backends})"
+
+    def __call__(self, *args: Any, backend: str | None = None) -> Any:
+        return self.run(choose(args[self.on], backend, self.backends), *args)
+
+    def run(self, backend: str, *args: Any) -> Any:
+        """Run ``backend``'s implementation (after the fallback rule), without checking that it can run here.
+
+        For callers that already chose (and tests driving Triton's
+        interpreter on CPU tensors).
+        """
+        return self.implementation(self.fallback(backend, *args))(*args)
+
+    def fallback(self, backend: str, *args: Any) -> str:
+        """The backend that runs these arguments when ``backend`` is chosen: it, or torch by the rule."""
+        backend = _ALIASES.get(backend, backend)
+        if backend not in self.backends:
+            raise BackendUnavailable(f"{self.name} has no {backend!r} path (it has {self.backends})")
+        rule = self._accepts.get(backend)
+        return backend if rule is None or rule(*args) else "torch"
+
+    def implementation(self, backend: str) -> Callable[..., Any]:
+        """``backend``'s implementation, imported on first use."""
+        fn = self._loaded.get(backend)
+        if fn is None:
+            if backend not in self._paths:
+                raise BackendUnavailable(f"{self.name} has no {backend!r} path (it has {self.backends})")
+            module, attr = self._paths[backend].split(":")
+            fn = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+            self._loaded[backend] = fn
+        return fn

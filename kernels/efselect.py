@@ -8,6 +8,7 @@ entries. :func:`ef_select_torch` is that chain, kept as the reference.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import dispatch
@@ -96,21 +97,22 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         idx, val = idx[:min(c, 2 * k)], val[:min(c, 2 * k)]
     """
     grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
-    name = dispatch.choose(residual, backend)
-    args = (grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
-            out_idx, out_val)
-    if name == "cpu":
-        from .cpu import ef_select_cpu
-
-        count = ef_select_cpu(*args)
-    elif name == "triton":
-        from .triton_kernels import ef_select_triton
-
-        count = ef_select_triton(*args)
-    elif name == "cupy":
-        from .cupy_kernels import ef_select_cupy
-
-        count = ef_select_cupy(*args)
-    else:
-        count = ef_select_torch(*args)
+    count = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
+                       out_idx, out_val, backend=backend)
     return out_idx, out_val, count
+
+
+def _positive_threshold(grad, residual, threshold, *_) -> bool:
+    # The numba loop decides by |acc| >= th alone, right only for th > 0 in
+    # the residual's dtype (a float32 threshold below 7e-46 rounds to 0).
+    # "Every nonzero entry" is the reference's acc != 0 test: comparing |acc|
+    # with the smallest subnormal instead would select zeros under
+    # torch.set_flush_denormal.
+    return bool((np.float32(threshold) if residual.dtype == torch.float32 else np.float64(threshold)) > 0)
+
+
+# Every path has every dtype; cpu takes only positive thresholds.
+_EF_SELECT = dispatch.KernelOp(
+    "ef_select", ef_select_torch, on=1, cpu="numba_backend:ef_select",
+    triton="triton_backend:ef_select", cupy="cupy_backend:ef_select",
+    accepts={"cpu": _positive_threshold})

@@ -45,8 +45,11 @@ def candidate_thresholds(x: torch.Tensor, k: int, sample_size: int = 65536) -> n
     return th
 
 
-def count_above_torch(x: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
-    """#{i : |x_i| >= t} for each descending threshold t (torch reference, any device)."""
+def count_above_torch(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.ndarray:
+    """#{i : |x_i| >= t} for each descending threshold t (torch reference, any device).
+
+    Counts every entry: ``every`` (see :func:`count_above`) permits sampling, it does not ask for it.
+    """
     asc = torch.tensor(thresholds[::-1].copy(), dtype=torch.float64, device=x.device).to(
         x.dtype if x.dtype != torch.bfloat16 and x.dtype != torch.float16 else torch.float32)
     mag = x.reshape(-1).abs().to(asc.dtype)
@@ -110,22 +113,18 @@ def count_above(x: torch.Tensor, thresholds: np.ndarray, backend: str | None = N
         raise ValueError(f"count_above: every must be >= 1, got {every}")
     if x.numel() == 0:
         return np.zeros(th.size, dtype=np.int64)
-    name = dispatch.choose(x, backend, supported=("torch", "cpu", "triton", "cupy"))
-    if name in ("triton", "cupy") and (x.dtype == torch.float64 or th.size > 16):
-        name = "torch"  # the GPU kernels compare in float32, for at most 16 thresholds
-    if name == "triton":
-        from .triton_kernels import count_above_triton
+    return _COUNT_ABOVE(x, th, every, backend=backend)
 
-        return count_above_triton(x, th)
-    if name == "cupy":
-        from .cupy_kernels import count_above_cupy
 
-        return count_above_cupy(x, th)
-    if name == "cpu":
-        from .cpu import count_above_cpu
+def _gpu_countable(x: torch.Tensor, thresholds: np.ndarray, every: int) -> bool:
+    return x.dtype != torch.float64 and thresholds.size <= 16
 
-        return count_above_cpu(x, th, every)
-    return count_above_torch(x, th)
+
+# triton/cupy compare in float32, for at most 16 thresholds; the rest go to torch.
+_COUNT_ABOVE = dispatch.KernelOp(
+    "count_above", count_above_torch, cpu="numba_backend:count_above",
+    triton="triton_backend:count_above", cupy="cupy_backend:count_above",
+    accepts={("triton", "cupy"): _gpu_countable})
 
 
 def _interpolate(th: np.ndarray, counts: np.ndarray, k: int) -> float:

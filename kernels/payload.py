@@ -16,6 +16,7 @@ from . import dispatch
 
 __all__ = ["cast_values", "quantize", "dequantize", "delta_encode", "delta_decode",
            "encode_codes", "decode_codes", "encode_codes_torch", "decode_codes_torch",
+           "encode_buffers", "decode_buffers",
            "pack_unsigned", "unpack_unsigned", "QUANT_BITS"]
 
 QUANT_BITS = (2, 4, 8)
@@ -162,27 +163,7 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | N
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"encode_codes: bits must be one of {QUANT_BITS}, got {bits}")
-    flat = values.reshape(-1)
-    name = dispatch.choose(flat, backend)
-    if name == "torch" or flat.numel() == 0:
-        return encode_codes_torch(flat, bits, scale)
-    if flat.dtype != torch.float32:
-        flat = flat.float()  # the reference's first step
-    levels, f = _factor(bits, scale)
-    out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=flat.device)
-    if name == "cpu":
-        from .cpu import encode_codes_cpu
-
-        encode_codes_cpu(flat, bits, np.float32(f), out)
-    elif name == "triton":
-        from .triton_kernels import encode_codes_triton
-
-        encode_codes_triton(flat.contiguous(), bits, float(np.float32(f)), out)
-    else:
-        from .cupy_kernels import encode_codes_cupy
-
-        encode_codes_cupy(flat.contiguous(), bits, float(np.float32(f)), out)
-    return out
+    return _ENCODE_CODES(values.reshape(-1), bits, scale, backend=backend)
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
@@ -195,24 +176,42 @@ def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtyp
         raise ValueError(f"decode_codes: bits must be one of {QUANT_BITS}, got {bits}")
     if packed.numel() * 8 < count * bits:
         raise ValueError(f"decode_codes: {packed.numel()} bytes cannot hold {count} {bits}-bit codes")
-    name = dispatch.choose(packed, backend)
-    if name == "torch" or count == 0 or dtype != torch.float32:
-        return decode_codes_torch(packed, bits, count, scale, dtype)
+    return _DECODE_CODES(packed, bits, count, scale, dtype, backend=backend)
+
+
+def encode_buffers(flat: torch.Tensor, bits: int, scale: float
+                   ) -> tuple[torch.Tensor, np.float32, torch.Tensor]:
+    """What the encode kernels take: float32 values, the float32 factor L / scale, and the output bytes."""
+    if flat.dtype != torch.float32:
+        flat = flat.float()  # the reference's first step
+    out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=flat.device)
+    return flat, np.float32(_factor(bits, scale)[1]), out
+
+
+def decode_buffers(packed: torch.Tensor, bits: int, count: int, scale: float
+                   ) -> tuple[np.float32, torch.Tensor]:
+    """What the decode kernels take: the float32 factor scale / L and the float32 output."""
     g = np.float32(scale / (2 ** (bits - 1) - 1))
-    out = torch.empty(count, dtype=torch.float32, device=packed.device)
-    if name == "cpu":
-        from .cpu import decode_codes_cpu
+    return g, torch.empty(count, dtype=torch.float32, device=packed.device)
 
-        decode_codes_cpu(packed, bits, g, out)
-    elif name == "triton":
-        from .triton_kernels import decode_codes_triton
 
-        decode_codes_triton(packed.contiguous(), bits, float(g), out)
-    else:
-        from .cupy_kernels import decode_codes_cupy
+def _nonempty(values: torch.Tensor, bits: int, scale: float) -> bool:
+    return values.numel() > 0
 
-        decode_codes_cupy(packed.contiguous(), bits, float(g), out)
-    return out
+
+def _float32_out(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> bool:
+    return count > 0 and dtype == torch.float32
+
+
+# The fast paths have no empty launch, and decode only to float32.
+_ENCODE_CODES = dispatch.KernelOp(
+    "encode_codes", encode_codes_torch, cpu="numba_backend:encode_codes",
+    triton="triton_backend:encode_codes", cupy="cupy_backend:encode_codes",
+    accepts={("cpu", "triton", "cupy"): _nonempty})
+_DECODE_CODES = dispatch.KernelOp(
+    "decode_codes", decode_codes_torch, cpu="numba_backend:decode_codes",
+    triton="triton_backend:decode_codes", cupy="cupy_backend:decode_codes",
+    accepts={("cpu", "triton", "cupy"): _float32_out})
 
 
 def delta_encode(indexes: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -14,7 +14,8 @@ import torch
 
 from . import dispatch
 
-__all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "topk_of_candidates"]
+__all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "select_above_torch",
+           "topk_of_candidates"]
 
 
 def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
@@ -23,7 +24,7 @@ def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
 
     Exact. Paths (``kernels.dispatch``): ``torch`` is numpy's introselect on
     CPU and ``torch.topk`` elsewhere (the reference); ``cpu`` is a sampled
-    bracket plus one numba pass (``kernels.cpu``); ``triton``/``cupy`` are
+    bracket plus one numba pass (``kernels.numba_backend``); ``triton``/``cupy`` are
     8-bit radix selects over the float bit patterns without the sign bit
     (fp16/bf16/fp32; other dtypes use the torch path), i.e. over |x|. The
     fast paths rank magnitudes, so without ``use_abs`` they equal the
@@ -33,25 +34,13 @@ def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
     n = mag.numel()
     if not 1 <= k <= n:
         raise ValueError(f"kth_largest: k={k} outside [1, {n}]")
-    name = dispatch.choose(mag, backend)
-    if name == "cpu":
-        from .cpu import kth_largest_cpu
-
-        return kth_largest_cpu(mag, k, use_abs)
-    radix_ok = mag.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    if name == "triton" and radix_ok:
-        from .triton_kernels import kth_largest_triton
-
-        return kth_largest_triton(mag, k)
-    if name == "cupy" and radix_ok:
-        from .cupy_kernels import kth_largest_cupy
-
-        return kth_largest_cupy(mag, k)
-    return kth_largest_torch(mag.abs() if use_abs else mag, k)
+    return _KTH_LARGEST(mag, k, use_abs, backend=backend)
 
 
-def kth_largest_torch(mag: torch.Tensor, k: int) -> float:
-    """Reference k-th largest: numpy introselect on CPU, ``torch.topk`` elsewhere."""
+def kth_largest_torch(mag: torch.Tensor, k: int, use_abs: bool = False) -> float:
+    """Reference k-th largest (of ``|mag|`` with ``use_abs``): numpy introselect on CPU, ``topk`` elsewhere."""
+    if use_abs:
+        mag = mag.abs()
     n = mag.numel()
     if mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64):
         arr = mag.detach().numpy()
@@ -59,6 +48,17 @@ def kth_largest_torch(mag: torch.Tensor, k: int) -> float:
     if mag.device.type == "cpu":
         return kth_largest_torch(mag.float(), k)
     return float(torch.topk(mag, k, sorted=False).values.min())
+
+
+def _radix_dtype(mag: torch.Tensor, k: int, use_abs: bool) -> bool:
+    return mag.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+# triton/cupy: radix selects over 16/32-bit float keys only; other dtypes go to torch.
+_KTH_LARGEST = dispatch.KernelOp(
+    "kth_largest", kth_largest_torch, cpu="numba_backend:kth_largest",
+    triton="triton_backend:kth_largest", cupy="cupy_backend:kth_largest",
+    accepts={("triton", "cupy"): _radix_dtype})
 
 
 def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,14 +104,18 @@ def select_above(mag: torch.Tensor, threshold: float, backend: str | None = None
     """Sorted int64 indexes of nonzero entries with ``mag >= threshold`` (``|mag|`` with ``use_abs``).
 
     ``mag`` is 1-D (non-negative unless ``use_abs``). Paths: ``cpu`` is one
-    numba pass (``kernels.cpu.select_above_cpu``); ``torch`` is ``nonzero``
+    numba pass (``kernels.numba_backend.select_above``); ``torch`` is ``nonzero``
     of a mask (any device; on CUDA a single fused kernel already).
     """
-    if dispatch.choose(mag, backend, supported=("torch", "cpu")) == "cpu":
-        from .cpu import select_above_cpu
+    return _SELECT_ABOVE(mag, threshold, use_abs, backend=backend)
 
-        return select_above_cpu(mag, threshold, use_abs)
+
+def select_above_torch(mag: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
+    """Reference of :func:`select_above`: ``nonzero`` of a mask."""
     m = mag.abs() if use_abs else mag
     if threshold > 0:
         return torch.nonzero(m >= threshold).flatten()
     return torch.nonzero(m > 0).flatten()
+
+
+_SELECT_ABOVE = dispatch.KernelOp("select_above", select_above_torch, cpu="numba_backend:select_above")

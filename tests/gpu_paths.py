@@ -1,12 +1,30 @@
-"""Which optional kernel libraries and devices the kernel tests can use here."""
+"""Which kernel backends the tests can run here, and how to run any of them on CPU test tensors.
+
+A test of one operation takes ``backend`` from :func:`backend_params` (every
+backend in the operation's ``KernelOp`` table; those that cannot run here are
+skipped, the reason naming what is missing) and :func:`runner`, which runs
+that backend's implementation on the test's CPU tensors:
+
+* ``torch`` and ``cpu`` (numba) as they are;
+* ``triton`` in Triton's interpreter, on CPU tensors, without a GPU;
+* ``cupy`` on copies on the GPU, with results and in-place outputs copied back.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 
-__all__ = ["HAVE_NUMBA", "HAVE_TRITON", "cupy_ok"]
+import pytest
+import torch
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+from sparsecomm import kernels
+from sparsecomm.kernels import dispatch
+
+__all__ = ["HAVE_NUMBA", "HAVE_TRITON", "cupy_ok", "missing", "backend_params", "interpret_triton", "runner"]
+
+HAVE_NUMBA = dispatch.available("cpu", "cpu")  # imports numba: installed is not enough
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -18,3 +36,72 @@ def cupy_ok() -> bool:
         return bool(cupy.cuda.is_available())
     except Exception:
         return False
+
+
+def missing(backend: str) -> str | None:
+    """Why ``backend``'s kernels cannot run in these tests, or None when they can."""
+    if backend == "cpu" and not HAVE_NUMBA:
+        return "numba does not import (pip install numba)"
+    if backend == "triton" and not HAVE_TRITON:
+        return "triton not installed (its interpreter runs the kernels without a GPU)"
+    if backend == "cupy" and not cupy_ok():
+        return "cupy not installed or cupy.cuda.is_available() is False"
+    return None
+
+
+def backend_params(op: str) -> list:
+    """A pytest param per backend in ``op``'s table (``dispatch.OPS``), skipped where it cannot run here."""
+    return [pytest.param(b, id=b, marks=pytest.mark.skipif(missing(b) is not None, reason=str(missing(b))))
+            for b in dispatch.OPS[op].backends]
+
+
+_JIT = "sparsecomm.kernels._triton_jit"
+
+
+def interpret_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``triton_backend`` launch interpreted kernels until ``monkeypatch`` is undone.
+
+    ``triton.jit`` reads TRITON_INTERPRET when it wraps a kernel, i.e. when
+    ``_triton_jit`` is imported, and the module then stays in sys.modules.
+    So: set the variable, import a fresh ``_triton_jit`` (``triton_backend``
+    looks it up in sys.modules at every launch), and let monkeypatch restore
+    both the environment and the previous module (compiled or none) after the test.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # setitem, not delitem: delitem of an absent key records nothing to undo,
+    # and the interpreted module imported below would stay for later tests.
+    monkeypatch.setitem(sys.modules, _JIT, None)
+    del sys.modules[_JIT]
+    monkeypatch.setattr(kernels, "_triton_jit", None, raising=False)  # the import sets it; undone after
+    jit = importlib.import_module(_JIT)
+    assert type(jit.ef_select_kernel).__name__ == "InterpretedFunction", type(jit.ef_select_kernel)
+
+
+def _to(obj, device: str):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    return obj
+
+
+def runner(backend: str, monkeypatch: pytest.MonkeyPatch):
+    """``run(op, *args)``: ``backend``'s implementation of ``op`` (after its fallback rule) on CPU tensors.
+
+    The test's ``monkeypatch`` scopes the Triton interpreter to that test.
+    """
+    if backend == "triton":
+        interpret_triton(monkeypatch)
+
+    def run(op: str, *args):
+        table = dispatch.OPS[op]
+        if backend != "cupy":
+            return table.run(backend, *args)
+        moved = [_to(a, "cuda") for a in args]
+        result = table.run(backend, *moved)
+        for a, m in zip(args, moved):
+            if isinstance(a, torch.Tensor):
+                a.copy_(m)  # outputs written in place (residuals, buffers)
+        return _to(result, "cpu")
+
+    return run

@@ -1,91 +1,72 @@
-"""Fused error-feedback select and the k-th largest: every path against the torch reference.
+"""Fused error-feedback select, the k-th largest and threshold selection: every backend against the torch reference.
 
-The Triton kernels run in interpreter mode (TRITON_INTERPRET=1, set in a
-subprocess-free way: before triton is first imported by this module) on
-small inputs; CuPy kernels only run where ``cupy.cuda.is_available()``.
+Each operation's test runs every backend in its ``KernelOp`` table
+(``gpu_paths.backend_params``): numba as is, Triton in its interpreter on
+small CPU inputs, CuPy only where ``cupy.cuda.is_available()``.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
-
 import pytest
 import torch
 
-from gpu_paths import HAVE_NUMBA, HAVE_TRITON, cupy_ok
+from gpu_paths import HAVE_NUMBA, backend_params, runner
 
 from sparsecomm import kernels
-from sparsecomm.kernels import dispatch
 from sparsecomm.kernels.efselect import ef_select_torch
 from sparsecomm.kernels.radix import radix_kth_largest_torch
 
 
-
-
-
-def _run(path: str, g, r, th, cap, scale, zero):
+def _select(run, g, r, th, cap, scale, zero):
     idx = torch.empty(cap, dtype=torch.int64)
     val = torch.empty(cap, dtype=r.dtype)
-    if path == "torch":
-        c = ef_select_torch(g, r, th, cap, scale, zero, idx, val)
-    elif path == "cpu":
-        from sparsecomm.kernels.cpu import ef_select_cpu
-
-        c = ef_select_cpu(g, r, th, cap, scale, zero, idx, val)
-    elif path == "triton":
-        from sparsecomm.kernels.triton_kernels import ef_select_triton
-
-        c = ef_select_triton(g, r, th, cap, scale, zero, idx, val)
-    else:
-        from sparsecomm.kernels.cupy_kernels import ef_select_cupy
-
-        g, r, idx, val = g.cuda(), r.cuda(), idx.cuda(), val.cuda()
-        c = ef_select_cupy(g, r, th, cap, scale, zero, idx, val)
-        r, idx, val = r.cpu(), idx.cpu(), val.cpu()
+    c = run("ef_select", g, r, th, cap, scale, zero, idx, val)
     return idx, val, c, r
 
 
-PATHS = [pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")),
-         pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")),
-         pytest.param("cupy", marks=pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False"))]
+def _reference(g, r, th, cap, scale, zero):
+    idx = torch.empty(cap, dtype=torch.int64)
+    val = torch.empty(cap, dtype=r.dtype)
+    return idx, val, ef_select_torch(g, r, th, cap, scale, zero, idx, val), r
+
 
 # (name, n, threshold, capacity): random, all selected, none selected, overflow,
-# n not a multiple of the 4096 tile, tiny.
+# n not a multiple of the 4096 tile, tiny, a positive threshold that is 0 in float32.
 CASES = [("random", 70_001, 1.5, 20_000), ("all", 9_000, 0.0, 9_000), ("none", 9_000, 1e9, 100),
-         ("overflow", 50_003, 1.0, 1_000), ("tiny", 3, 0.1, 2)]
+         ("overflow", 50_003, 1.0, 1_000), ("tiny", 3, 0.1, 2), ("fp32_zero_th", 9_000, 1e-46, 9_000)]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", backend_params("ef_select"))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("zero", [True, False])
-def test_ef_select_matches_reference(path, case, zero):
+def test_ef_select_matches_reference(backend, monkeypatch, case, zero):
+    run = runner(backend, monkeypatch)
     _, n, th, cap = case
     gen = torch.Generator().manual_seed(n)
     g, r0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    ri, vi, ci, rr = _run("torch", g, r0.clone(), th, cap, 0.5, zero)
-    pi, pv, cp, pr = _run(path, g, r0.clone(), th, cap, 0.5, zero)
+    if case[0] == "fp32_zero_th":
+        r0[::3] = 0.0  # with g = 0 below: exact zeros, which "every nonzero entry" must skip
+        g[::3] = 0.0
+    ri, vi, ci, rr = _reference(g, r0.clone(), th, cap, 0.5, zero)
+    pi, pv, cp, pr = _select(run, g, r0.clone(), th, cap, 0.5, zero)
     assert cp == ci  # the true count, also on overflow
     w = min(ci, cap)
     assert torch.equal(pi[:w], ri[:w])  # sorted, and the lowest indexes win on overflow
-    torch.testing.assert_close(pv[:w], vi[:w])
-    torch.testing.assert_close(pr, rr)
+    # Bitwise: scale 0.5 makes scale * g exact, so fused and unfused multiply-adds agree.
+    assert torch.equal(pv[:w], vi[:w])
+    assert torch.equal(pr, rr)
     # Nothing is lost: residual + sent values == r0 + 0.5 g.
     back = pr.clone()
     back.index_add_(0, pi[:w], pv[:w] if zero else torch.zeros(w))
     torch.testing.assert_close(back, r0 + 0.5 * g)
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("cap_frac", [0.2, 0.5, 0.9, 1.0, 2.0])
 def test_ef_select_cpu_spans_and_overflow(threads, cap_frac):
     # The CPU path cuts the vector into one span per torch thread and merges;
     # the capacity can run out inside any span (or not at all).
-    from sparsecomm.kernels.cpu import ef_select_cpu
-
     n = 200_003
     gen = torch.Generator().manual_seed(threads)
     g, r0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -96,26 +77,27 @@ def test_ef_select_cpu_spans_and_overflow(threads, cap_frac):
     try:
         r = r0.clone()
         idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
-        c = ef_select_cpu(g, r, 2.0, cap, 1.0, True, idx, val)
+        c = kernels.dispatch.OPS["ef_select"].implementation("cpu")(g, r, 2.0, cap, 1.0, True, idx, val)
     finally:
         torch.set_num_threads(old)
-    ri, rv, rc, rr = _run("torch", g, r0.clone(), 2.0, cap, 1.0, True)
+    ri, rv, rc, rr = _reference(g, r0.clone(), 2.0, cap, 1.0, True)
     assert c == rc == expect
     w = min(c, cap)
     assert torch.equal(idx[:w], ri[:w]) and torch.equal(val[:w], rv[:w]) and torch.equal(r, rr)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", backend_params("ef_select"))
 @pytest.mark.parametrize("gdtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_ef_select_grad_dtypes(path, gdtype):
+def test_ef_select_grad_dtypes(backend, monkeypatch, gdtype):
+    run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(1)
     g = torch.randn(5_000, generator=gen).to(gdtype)
     rdt = torch.float64 if gdtype == torch.float64 else torch.float32
     r0 = torch.randn(5_000, generator=gen).to(rdt)
-    ri, _, ci, rr = _run("torch", g, r0.clone(), 1.0, 6_000, 1.0, True)
-    pi, _, cp, pr = _run(path, g, r0.clone(), 1.0, 6_000, 1.0, True)
-    assert cp == ci and torch.equal(pi[:cp], ri[:ci])
-    torch.testing.assert_close(pr, rr)
+    ri, vi, ci, rr = _reference(g, r0.clone(), 1.0, 6_000, 1.0, True)
+    pi, pv, cp, pr = _select(run, g, r0.clone(), 1.0, 6_000, 1.0, True)
+    assert cp == ci and torch.equal(pi[:cp], ri[:ci]) and torch.equal(pv[:cp], vi[:ci])
+    assert torch.equal(pr, rr)
 
 
 def test_ef_select_ties_and_zeros():
@@ -144,29 +126,22 @@ def test_radix_reference_matches_topk(dtype):
         assert radix_kth_largest_torch(x, k) == want
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_kth_largest_triton(dtype):
-    from sparsecomm.kernels.triton_kernels import kth_largest_triton
-
+@pytest.mark.parametrize("backend", backend_params("kth_largest"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("use_abs", [False, True])
+def test_kth_largest_matches_reference(backend, monkeypatch, dtype, use_abs):
+    run = runner(backend, monkeypatch)
+    # 70_001 entries: above the numba path's 65_536 cut-off to the plain introselect.
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(20_011, generator=gen).to(dtype)
+    x = torch.randn(70_001, generator=gen).to(dtype)
     x[::7] = x[0]  # many ties
-    for k in (1, 2_000, 20_011):
-        assert kth_largest_triton(x, k) == radix_kth_largest_torch(x, k)
+    mag = x if use_abs else x.abs()
+    for k in (1, 2_000, 70_001):
+        want = float(torch.sort(x.abs().double(), descending=True).values[k - 1])
+        assert run("kth_largest", mag, k, use_abs) == want, k
 
 
-@pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_kth_largest_cupy(dtype):
-    from sparsecomm.kernels.cupy_kernels import kth_largest_cupy
-
-    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4)).to(dtype)
-    for k in (1, 10_000):
-        assert kth_largest_cupy(x.cuda(), k) == radix_kth_largest_torch(x, k)
-
-
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 @pytest.mark.parametrize("kind", ["gauss", "ties", "periodic", "zeros"])
 def test_kth_largest_cpu_exact(kind):
     gen = torch.Generator().manual_seed(5)
@@ -187,32 +162,6 @@ def test_kth_largest_cpu_exact(kind):
     assert kernels.kth_largest(mag.double(), 77, backend="cpu") == kernels.kth_largest(mag.double(), 77, backend="torch")
 
 
-def test_dispatch_rules(monkeypatch):
-    x = torch.zeros(4)
-    monkeypatch.delenv("SPARSECOMM_KERNELS", raising=False)
-    assert dispatch.choose(x) == ("cpu" if HAVE_NUMBA else "torch")
-    assert dispatch.choose(x, "torch") == "torch"
-    assert dispatch.choose(x, "numba" if HAVE_NUMBA else "torch") in ("cpu", "torch")
-    with pytest.raises(dispatch.BackendUnavailable, match="install"):
-        dispatch.choose(x, "cupy")  # a CPU tensor: never runnable
-    with pytest.raises(ValueError):
-        dispatch.choose(x, "fortran")
-    monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
-    assert dispatch.choose(x) == "torch"
-    monkeypatch.setenv("SPARSECOMM_KERNELS", "triton")  # cannot run on CPU: falls back, warns
-    with pytest.warns(RuntimeWarning):
-        dispatch._warn_once.cache_clear()
-        assert dispatch.choose(x) in ("cpu", "torch")
-    assert dispatch.choose(x, supported=("torch",)) == "torch"
-    import warnings
-
-    monkeypatch.setenv("SPARSECOMM_KERNELS", "cpu")  # an operation without a cpu path: no warning
-    dispatch._warn_once.cache_clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dispatch.choose(x, supported=("torch", "triton", "cupy")) == "torch"
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
 def test_auto_on_gpu_matches_torch():
     g, r = torch.randn(1_000_003, device="cuda"), torch.randn(1_000_003, device="cuda")
@@ -223,10 +172,11 @@ def test_auto_on_gpu_matches_torch():
     assert kernels.kth_largest(r.abs(), 1000) == kernels.kth_largest(r.abs(), 1000, backend="torch")
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("backend", backend_params("select_above"))
 @pytest.mark.parametrize("n", [0, 1, 33, 70_001, 200_003])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_select_above_cpu_matches_torch(n, threads):
+def test_select_above_matches_reference(backend, monkeypatch, n, threads):
+    run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(n)
     mag = torch.randn(n, generator=gen).abs()
     mag[::7] = 0.0  # zeros are never selected, even with threshold 0
@@ -236,17 +186,17 @@ def test_select_above_cpu_matches_torch(n, threads):
     torch.set_num_threads(threads)
     try:
         for th in (1.5, 0.0, -1.0, 2.5, 1e9):
-            got = kernels.select_above(mag, th, backend="cpu")
-            assert torch.equal(got, kernels.select_above(mag, th, backend="torch")), th
+            for use_abs, x in ((False, mag), (True, -mag)):
+                want = torch.nonzero((x.abs() if use_abs else x) >= th if th > 0 else x != 0).flatten()
+                assert torch.equal(run("select_above", x, th, use_abs), want), (th, use_abs)
         for dtype in (torch.float16, torch.float64):
             m = mag.to(dtype)
-            assert torch.equal(kernels.select_above(m, 1.0, backend="cpu"),
-                               kernels.select_above(m, 1.0, backend="torch"))
+            assert torch.equal(run("select_above", m, 1.0, False), torch.nonzero(m >= 1.0).flatten())
     finally:
         torch.set_num_threads(old)
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 def test_threshold_zero_selects_nonzeros_even_with_flushed_denormals():
     # "Every nonzero entry" must not depend on the denormal mode of the calling thread.
     torch.set_flush_denormal(True)
@@ -261,7 +211,7 @@ def test_threshold_zero_selects_nonzeros_even_with_flushed_denormals():
         torch.set_flush_denormal(False)
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 def test_cpu_kernels_with_different_thread_budgets_per_thread():
     # torch keeps the thread budget per thread: rank threads with 2 and 3 threads
     # share the pools without tearing them down under each other.

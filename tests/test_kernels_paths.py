@@ -1,31 +1,23 @@
-"""Scatter-add, threshold counts, COO records and quantised codes: every path against its reference.
+"""Scatter-add, threshold counts, COO records and quantised codes: every backend against its reference.
 
 Scatter-add is compared bitwise with a sequential loop; threshold counts
 (``estimate_threshold``'s pass) exactly with ``count_above_torch``; records
-and codes byte for byte with the torch path.
-
-Triton runs in interpreter mode on CPU tensors (TRITON_INTERPRET=1 before
-triton is first imported); CuPy only where ``cupy.cuda.is_available()``.
+and codes byte for byte with the torch path. Each test runs every backend in
+the operation's ``KernelOp`` table (``gpu_paths.backend_params``): Triton in
+its interpreter on CPU tensors, CuPy only where ``cupy.cuda.is_available()``.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
-
+import numpy as np
 import pytest
 import torch
 
-from gpu_paths import HAVE_NUMBA, HAVE_TRITON, cupy_ok
+from gpu_paths import backend_params, runner
 
 from sparsecomm import kernels
-from sparsecomm.kernels.coo import scatter_add_sorted_torch
-from sparsecomm.kernels.estimate import candidate_thresholds, count_above_torch
-
-
-
+from sparsecomm.kernels import payload
+from sparsecomm.kernels.estimate import _interpolate, candidate_thresholds, count_above_torch
 
 
 def _sequential(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
@@ -34,29 +26,6 @@ def _sequential(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torc
     for i, v in zip(idx.tolist(), val.to(out.dtype)):
         out[i] = out[i] + v
     return out
-
-
-def _sorted_path(path: str, out, idx, val):
-    sidx, order = torch.sort(idx, stable=True)
-    sval = val.to(out.dtype)[order]
-    if path == "torch" or out.dtype not in (torch.float32, torch.float64):
-        scatter_add_sorted_torch(out, sidx, sval)  # coo.scatter_add's rule for 16-bit sums
-    elif path == "triton":
-        from sparsecomm.kernels.triton_kernels import scatter_add_sorted_triton
-
-        scatter_add_sorted_triton(out, sidx, sval)
-    else:
-        from sparsecomm.kernels.cupy_kernels import scatter_add_sorted_cupy
-
-        o = out.cuda()
-        scatter_add_sorted_cupy(o, sidx.cuda(), sval.cuda())
-        out.copy_(o.cpu())
-    return out
-
-
-PATHS = ["torch",
-         pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")),
-         pytest.param("cupy", marks=pytest.mark.skipif(not cupy_ok(), reason="cupy.cuda.is_available() is False"))]
 
 
 def _case(name: str, gen: torch.Generator):
@@ -72,30 +41,43 @@ def _case(name: str, gen: torch.Generator):
     return 50, torch.randint(0, 50, (4099,), generator=gen)  # many long runs, odd length
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", backend_params("scatter_add"))
 @pytest.mark.parametrize("case", ["gathered", "one_index", "empty", "unique", "dense_dups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_scatter_add_matches_sequential_bitwise(path, case, dtype):
-    # 16-bit outputs go through the torch path on Triton/CuPy (coo.scatter_add): still checked.
+def test_scatter_add_matches_sequential_bitwise(backend, monkeypatch, case, dtype):
+    run = runner(backend, monkeypatch)
+    # 16-bit outputs go through the torch path on Triton/CuPy (the table's rule): still checked.
     gen = torch.Generator().manual_seed(len(case))
     n, idx = _case(case, gen)
     val = torch.randn(idx.numel(), generator=gen).to(dtype)
     out0 = torch.randn(n, generator=gen).to(dtype)
     expect = _sequential(out0, idx, val)
-    got = _sorted_path(path, out0.clone(), idx, val)
+    got = out0.clone()
+    run("scatter_add", got, idx, val)
     assert torch.equal(got, expect)
-    # The dispatcher's CPU path (index_add_) is the same loop.
-    assert torch.equal(kernels.scatter_add(out0.clone(), idx, val), expect)
+    # The public function casts the values and dispatches (index_add_ on CPU: the same loop).
+    assert torch.equal(kernels.scatter_add(out0.clone(), idx, val.double()), expect)
 
 
-def test_scatter_add_keeps_negative_zero():
+def test_scatter_add_sorted_reference_matches_sequential():
+    # The reference the GPU paths mirror (torch on non-CPU devices), run here on CPU tensors.
+    from sparsecomm.kernels.coo import scatter_add_sorted_torch, sort_by_index
+
+    gen = torch.Generator().manual_seed(0)
+    n, idx = _case("gathered", gen)
+    val = torch.randn(idx.numel(), generator=gen)
+    out0 = torch.randn(n, generator=gen)
+    got = scatter_add_sorted_torch(out0.clone(), *sort_by_index(idx, val))
+    assert torch.equal(got, _sequential(out0, idx, val))
+
+
+@pytest.mark.parametrize("backend", backend_params("scatter_add"))
+def test_scatter_add_keeps_negative_zero(backend, monkeypatch):
+    run = runner(backend, monkeypatch)
     # -0.0 + -0.0 stays -0.0; a kernel padding with +0.0 would flip the sign bit.
     out = torch.tensor([-0.0, 1.0])
-    idx = torch.tensor([0, 0, 1])
-    val = torch.tensor([-0.0, -0.0, 2.0])
-    for path in ["torch"] + (["triton"] if HAVE_TRITON else []):
-        got = _sorted_path(path, out.clone(), idx, val)
-        assert torch.equal(got, torch.tensor([-0.0, 3.0])) and torch.signbit(got[0])
+    run("scatter_add", out, torch.tensor([0, 0, 1]), torch.tensor([-0.0, -0.0, 2.0]))
+    assert torch.equal(out, torch.tensor([-0.0, 3.0])) and torch.signbit(out[0])
 
 
 def test_scatter_add_dispatch_rejects_unavailable_backend():
@@ -103,86 +85,61 @@ def test_scatter_add_dispatch_rejects_unavailable_backend():
         kernels.scatter_add(torch.zeros(3), torch.tensor([0]), torch.ones(1), backend="cpu")
 
 
-def _count(path: str, x: torch.Tensor, th) -> list[int]:
-    if path == "torch":
-        return count_above_torch(x, th).tolist()
-    if path == "triton":
-        from sparsecomm.kernels.triton_kernels import count_above_triton
-
-        return count_above_triton(x, th).tolist()
-    from sparsecomm.kernels.cupy_kernels import count_above_cupy
-
-    return count_above_cupy(x.cuda(), th).tolist()
-
-
-@pytest.mark.parametrize("path", PATHS[1:])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", backend_params("count_above"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [1, 4099, 70_001])
-def test_count_above_matches_torch(path, dtype, n):
+def test_count_above_matches_torch(backend, monkeypatch, dtype, n):
+    run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=gen) * 3).to(dtype)
     k = max(1, n // 100)
     th = candidate_thresholds(x, k)
-    assert _count(path, x, th) == _count("torch", x, th)
-    # Ties: thresholds equal to entries count them (>=), with 16 thresholds, the most allowed.
-    ties = torch.tensor([float(v) for v in range(16)] * 7, dtype=dtype)
-    th16 = [float(v) for v in range(15, -1, -1)]
-    assert _count(path, ties, th16) == _count("torch", ties, th16) == [7 * (j + 1) for j in range(16)]
+    assert run("count_above", x, th, 1).tolist() == count_above_torch(x, th).tolist()
+    # Ties: thresholds equal to entries count them (>=), with 16 thresholds, the most the GPU kernels take.
+    ties = torch.tensor([float(v) for v in range(1, 17)] * 7, dtype=dtype)
+    th16 = np.arange(16, 0, -1, dtype=np.float64)
+    assert run("count_above", ties, th16, 1).tolist() == [7 * (j + 1) for j in range(16)]
+    # 17 thresholds: past the GPU kernels' limit, the table sends the call to torch.
+    th17 = np.arange(17, 0, -1, dtype=np.float64)
+    assert run("count_above", ties, th17, 1).tolist() == [0] + [7 * (j + 1) for j in range(16)]
 
 
-@pytest.mark.parametrize("path", PATHS[1:])
-def test_estimate_threshold_gpu_paths_agree(path):
-    # Same candidates, same exact counts: the estimate equals the torch path's.
+@pytest.mark.parametrize("backend", backend_params("count_above"))
+def test_estimate_threshold_from_each_path_agrees(backend, monkeypatch):
+    run = runner(backend, monkeypatch)
+    # estimate_threshold is candidates + one count_above pass + interpolation; with
+    # exact counts (every = 1, which k = 500 asks for) every path gives the torch estimate.
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
-    if path == "triton":
-        from sparsecomm.kernels import estimate
-
-        th = candidate_thresholds(x, 500)
-        counts = _count("triton", x, th)
-        assert estimate._interpolate(th, counts, 500) == kernels.estimate_threshold(x, 500, backend="torch")
-    else:
-        y = x.cuda()
-        assert kernels.estimate_threshold(y, 500, backend="cupy") == kernels.estimate_threshold(x, 500, backend="torch")
+    th = candidate_thresholds(x, 500)
+    assert _interpolate(th, run("count_above", x, th, 1), 500) == kernels.estimate_threshold(
+        x, 500, backend="torch")
 
 
-def _pack_path(path: str, idx, val, index_dtype, value_dtype):
-    ib = torch.empty(0, dtype=index_dtype).element_size()
-    out = torch.empty((idx.numel(), kernels.record_bytes(index_dtype, value_dtype)), dtype=torch.uint8)
-    bits = val.to(value_dtype).contiguous()
-    bits = bits.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
-    if path == "triton":
-        from sparsecomm.kernels.triton_kernels import pack_records_triton, unpack_records_triton
-
-        pack_records_triton(idx, bits, out, ib)
-        ridx, rbits = torch.empty_like(idx), torch.empty_like(bits)
-        unpack_records_triton(out, ridx, rbits, ib)
-        return out, ridx, rbits.view(value_dtype)
-    from sparsecomm.kernels.cupy_kernels import pack_records_cupy, unpack_records_cupy
-
-    o, ridx, rbits = out.cuda(), torch.empty_like(idx).cuda(), torch.empty_like(bits).cuda()
-    pack_records_cupy(idx.cuda(), bits.cuda(), o, ib)
-    unpack_records_cupy(o, ridx, rbits, ib)
-    return o.cpu(), ridx.cpu(), rbits.cpu().view(value_dtype)
-
-
-@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("backend", backend_params("pack_records"))
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8,
                                          torch.float64])
-@pytest.mark.parametrize("count", [1, 1025])
-def test_pack_unpack_match_torch_bytewise(path, index_dtype, value_dtype, count):
+@pytest.mark.parametrize("count", [0, 1, 1025])
+def test_pack_unpack_match_torch_bytewise(backend, monkeypatch, index_dtype, value_dtype, count):
+    run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(count)
     big = 2**31 - 1 if index_dtype == torch.int32 else 2**40
     idx = torch.randint(0, big, (count,), generator=gen)
-    idx[0] = big - 1  # the largest index the dtype must carry
+    if count:
+        idx[0] = big - 1  # the largest index the dtype must carry
     val = torch.randn(count, generator=gen) * 100
     if value_dtype == torch.uint8:
         val = torch.randint(0, 256, (count,), generator=gen)
     expect = kernels.pack_records(idx, val, index_dtype, value_dtype, backend="torch")
-    got, ridx, rval = _pack_path(path, idx, val, index_dtype, value_dtype)
+    got = torch.empty_like(expect)
+    run("pack_records", idx, val, index_dtype, value_dtype, got)
     assert torch.equal(got, expect)
+    if count == 0:
+        return  # unpack_records returns before dispatching an empty buffer
+    ridx, rval = run("unpack_records", expect, index_dtype, value_dtype)
     eidx, evals = kernels.unpack_records(expect, index_dtype, value_dtype, backend="torch")
     assert torch.equal(ridx, eidx) and torch.equal(ridx, idx)
+    assert rval.dtype == value_dtype
     assert torch.equal(rval.view(torch.uint8), evals.view(torch.uint8))  # bitwise, NaN-safe
 
 
@@ -199,52 +156,24 @@ def test_pack_unpack_torch_round_trip(index_dtype, value_dtype, count):
     assert torch.equal(ridx, idx) and torch.equal(rval, val)
 
 
-def _codes(path: str, v, bits, scale):
-    from sparsecomm.kernels import payload
-
-    if path in ("torch", "cpu"):
-        packed = payload.encode_codes(v, bits, scale, backend=path)
-        return packed, payload.decode_codes(packed, bits, v.numel(), scale, torch.float32, backend=path)
-    levels = 2 ** (bits - 1) - 1
-    f = float(torch.tensor(levels / scale if scale > 0 else 0.0, dtype=torch.float32))
-    g = float(torch.tensor(scale / levels, dtype=torch.float32))
-    out = torch.empty(-(-v.numel() * bits // 8), dtype=torch.uint8)
-    back = torch.empty(v.numel())
-    if path == "triton":
-        from sparsecomm.kernels.triton_kernels import decode_codes_triton, encode_codes_triton
-
-        encode_codes_triton(v.float().contiguous(), bits, f, out)
-        decode_codes_triton(out, bits, g, back)
-        return out, back
-    from sparsecomm.kernels.cupy_kernels import decode_codes_cupy, encode_codes_cupy
-
-    o, b = out.cuda(), back.cuda()
-    encode_codes_cupy(v.float().cuda(), bits, f, o)
-    decode_codes_cupy(o, bits, g, b)
-    return o.cpu(), b.cpu()
-
-
-CODE_PATHS = [pytest.param("cpu", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed"))] + PATHS[1:]
-
-
-@pytest.mark.parametrize("path", CODE_PATHS)
+@pytest.mark.parametrize("backend", backend_params("encode_codes"))
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("n", [1, 7, 4099])
+@pytest.mark.parametrize("n", [0, 1, 7, 4099])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_encode_decode_codes_match_torch_bytewise(path, bits, n, dtype):
+def test_encode_decode_codes_match_torch_bytewise(backend, monkeypatch, bits, n, dtype):
+    run = runner(backend, monkeypatch)
     levels = 2 ** (bits - 1) - 1
     gen = torch.Generator().manual_seed(bits * n)
     v = (torch.randn(n, generator=gen) * levels).to(dtype)
     v[: min(n, 6)] = torch.tensor([0.5, 1.5, -2.5, 2.5, -0.5, 1e6])[: min(n, 6)].to(dtype)  # ties, clamp
-    for scale in (float(levels), float(v.float().abs().max()), 0.0):
-        packed, back = _codes(path, v, bits, scale)
-        ref = _codes("torch", v, bits, scale)
-        assert torch.equal(packed, ref[0]), scale
-        assert torch.equal(back, ref[1]), scale
+    for scale in (float(levels), float(v.float().abs().max()) if n else 1.0, 0.0):
+        packed = run("encode_codes", v, bits, scale)
+        assert torch.equal(packed, payload.encode_codes_torch(v, bits, scale)), scale
+        for out_dtype in (torch.float32, torch.bfloat16):  # bf16 output: the table's torch fallback
+            back = run("decode_codes", packed, bits, n, scale, out_dtype)
+            assert torch.equal(back, payload.decode_codes_torch(packed, bits, n, scale, out_dtype)), scale
     # Half to even, as torch.round: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2 at scale = levels.
     if n >= 4 and bits >= 4:
-        from sparsecomm.kernels import payload
-
-        q = payload.decode_codes(_codes(path, v, bits, float(levels))[0], bits, 4, float(levels),
-                                 torch.float32, backend="torch")
+        q = run("decode_codes", run("encode_codes", v, bits, float(levels)), bits, 4, float(levels),
+                   torch.float32)
         assert q.tolist() == [0.0, 2.0, -2.0, 2.0]

@@ -1,37 +1,23 @@
-"""CuPy RawKernel paths (CUDA C): fused error-feedback select, radix k-th largest,
-deterministic scatter-add, threshold counts, COO record pack/unpack, quantise-and-pack.
+"""CUDA C source of the CuPy kernels behind ``kernels.cupy_backend`` (no imports of cupy).
 
-The CUDA source is the module constant :data:`CUDA_SOURCE` (tests compile it
-with nvcc for sm_80/sm_90 without a GPU). cupy is imported inside
-:func:`_module` only (``pip install 'sparsecomm[cupy]'``). Tensors stay torch
-tensors: kernels get their raw device pointers and run on torch's current
-stream, so no copies and no cross-stream races.
+:data:`CUDA_SOURCE` is compiled just in time by CuPy's NVRTC
+(``cupy_backend``) and, without a GPU, by nvcc in the tests for sm_80/sm_90.
+The launch constants baked into the source live here; the launch shapes
+that are only launch arguments live in ``cupy_backend``.
 """
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import torch
 
-from .radix import radix_select
-
-__all__ = ["CUDA_SOURCE", "ef_select_cupy", "kth_largest_cupy", "scatter_add_sorted_cupy",
-           "count_above_cupy", "pack_records_cupy", "unpack_records_cupy", "encode_codes_cupy",
-           "decode_codes_cupy",
-           "SCATTER_THREADS", "SELECT_THREADS",
-           "SELECT_ITEMS", "HIST_THREADS", "HIST_BLOCKS"]
+__all__ = ["CUDA_SOURCE", "SELECT_THREADS", "SELECT_ITEMS", "GRAD_TYPES", "RES_TYPES"]
 
 SELECT_THREADS = 256
 SELECT_ITEMS = 16    # per thread: a 4096-element tile per block, like the Triton kernel
-HIST_THREADS = 512
-HIST_BLOCKS = 1056   # 8 blocks of 512 threads per SM on an H100 (132 SMs)
-SCATTER_THREADS = 256
 
-_GRAD_TYPES = {torch.float32: ("float", "f32"), torch.float16: ("__half", "f16"),
+GRAD_TYPES = {torch.float32: ("float", "f32"), torch.float16: ("__half", "f16"),
                torch.bfloat16: ("__nv_bfloat16", "bf16"), torch.float64: ("double", "f64")}
-_RES_TYPES = {torch.float32: ("float", "f32"), torch.float64: ("double", "f64")}
+RES_TYPES = {torch.float32: ("float", "f32"), torch.float64: ("double", "f64")}
 
 _HEAD = r"""
 #include <cuda_fp16.h>
@@ -362,148 +348,10 @@ ef_select_%(gn)s_%(rn)s(const %(gt)s* g, %(rt)s* r, long long* out_idx, %(rt)s* 
 
 def _source() -> str:
     parts = [_HEAD % {"threads": SELECT_THREADS, "items": SELECT_ITEMS}]
-    for gt, gn in _GRAD_TYPES.values():
-        for rt, rn in _RES_TYPES.values():
+    for gt, gn in GRAD_TYPES.values():
+        for rt, rn in RES_TYPES.values():
             parts.append(_SELECT_ENTRY % {"gt": gt, "gn": gn, "rt": rt, "rn": rn})
     return "".join(parts)
 
 
 CUDA_SOURCE = _source()
-
-
-@functools.lru_cache(maxsize=None)
-def _module():
-    try:
-        import cupy
-    except ImportError as e:
-        raise ImportError("the CuPy kernels need cupy: pip install 'sparsecomm[cupy]' "
-                          "(cupy-cuda12x for CUDA 12)") from e
-    return cupy, cupy.RawModule(code=CUDA_SOURCE, options=("--std=c++17",))
-
-
-def _launch(name: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
-    cupy, mod = _module()
-    with cupy.cuda.Device(device.index or 0):
-        # Run on torch's stream so the kernel is ordered with the torch ops around it.
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        mod.get_function(name)((grid,), (block,), args, stream=stream)
-
-
-def _ptr(t: torch.Tensor) -> np.uint64:
-    # A 64-bit integer passed by value is ABI-identical to a pointer argument.
-    return np.uint64(t.data_ptr())
-
-
-def ef_select_cupy(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
-                   scale: float, zero_selected: bool, out_idx: torch.Tensor,
-                   out_val: torch.Tensor) -> int:
-    """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
-
-    1. One 256-thread block per 4096-element tile; each thread holds 16
-       consecutive elements in registers.
-    2. Block scan of per-thread counts (warp shuffles), then a decoupled
-       look-back across tiles gives the tile's output offset: outputs come
-       out in index order, in one pass over memory.
-    """
-    n = residual.numel()
-    if n == 0:
-        return 0
-    tile = SELECT_THREADS * SELECT_ITEMS
-    tiles = -(-n // tile)
-    dev = residual.device
-    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
-    rdt = np.float32 if residual.dtype == torch.float32 else np.float64
-    name = f"ef_select_{_GRAD_TYPES[grad.dtype][1]}_{_RES_TYPES[residual.dtype][1]}"
-    args = (_ptr(grad), _ptr(residual), _ptr(out_idx), _ptr(out_val), _ptr(status), _ptr(ticket),
-            np.int64(n), rdt(scale), rdt(threshold if threshold > 0 else 0.0), np.int64(capacity),
-            np.int32(zero_selected))
-    _launch(name, tiles, SELECT_THREADS, args, dev)
-    return int(status[tiles - 1]) >> 2
-
-
-def kth_largest_cupy(x: torch.Tensor, k: int) -> float:
-    """Exact k-th largest of |x| (fp16/bf16/fp32): 8-bit radix select in CUDA C.
-
-    1. Per digit, a grid-stride histogram kernel (shared-memory bins) over
-       keys matching the prefix so far.
-    2. ``radix.choose_digit`` on the device; one sync at the end.
-    """
-    blocks = max(1, min(HIST_BLOCKS, -(-x.numel() // HIST_THREADS)))
-
-    def histogram(x, n, prefix32, hist, bits, shift, first):
-        _launch("radix_hist_u16" if bits == 16 else "radix_hist_u32", blocks, HIST_THREADS,
-                (_ptr(x), np.int64(n), _ptr(prefix32), _ptr(hist), np.int32(shift), np.int32(first)),
-                x.device)
-
-    return radix_select(x, k, histogram)
-
-
-def scatter_add_sorted_cupy(out: torch.Tensor, sidx: torch.Tensor, sval: torch.Tensor) -> None:
-    """Deterministic ``out[sidx] += sval`` for stably sorted ``sidx`` (see ``coo.scatter_add``).
-
-    One thread per position; the first position of each run of equal
-    indexes sums the run in order and writes once. float32/float64 ``out``
-    (``coo.scatter_add`` sends 16-bit sums to the torch path).
-    """
-    m = sidx.numel()
-    if m == 0:
-        return
-    name = "scatter_add_sorted_f32" if out.dtype == torch.float32 else "scatter_add_sorted_f64"
-    _launch(name, -(-m // SCATTER_THREADS), SCATTER_THREADS,
-            (_ptr(out), _ptr(sidx.contiguous()), _ptr(sval.contiguous()), np.int64(m)), out.device)
-
-
-def count_above_cupy(x: torch.Tensor, thresholds) -> np.ndarray:
-    """#{i : |x_i| >= t} for each of at most 16 descending ``thresholds`` (fp16/bf16/fp32 ``x``).
-
-    Grid-stride loop; per-thread counts in registers, only touched by the
-    rare entries above the smallest threshold; one shared and one global
-    atomic per threshold per block.
-    """
-    nt = len(thresholds)
-    if not 1 <= nt <= 16:
-        raise ValueError(f"count_above_cupy: 1..16 thresholds, got {nt}")
-    th = torch.tensor(np.asarray(thresholds, dtype=np.float32), device=x.device)
-    counts = torch.zeros(nt, dtype=torch.int64, device=x.device)
-    flat = x.reshape(-1).contiguous()
-    n = flat.numel()
-    name = {torch.float32: "count_above_f32", torch.float16: "count_above_f16",
-            torch.bfloat16: "count_above_bf16"}[flat.dtype]
-    blocks = max(1, min(HIST_BLOCKS, -(-n // HIST_THREADS)))
-    _launch(name, blocks, HIST_THREADS, (_ptr(flat), np.int64(n), _ptr(th), np.int32(nt), _ptr(counts)),
-            x.device)
-    return counts.cpu().numpy()
-
-
-def pack_records_cupy(idx: torch.Tensor, bits: torch.Tensor, out: torch.Tensor, ib: int) -> None:
-    """Fill ``out`` (count x record bytes, uint8) from int64 ``idx`` and value bit patterns ``bits``."""
-    count = idx.numel()
-    if count:
-        _launch(f"pack_i{ib}_v{bits.element_size()}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
-                (_ptr(idx), _ptr(bits), _ptr(out), np.int64(count)), idx.device)
-
-
-def unpack_records_cupy(records: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor, ib: int) -> None:
-    """Fill int64 ``idx`` and the value bit patterns ``bits`` from contiguous ``records``."""
-    count = idx.numel()
-    if count:
-        _launch(f"unpack_i{ib}_v{bits.element_size()}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
-                (_ptr(records), _ptr(idx), _ptr(bits), np.int64(count)), idx.device)
-
-
-def encode_codes_cupy(values: torch.Tensor, bits: int, f: float, out: torch.Tensor) -> None:
-    """``kernels.payload.encode_codes`` of float32 ``values`` (factor ``f``) into uint8 ``out``."""
-    nbytes = out.numel()
-    if nbytes:
-        _launch(f"encode_codes_b{bits}", -(-nbytes // SCATTER_THREADS), SCATTER_THREADS,
-                (_ptr(values), _ptr(out), np.int64(values.numel()), np.int64(nbytes), np.float32(f)),
-                values.device)
-
-
-def decode_codes_cupy(packed: torch.Tensor, bits: int, g: float, out: torch.Tensor) -> None:
-    """``kernels.payload.decode_codes`` into float32 ``out`` (factor ``g``)."""
-    count = out.numel()
-    if count:
-        _launch(f"decode_codes_b{bits}", -(-count // SCATTER_THREADS), SCATTER_THREADS,
-                (_ptr(packed), _ptr(out), np.int64(count), np.float32(g)), packed.device)

@@ -1,10 +1,12 @@
-"""Triton kernels behind ``kernels.triton_kernels`` (imports triton at import time).
+"""Triton kernels behind ``kernels.triton_backend`` (imports triton at import time).
 
-Only ``kernels.triton_kernels`` imports this module, inside its functions, so
-``sparsecomm.kernels`` never needs triton. Sized for large tensors on
-A100/H100 (block sizes and warps: see ``triton_kernels``; 8-16 elements per thread,
-vectorised 16-byte loads), one program per tile for the single-pass select,
-a capped grid with a loop for the histograms.
+Only ``kernels.triton_backend`` imports this module, inside its functions, so
+``sparsecomm.kernels`` never needs triton. ``triton.jit`` reads
+``TRITON_INTERPRET`` when it wraps each kernel, i.e. when this module is
+imported. Sized for large tensors on A100/H100 (block sizes and warps: see
+``triton_backend``; 8-16 elements per thread, vectorised 16-byte loads), one
+program per tile for the single-pass select, a capped grid with a loop for
+the histograms.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Fast CPU paths (numba): fused select, threshold selection, exact k-th largest,
+"""The ``cpu`` backend (numba): fused select, threshold selection, exact k-th largest,
 threshold counts, quantise-and-pack.
 
-numba is optional (the ``cpu`` extra: ``pip install numba``). It is imported
-inside :func:`_impl`, never when ``sparsecomm.kernels`` is imported; the
-dispatchers only pick these paths when numba imports (``kernels.dispatch``).
-Why numba rather than numpy: see ``kernels/_numba_impl.py``.
+Each function implements the operation of its name with that operation's
+signature (the ``cpu`` entries of the ``KernelOp`` tables). numba is optional
+(the ``cpu`` extra: ``pip install numba``); the compiled loops are in
+``kernels/_numba_jit.py``, imported inside :func:`_jit`, never when
+``sparsecomm.kernels`` is imported; the dispatchers only pick these paths
+when numba imports (``kernels.dispatch``). Why numba rather than numpy: see
+``kernels/_numba_jit.py``.
 
 Threads: every operation cuts its tensor into spans (a few per thread) and
 runs them on the calling thread plus a shared pool. The thread budget is the
@@ -22,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["ef_select_cpu", "select_above_cpu", "kth_largest_cpu", "count_above_cpu",
-           "encode_codes_cpu", "decode_codes_cpu"]
+from .payload import decode_buffers, encode_buffers
+
+__all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
@@ -39,13 +43,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _impl():
+def _jit():
     try:
-        from . import _numba_impl
+        from . import _numba_jit
     except ImportError as e:  # numba missing: say how to get it
         raise ImportError("the fast CPU kernels need numba: pip install numba "
                           "(or pip install 'sparsecomm[cpu]')") from e
-    return _numba_impl
+    return _numba_jit
 
 
 def _threads() -> int:
@@ -117,10 +121,13 @@ def _map(fn, spans: list) -> list:
     return out
 
 
-def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
-                  scale: float, zero_selected: bool, out_idx: torch.Tensor,
-                  out_val: torch.Tensor) -> int:
+def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+              scale: float, zero_selected: bool, out_idx: torch.Tensor,
+              out_val: torch.Tensor) -> int:
     """numba fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    Only for a threshold that is positive in the residual's dtype:
+    ``ef_select``'s table sends the others to the torch reference.
 
     1. Cut the vector into a few spans per thread; each span does
        acc = r + scale*g, writes r, and compacts its selections in one pass
@@ -130,15 +137,10 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
        Entries that land past ``capacity`` are dropped from the output and
        their residual is restored to acc, so nothing is lost on overflow.
     """
-    if not threshold > 0:
-        # "Every nonzero entry": the reference, whose acc != 0 test does not
-        # depend on flushing denormals (a kernel comparing |acc| with the
-        # smallest subnormal would select zeros under torch.set_flush_denormal).
-        from .efselect import ef_select_torch
-
-        return ef_select_torch(grad, residual, threshold, capacity, scale, zero_selected, out_idx,
-                               out_val)
-    impl = _impl()
+    sc, th = _rd_scalar(scale, residual.dtype), _rd_scalar(threshold, residual.dtype)
+    if not th > 0:  # the loop selects by |acc| >= th, which would take zeros
+        raise ValueError(f"numba ef_select needs a threshold > 0 in {residual.dtype}, got {threshold}")
+    impl = _jit()
     rd = residual.dtype
     if grad.dtype != rd:  # numba has no bf16 and slow fp16: widen (rare on CPU)
         grad = grad.to(rd)
@@ -153,9 +155,6 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
     start = np.concatenate([[0, 0], np.cumsum(room[1:])]).astype(np.int64)
     si = np.empty(int(start[-1]), dtype=np.int64)
     sv = np.empty(int(start[-1]), dtype=r.dtype)
-    sc, th = _rd_scalar(scale, rd), _rd_scalar(threshold, rd)
-    if not th > 0:  # a positive threshold below the dtype's range: every nonzero entry
-        return ef_select_cpu(grad, residual, 0.0, capacity, scale, zero_selected, out_idx, out_val)
     spans = []
     for c in range(nch):
         lo, hi = int(bounds[c]), int(bounds[c + 1])
@@ -178,7 +177,7 @@ def ef_select_cpu(grad: torch.Tensor, residual: torch.Tensor, threshold: float, 
     return int(off)
 
 
-def select_above_cpu(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
+def select_above(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
     """Sorted int64 indexes of ``x >= threshold`` (of ``|x|`` with ``use_abs``).
 
     A threshold <= 0 selects ``x > 0`` (``|x| > 0`` with ``use_abs``): the
@@ -199,7 +198,7 @@ def select_above_cpu(x: torch.Tensor, threshold: float, use_abs: bool = False) -
     if not th > 0:  # every nonzero entry (rare): the exact != 0 test, whatever the denormal mode
         m = x.abs() > 0 if use_abs else x > 0
         return torch.nonzero(m).flatten()
-    impl = _impl()
+    impl = _jit()
     bounds = impl.chunk_bounds(n, _spans(n))
     nch = bounds.size - 1
     bufs = [np.empty(int(bounds[c + 1] - bounds[c]), dtype=np.int64) for c in range(nch)]
@@ -218,7 +217,7 @@ def _rd_scalar(value: float, dtype: torch.dtype):
     return np.float32(value) if dtype == torch.float32 else np.float64(value)
 
 
-def kth_largest_cpu(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
+def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     """Exact k-th largest of ``x`` (of ``|x|`` when ``use_abs``) on CPU.
 
     1. Strided sample of about 64k elements; its order statistics around
@@ -237,7 +236,7 @@ def kth_largest_cpu(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     arr = x.detach().reshape(-1).numpy()
     if n < _SMALL:
         return _partition_kth(arr, k, use_abs)
-    impl = _impl()
+    impl = _jit()
     stride = max(1, n // 65536)
     sample = arr[::stride]
     if use_abs:
@@ -275,13 +274,13 @@ def _partition_kth(arr: np.ndarray, k: int, use_abs: bool) -> float:
     return float(np.partition(a, n - k)[n - k])
 
 
-def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.ndarray:
+def count_above(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.ndarray:
     """#{i : |x_i| >= t} for each of the descending ``thresholds``, in one pass (spans over threads).
 
     With ``every`` > 1 only every ``every``-th tile of 4096 entries is read and
     the counts are scaled up by (entries / entries read): a block sample.
     """
-    impl = _impl()
+    impl = _jit()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     arr = x.detach().reshape(-1).numpy()
@@ -300,20 +299,24 @@ def count_above_cpu(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> 
     return total
 
 
-def encode_codes_cpu(values: torch.Tensor, bits: int, f: np.float32, out: torch.Tensor) -> None:
-    """numba ``kernels.payload.encode_codes`` of float32 ``values`` into ``out`` (uint8), by spans of bytes."""
-    impl = _impl()
+def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+    """numba ``kernels.payload.encode_codes`` of flat ``values``, by spans of output bytes."""
+    impl = _jit()
+    values, f, out = encode_buffers(values, bits, scale)
     v, o = values.numpy(), out.numpy()
     bounds = impl.chunk_bounds(o.size, _spans(values.numel()))
     _map(impl.encode_codes_span, [(v, f, bits, o, int(bounds[c]), int(bounds[c + 1]))
                                   for c in range(bounds.size - 1)])
+    return out
 
 
-def decode_codes_cpu(packed: torch.Tensor, bits: int, g: np.float32, out: torch.Tensor) -> None:
-    """numba ``kernels.payload.decode_codes`` into float32 ``out``, by spans of bytes."""
-    impl = _impl()
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """numba ``kernels.payload.decode_codes`` to float32 (``dtype``), by spans of bytes."""
+    impl = _jit()
+    g, out = decode_buffers(packed, bits, count, scale)
     p, o = packed.numpy(), out.numpy()
     nbytes = -(-o.size * bits // 8)
     bounds = impl.chunk_bounds(nbytes, _spans(o.size))
     _map(impl.decode_codes_span, [(p, bits, g, o, int(bounds[c]), int(bounds[c + 1]))
                                   for c in range(bounds.size - 1)])
+    return out

@@ -1,7 +1,7 @@
-"""numba-compiled CPU loops behind ``kernels.cpu`` (imports numba at import time).
+"""numba-compiled CPU loops behind ``kernels.numba_backend`` (imports numba at import time).
 
-Only ``kernels.cpu`` imports this module, inside its functions, so that
-``sparsecomm.kernels`` itself never needs numba.
+Only ``kernels.numba_backend`` imports this module, inside its functions, so
+that ``sparsecomm.kernels`` itself never needs numba.
 
 Why numba: the CPU fast paths are single passes over memory with a rare,
 data-dependent branch (select, collect a candidate, bump a count). torch and
@@ -11,13 +11,13 @@ numba is a pure pip install (llvmlite wheels), needs no compiler on the
 machine, and caches the compiled code on disk (``cache=True``) so only the
 first process pays the compile.
 
-Why serial kernels over spans, run on threads by ``kernels.cpu``: the same
-loops inside numba's ``prange`` ran 1.8x slower even on one thread (the plain
-add took 27 ms against 17 ms serial at 25M) and numba's thread pool fought
-with torch's and with the simulated world's rank threads. Every function here
-is ``nogil`` and works on one contiguous span, so ``kernels.cpu`` splits a
-tensor into a few spans per thread and runs them on the calling thread plus a
-plain Python thread pool.
+Why serial kernels over spans, run on threads by ``kernels.numba_backend``:
+the same loops inside numba's ``prange`` ran 1.8x slower even on one thread
+(the plain add took 27 ms against 17 ms serial at 25M) and numba's thread
+pool fought with torch's and with the simulated world's rank threads. Every
+function here is ``nogil`` and works on one contiguous span, so
+``kernels.numba_backend`` splits a tensor into a few spans per thread and
+runs them on the calling thread plus a plain Python thread pool.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _compact(r, b0, b1, th, capacity, zero, offset, out_idx, out_val, cnt):
 def ef_select_span(g, r, scale, th, capacity, zero, offset, out_idx, out_val):
     """Fused error-feedback select over one span; returns the TRUE count.
 
-    ``th`` must be > 0 (the caller sends "every nonzero", th <= 0, to the
-    torch reference), so |acc| >= th alone decides and excludes zeros and NaN.
+    ``th`` must be > 0 (``ef_select``'s table sends "every nonzero", th <= 0,
+    to the torch reference), so |acc| >= th alone decides and excludes zeros and NaN.
 
     1. For each block of BLOCK entries: acc = r + scale * g is written to r
        and the selected entries are counted. This loop has no data-dependent

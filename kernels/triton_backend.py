@@ -1,0 +1,178 @@
+"""The ``triton`` backend: launchers for the Triton kernels (fused select, radix k-th
+largest, deterministic scatter-add, threshold counts, COO record pack/unpack,
+quantise-and-pack).
+
+Each function implements the operation of its name with that operation's
+signature (the ``triton`` entries of the ``KernelOp`` tables). The kernels
+themselves are in ``kernels/_triton_jit.py``, imported inside :func:`_jit`
+only (``pip install 'sparsecomm[triton]'``), and looked up in ``sys.modules``
+at every launch, so that tests can swap in an interpreted import of them.
+Launch shapes are chosen for large tensors on A100/H100: see the constants below.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import torch
+
+from .coo import record_buffers, record_fields, sort_by_index
+from .payload import decode_buffers, encode_buffers
+from .radix import radix_select
+
+__all__ = ["ef_select", "kth_largest", "scatter_add", "count_above", "pack_records", "unpack_records",
+           "encode_codes", "decode_codes", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
+           "HIST_BLOCK", "SCATTER_BLOCK"]
+
+# Elements per program of the fused select: 8 per thread at 8 warps. Chosen from
+# the sm_90 cubin's registers (tests/test_kernels_gpu_build.py prints them):
+# 4096 per program needed 146 registers (1 block of 8 warps per SM), 2048 need
+# 80 (3 blocks, 48 KiB of loads in flight per SM) for this memory-bound pass.
+SELECT_BLOCK = 2048
+SELECT_WARPS = 8
+HIST_BLOCK = 4096
+HIST_WARPS = 8
+HIST_PROGRAMS = 1024  # about 8 programs per SM on an H100 (132 SMs): enough to hide latency
+SCATTER_BLOCK = 1024  # run starts per program; 4 warps, 8 per thread
+SCATTER_WARPS = 4
+COUNT_BLOCK = 512     # x 16 thresholds = 32 compares per thread at 8 warps
+COUNT_WARPS = 8
+MAX_THRESHOLDS = 16
+RECORD_BLOCK = 1024   # records per program of pack/unpack
+RECORD_WARPS = 4
+CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
+CODES_WARPS = 4
+
+
+def _jit():
+    try:
+        return importlib.import_module(f"{__package__}._triton_jit")
+    except ImportError as e:
+        raise ImportError("the Triton kernels need triton: pip install 'sparsecomm[triton]' "
+                          "(triton>=3.0, matching your torch build)") from e
+
+
+def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+              scale: float, zero_selected: bool, out_idx: torch.Tensor,
+              out_val: torch.Tensor) -> int:
+    """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    1. One program per SELECT_BLOCK-element tile, tile numbers from an atomic ticket.
+    2. A single-pass decoupled look-back scan of tile counts gives each
+       tile its output offset, so output order is index order.
+    3. The true count is the last tile's inclusive prefix (one sync).
+    """
+    impl = _jit()
+    n = residual.numel()
+    if n == 0:
+        return 0
+    tiles = -(-n // SELECT_BLOCK)
+    dev = residual.device
+    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    impl.ef_select_kernel[(tiles,)](grad, residual, out_idx, out_val, status, ticket, n, scale,
+                                    threshold if threshold > 0 else 0.0, capacity,
+                                    ZERO=zero_selected, BLOCK=SELECT_BLOCK,
+                                    num_warps=SELECT_WARPS)
+    return int(status[tiles - 1]) >> 2
+
+
+def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
+    """Exact k-th largest of |x| (fp16/bf16/fp32) by an 8-bit radix select in Triton.
+
+    Ranks magnitudes with or without ``use_abs`` (the keys drop the sign bit).
+
+    1. Per digit (4 for fp32, 2 for 16-bit), one histogram kernel over the
+       whole tensor, restricted to keys matching the prefix chosen so far.
+    2. The digit is chosen on the device (``radix.choose_digit``): no sync
+       between passes; one sync at the end to return a float.
+    """
+    impl = _jit()
+    grid = (max(1, min(HIST_PROGRAMS, -(-x.numel() // HIST_BLOCK))),)
+
+    def histogram(x, n, prefix32, hist, bits, shift, first):
+        impl.radix_hist_kernel[grid](x, n, prefix32, hist, KEY_BITS=bits, SHIFT=shift,
+                                     FIRST=first, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
+
+    return radix_select(x, k, histogram)
+
+
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Deterministic ``out[idx] += values`` (see ``coo.scatter_add``): a stable sort by index, then one kernel.
+
+    One program per SCATTER_BLOCK sorted positions; each run of equal
+    indexes is summed in order by the program holding its first position.
+    float32/float64 ``out`` (``scatter_add``'s table sends 16-bit sums to torch).
+    """
+    m = idx.numel()
+    if m == 0:
+        return
+    sidx, sval = sort_by_index(idx, values)
+    grid = (-(-m // SCATTER_BLOCK),)
+    _jit().scatter_add_sorted_kernel[grid](out, sidx, sval, m, BLOCK=SCATTER_BLOCK,
+                                           num_warps=SCATTER_WARPS)
+
+
+def count_above(x: torch.Tensor, thresholds, every: int = 1) -> np.ndarray:
+    """#{i : |x_i| >= t} for each of at most 16 ``thresholds`` (fp16/bf16/fp32 ``x``), one pass.
+
+    Compares in float32 (exact for 16-bit inputs); the grid is capped like
+    the histogram kernels and each program adds its counts once. Reads every
+    entry, whatever ``every``.
+    """
+    nt = len(thresholds)
+    if not 1 <= nt <= MAX_THRESHOLDS:
+        raise ValueError(f"triton count_above: 1..{MAX_THRESHOLDS} thresholds, got {nt}")
+    th = torch.tensor(np.asarray(thresholds, dtype=np.float32), device=x.device)
+    counts = torch.zeros(MAX_THRESHOLDS, dtype=torch.int64, device=x.device)
+    flat = x.reshape(-1).contiguous()  # reshape keeps a strided 1-D view as it is
+    n = flat.numel()
+    grid = (max(1, min(HIST_PROGRAMS, -(-n // COUNT_BLOCK))),)
+    _jit().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
+                                     num_warps=COUNT_WARPS)
+    return counts[:nt].cpu().numpy()
+
+
+def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                 value_dtype: torch.dtype, out: torch.Tensor) -> None:
+    """Fill ``out`` (count x record bytes, uint8) with (index, value) records, one kernel."""
+    idx, bits = record_fields(rel_idx, values, value_dtype)
+    count = idx.numel()
+    if count:
+        _jit().pack_records_kernel[(-(-count // RECORD_BLOCK),)](
+            idx, bits, out, count, IB=torch.empty(0, dtype=index_dtype).element_size(),
+            VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
+
+
+def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 indexes, values) of ``records``, one kernel."""
+    idx, bits = record_buffers(records, value_dtype)
+    count = idx.numel()
+    if count:
+        _jit().unpack_records_kernel[(-(-count // RECORD_BLOCK),)](
+            records.contiguous(), idx, bits, count, IB=torch.empty(0, dtype=index_dtype).element_size(),
+            VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
+    return idx, bits.view(value_dtype)
+
+
+def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+    """``kernels.payload.encode_codes`` of flat ``values``, one kernel."""
+    values, f, out = encode_buffers(values, bits, scale)
+    nbytes = out.numel()
+    if nbytes:
+        # No FMA contraction: the rounding must see the rounded float32 product, as torch does.
+        _jit().encode_codes_kernel[(-(-nbytes // CODES_BLOCK),)](
+            values.contiguous(), out, values.numel(), nbytes, float(f), BITS=bits, BLOCK=CODES_BLOCK,
+            num_warps=CODES_WARPS, enable_fp_fusion=False)
+    return out
+
+
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.payload.decode_codes`` to float32 (``dtype``), one kernel."""
+    g, out = decode_buffers(packed, bits, count, scale)
+    if count:
+        _jit().decode_codes_kernel[(-(-count // CODES_BLOCK),)](
+            packed.contiguous(), out, count, float(g), BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)
+    return out
