@@ -51,7 +51,8 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
     if codec.name == "none" or comm.size == 1:
         with rec.phase("allreduce"):
             sent = codec.roundtrip(acc)
-            total = comm.allreduce(codec.encode(acc), "sum").to(acc.dtype) if comm.size > 1 else sent
+            total = (codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
+                     if comm.size > 1 else sent)
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats)
     return _compressed(acc, comm, codec, stats, rec)
 

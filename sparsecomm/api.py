@@ -1,21 +1,23 @@
 """The public entry points: ``allreduce``, ``sparse_allreduce`` and ``algorithms``.
 
 Input checking is collective. Every rank first checks its own arguments, then
-the ranks exchange one small signature (error code, element count, shape,
-dtype, density, algorithm, op, NaN/Inf flag, state type, compressor) with an
-allgather of 10 integers.
-Any problem on any rank, or any disagreement between ranks, raises
-:class:`~sparsecomm.errors.InputError` on *every* rank, so that no rank is left
-waiting in a collective its peers will never join. The exchange costs one
-small allgather per call.
+the ranks exchange one small :class:`Signature` (problem code, element count,
+shape, dtype, density, algorithm, op, NaN/Inf flag, state type and settings,
+compressor) with an allgather of a few integers. Any problem on any rank, or
+any disagreement between ranks, raises :class:`~sparsecomm.errors.InputError`
+on *every* rank, so that no rank is left waiting in a collective its peers
+will never join. The exchange costs one small allgather per call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import struct
 import time
 import zlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -34,7 +36,9 @@ _OPS = {"sum": 1, "avg": 2}
 _PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
              6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
-             9: "unknown compressor"}
+             9: "unknown compressor", 10: "tensor cannot be read"}
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def algorithms() -> list[str]:
@@ -42,13 +46,94 @@ def algorithms() -> list[str]:
     return registry.names()
 
 
+def _eager_under_compile(fn: F) -> F:
+    """Run ``fn`` eagerly (a graph break) when called from a ``torch.compile``'d function.
+
+    Dynamo would otherwise trace into numba's dispatcher and the communicators
+    and fail. ``torch.compiler.disable`` is applied only at trace time, because
+    it imports dynamo (1.4 s), which most processes never need.
+    """
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if is_compiling is None:  # torch without torch.compiler: nothing to guard against
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            return torch.compiler.disable(fn, recursive=True)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+# ---- the call, resolved once ------------------------------------------------------
+@dataclass
+class _Call:
+    """The arguments of one call after resolution (communicator, algorithm, density)."""
+
+    tensor: Any
+    density: Any
+    algorithm: Any
+    op: Any
+    state: State | None
+    compressor: Any
+    comm: Communicator
+
+    @classmethod
+    def resolve(cls, tensor: Any, density: Any, algorithm: Any, op: Any, state: State | None,
+                compressor: Any, group: Any, comm: Any) -> "_Call":
+        if algorithm is None:
+            algorithm = state.algorithm if state is not None and state.algorithm else "oktopk"
+        if density is None:
+            density = state.density if isinstance(state, State) else 0.01
+        return cls(tensor, density, algorithm, op, state, compressor, resolve(group=group, comm=comm))
+
+
+# ---- the collective check ----------------------------------------------------------
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _local_problem(tensor: Any, density: Any, algorithm: Any, op: Any, state: Any,
-                   comm: Communicator, compressor: Any = None) -> tuple[int, str] | None:
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+@dataclass
+class Signature:
+    """What every rank must agree on, as integers (one row of the allgathered table).
+
+    ``problem`` is 0 or a code of ``_PROBLEMS``; the other fields are -1/0
+    when the rank has a problem (its tensor may not even be a tensor).
+    """
+
+    problem: int = 0
+    numel: int = -1
+    shape: int = -1
+    dtype: int = -1
+    density: int = -1
+    algorithm: int = 0
+    op: int = 0
+    nonfinite: int = 0
+    state_type: int = 0
+    state_settings: int = 0
+    compressor: int = 0
+
+    #: Fields compared across ranks, with the words that name them in errors.
+    COMPARED = (("numel", "element count"), ("shape", "shape"), ("dtype", "dtype"),
+                ("density", "density"), ("algorithm", "algorithm"), ("op", "op"),
+                ("state_type", "state type"), ("compressor", "compressor"))
+
+    def row(self) -> list[int]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def of_row(cls, row: list[int]) -> "Signature":
+        return cls(*row)
+
+
+def _local_problem(call: _Call) -> tuple[int, str] | None:
     """This rank's first problem with the arguments, as (code, message), or None."""
+    tensor, density = call.tensor, call.density
     if not isinstance(tensor, torch.Tensor):
         return 8, f"expected a torch.Tensor, got {type(tensor).__name__}"
     if tensor.dtype not in _DTYPES:
@@ -56,81 +141,129 @@ def _local_problem(tensor: Any, density: Any, algorithm: Any, op: Any, state: An
                    "gradients (float16, bfloat16, float32, float64)")
     if tensor.numel() == 0:
         return 2, f"the tensor is empty (shape {tuple(tensor.shape)}): nothing to reduce"
+    if tensor.layout != torch.strided:
+        return 10, f"the tensor has layout {tensor.layout}; pass a dense (strided) tensor"
     try:
         check_density(density)
     except ValueError as exc:
         return 3, str(exc)
-    if not comm.supports_device(tensor.device):
-        return 4, (f"the tensor is on {tensor.device}, which the {comm.name} communicator "
-                   "cannot use (gloo and MPI take CPU tensors, NCCL takes CUDA tensors)")
+    if not call.comm.supports_device(tensor.device):
+        return 4, (f"the tensor is on {tensor.device}, which the {call.comm.name} communicator "
+                   "cannot use (gloo and MPI take CPU tensors, NCCL takes CUDA tensors; "
+                   "a meta tensor has no values)")
     try:
-        spec = registry.get(algorithm)
+        spec = registry.get(call.algorithm)
     except ValueError as exc:
         return 5, str(exc)
-    if op not in _OPS:
-        return 6, f"op must be 'sum' or 'avg', got {op!r}"
+    if call.op not in _OPS:
+        return 6, f"op must be 'sum' or 'avg', got {call.op!r}"
     try:
-        get_compressor(compressor, tensor.dtype)
+        get_compressor(call.compressor, tensor.dtype)
     except ValueError as exc:
         return 9, str(exc)
+    state = call.state
     if state is not None:
         if not isinstance(state, spec.state_class):
-            return 7, (f"algorithm {algorithm!r} needs a {spec.state_class.__name__}, "
+            return 7, (f"algorithm {call.algorithm!r} needs a {spec.state_class.__name__}, "
                        f"got {type(state).__name__}")
+        if float(density) != state.density:
+            return 7, (f"density={density} differs from the state's density {state.density} "
+                       "(omit density= to use the state's)")
         why = state.check_tensor(tensor.numel())
         if why:
             return 7, why
     return None
 
 
-def _check_collectively(tensor: Any, density: Any, algorithm: Any, op: Any, state: Any,
-                        comm: Communicator, compressor: Any = None) -> None:
-    """Raise InputError on every rank if any rank's arguments are bad or differ."""
-    problem = _local_problem(tensor, density, algorithm, op, state, comm, compressor)
-    code = problem[0] if problem else 0
-    ok = code == 0
-    sig = [
-        code,
-        tensor.numel() if ok else -1,
-        _crc(str(tuple(tensor.shape))) if ok else -1,
-        _DTYPES.get(tensor.dtype, 0) if ok else -1,
-        struct.unpack("<q", struct.pack("<d", float(density)))[0] if ok else -1,
-        _crc(str(algorithm)),
-        _OPS.get(op, 0),
-        int(not _all_finite(tensor)) if ok else 0,
-        _crc(type(state).__name__) if state is not None else 0,
-        _crc(repr(compressor)),
-    ]
-    device = tensor.device if ok else torch.device("cpu")
+def _signature(call: _Call, problem: tuple[int, str] | None) -> Signature:
+    if problem is not None:
+        return Signature(problem=problem[0], algorithm=_crc(str(call.algorithm)),
+                         op=_OPS.get(call.op, 0), compressor=_crc(repr(call.compressor)))
+    t, state = call.tensor, call.state
+    return Signature(
+        numel=t.numel(), shape=_crc(str(tuple(t.shape))), dtype=_DTYPES[t.dtype],
+        density=_float_bits(call.density), algorithm=_crc(str(call.algorithm)), op=_OPS[call.op],
+        nonfinite=int(not _all_finite(t)),
+        state_type=_crc(type(state).__name__) if state is not None else 0,
+        state_settings=_crc(repr(sorted(state.settings().items()))) if state is not None else 0,
+        compressor=_crc(repr(call.compressor)))
+
+
+def _check_collectively(call: _Call) -> None:
+    """Raise InputError on every rank if any rank's arguments are bad or differ.
+
+    1. Check this rank's arguments; a check that itself fails (a tensor
+       whose values cannot be read) is a problem like any other.
+    2. Allgather every rank's :class:`Signature`.
+    3. Raise, on every rank and with the same words, for the first of: a rank
+       with a problem, NaN/Inf on a rank, a field that differs across ranks,
+       state settings that differ (a second small allgather names them).
+    """
+    comm = call.comm
+    try:
+        problem = _local_problem(call)
+        sig = _signature(call, problem)
+    except Exception as exc:  # noqa: BLE001 - a check that raises on one rank must not strand the others
+        problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
+        sig = _signature(call, problem)
     if comm.size == 1:
         table = [sig]
     else:
-        ctrl = torch.tensor(sig, dtype=torch.int64, device=_control_device(comm, device))
-        table = comm.allgather(ctrl).tolist()
-    bad = [r for r, row in enumerate(table) if row[0] != 0]
+        device = call.tensor.device if problem is None else torch.device("cpu")
+        ctrl = torch.tensor(sig.row(), dtype=torch.int64, device=_control_device(comm, device))
+        table = [Signature.of_row(row) for row in comm.allgather(ctrl).tolist()]
+    bad = [r for r, s in enumerate(table) if s.problem]
     if bad:
         mine = f"{problem[1]}; " if problem else ""
-        others = ", ".join(f"rank {r}: {_PROBLEMS.get(table[r][0], 'error')}" for r in bad)
+        others = ", ".join(f"rank {r}: {_PROBLEMS.get(table[r].problem, 'error')}" for r in bad)
         raise InputError(f"sparsecomm.allreduce: {mine}bad input on {others}")
-    nonfinite = [r for r, row in enumerate(table) if row[7]]
+    nonfinite = [r for r, s in enumerate(table) if s.nonfinite]
     if nonfinite:
         raise InputError(f"sparsecomm.allreduce: the tensor holds NaN or Inf on rank(s) "
                          f"{nonfinite}; refusing to reduce it (it would poison every rank's result)")
-    fields = [(1, "element count"), (2, "shape"), (3, "dtype"), (4, "density"), (5, "algorithm"),
-              (6, "op"), (8, "state type"), (9, "compressor")]
-    for col, what in fields:
-        values = [row[col] for row in table]
+    for field, what in Signature.COMPARED:
+        values = [getattr(s, field) for s in table]
         if len(set(values)) > 1:
-            detail = ""
-            if col == 1:
-                detail = f" (elements per rank: {values})"
-            elif col == 3:
-                names = {v: str(d) for d, v in _DTYPES.items()}
-                detail = f" (per rank: {[names.get(v, '?') for v in values]})"
-            elif col == 4:
-                detail = f" (per rank: {[struct.unpack('<d', struct.pack('<q', v))[0] for v in values]})"
-            raise InputError(f"sparsecomm.allreduce: the {what} differs across ranks{detail}; "
-                             "every rank must pass the same kind of tensor and options")
+            raise InputError(f"sparsecomm.allreduce: the {what} differs across ranks"
+                             f"{_detail(field, values)}; every rank must pass the same kind of "
+                             "tensor and options")
+    if len({s.state_settings for s in table}) > 1:
+        raise InputError(_settings_mismatch(call.state, comm))
+
+
+def _detail(field: str, values: list[int]) -> str:
+    if field == "numel":
+        return f" (elements per rank: {values})"
+    if field == "dtype":
+        names = {v: str(d) for d, v in _DTYPES.items()}
+        return f" (per rank: {[names.get(v, '?') for v in values]})"
+    if field == "density":
+        return f" (per rank: {[struct.unpack('<d', struct.pack('<q', v))[0] for v in values]})"
+    if field == "op":
+        names = {v: k for k, v in _OPS.items()}
+        return f" (per rank: {[names.get(v, '?') for v in values]})"
+    return ""
+
+
+def _settings_mismatch(state: State, comm: Communicator) -> str:
+    """The message for state settings that differ (every rank takes part in one allgather)."""
+    settings = sorted(state.settings().items())
+    crcs = torch.tensor([_crc(repr(v)) for _, v in settings], dtype=torch.int64)
+    table = comm.allgather(crcs).tolist()
+    differ = [name for j, (name, _) in enumerate(settings) if len({row[j] for row in table}) > 1]
+    mine = ", ".join(f"{name}={dict(settings)[name]!r}" for name in differ)
+    return (f"sparsecomm.allreduce: the {type(state).__name__} settings differ across ranks: "
+            f"{', '.join(differ)} (rank {comm.rank} has {mine}); every rank must build its "
+            "state with the same settings and call it the same number of times")
+
+
+def _check_unchecked(call: _Call) -> None:
+    """With ``check=False``: still never guess an op or ignore a density (local, no traffic)."""
+    if call.op not in _OPS:
+        raise InputError(f"sparsecomm.allreduce: op must be 'sum' or 'avg', got {call.op!r}")
+    if call.state is not None and float(call.density) != call.state.density:
+        raise InputError(f"sparsecomm.allreduce: density={call.density} differs from the "
+                         f"state's density {call.state.density}")
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -139,16 +272,50 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
-def _algorithm_name(algorithm: str | None, state: State | None) -> str:
-    if algorithm is not None:
-        return algorithm
-    return state.algorithm if state is not None and state.algorithm else "oktopk"
-
-
 def _control_device(comm: Communicator, device: torch.device) -> torch.device:
     return device if comm.supports_device(device) else torch.device("cpu")
 
 
+# ---- running the algorithm ---------------------------------------------------------
+def _run(call: _Call, out_dtype: torch.dtype | None, scale: float) -> SparseResult:
+    """Compensate, run the algorithm, refuse a non-finite result, keep the residual.
+
+    ``out_dtype``/``scale``: what the caller will turn the result into (the
+    overflow check covers that conversion); None for the sparse result itself.
+    """
+    spec = registry.get(call.algorithm)
+    state = call.state if call.state is not None else spec.state_class.exact(call.density)
+    comm = call.comm
+    flat = call.tensor.detach().reshape(-1)
+    t0 = time.perf_counter()
+    acc = state.compensate(flat)
+    accumulate = time.perf_counter() - t0
+    k = topk_count(state.density, flat.numel())
+    # With op="avg", 16-bit float values travel pre-divided by P (as PyTorch's
+    # fp16 hook does): sums whose average fits float16 must not overflow on the wire.
+    codec = get_compressor(call.compressor, flat.dtype,
+                           divisor=comm.size if call.op == "avg" else 1)
+    result = spec.fn(acc, k, comm, state, codec)
+    # Error-feedback accumulation (fused with selection for Ok-Topk's reuse steps) is a phase too.
+    result.stats.phases = {"accumulate": PhaseStats(seconds=accumulate), **result.stats.phases}
+    overflow = result.count_nonfinite(out_dtype or result.values.dtype, scale)
+    if overflow:
+        # The result is the same on every rank, so every rank takes this branch.
+        state.keep_all(acc)
+        state.record(result.stats)
+        dtype = out_dtype or result.values.dtype
+        raise InputError(
+            f"sparsecomm.allreduce: the reduced result overflows {dtype} at {overflow} "
+            f"entr{'y' if overflow == 1 else 'ies'} (every rank's values are finite, their "
+            f"{'average' if call.op == 'avg' else 'sum'} is not); use op='avg', a wider input "
+            "dtype or compressor='bf16'"
+            + ("; this call's input stays in the residual" if state.error_feedback else ""))
+    state.update(acc, result)
+    state.record(result.stats)
+    return result
+
+
+@_eager_under_compile
 def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
                      algorithm: str | None = None, state: State | None = None,
                      compressor: "str | Compressor | None" = None,
@@ -158,31 +325,15 @@ def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
     Same arguments as :func:`allreduce` but ``op``; see there. The values are
     sums over ranks.
     """
-    c = resolve(group=group, comm=comm)
-    algorithm = _algorithm_name(algorithm, state)
-    if density is None:
-        density = state.density if state is not None else 0.01
-    elif state is not None and isinstance(density, (int, float)) and density != state.density:
-        raise InputError(f"density={density} differs from the state's density {state.density}")
+    call = _Call.resolve(tensor, density, algorithm, "sum", state, compressor, group, comm)
     if check:
-        _check_collectively(tensor, density, algorithm, "sum", state, c, compressor)
-    spec = registry.get(algorithm)
-    if state is None:
-        state = spec.state_class.exact(density)
-    flat = tensor.detach().reshape(-1)
-    t0 = time.perf_counter()
-    acc = state.compensate(flat)
-    accumulate = time.perf_counter() - t0
-    k = topk_count(state.density, flat.numel())
-    codec = get_compressor(compressor, flat.dtype)
-    result = spec.fn(acc, k, c, state, codec)
-    # Error-feedback accumulation (fused with selection for Ok-Topk's reuse steps) is a phase too.
-    result.stats.phases = {"accumulate": PhaseStats(seconds=accumulate), **result.stats.phases}
-    state.update(acc, result)
-    state.record(result.stats)
-    return result
+        _check_collectively(call)
+    else:
+        _check_unchecked(call)
+    return _run(call, None, 1.0)
 
 
+@_eager_under_compile
 def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
               op: str = "sum", state: State | None = None, compressor: "str | Compressor | None" = None,
               group: Any = None, comm: Any = None, check: bool = True) -> torch.Tensor:
@@ -220,20 +371,22 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
     Returns:
         A dense tensor with the shape, dtype and device of ``tensor``.
 
+    Raises:
+        InputError: on every rank, for bad or mismatched arguments, NaN/Inf
+            in an input, or a result that overflows the input's dtype.
+        CommTimeoutError: a wait ran out of time (a peer is absent).
+
     Example::
 
         out = sparsecomm.allreduce(grad, density=0.01)
         st = sparsecomm.OkTopkState(density=0.01, tau=32, tau_prime=64)
         out = sparsecomm.allreduce(grad, state=st, op="avg")
     """
-    if op not in _OPS and not check:  # no collective check asked for: still never guess an op
-        raise InputError(f"sparsecomm.allreduce: op must be 'sum' or 'avg', got {op!r}")
-    if op not in _OPS and check:
-        c = resolve(group=group, comm=comm)
-        algorithm = _algorithm_name(algorithm, state)
-        _check_collectively(tensor, density if density is not None else 0.01, algorithm, op, state, c,
-                            compressor)
-    result = sparse_allreduce(tensor, density, algorithm=algorithm, state=state, compressor=compressor,
-                              group=group, comm=comm, check=check)
-    scale = 1.0 / resolve(group=group, comm=comm).size if op == "avg" else 1.0
+    call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm)
+    if check:
+        _check_collectively(call)
+    else:
+        _check_unchecked(call)
+    scale = 1.0 / call.comm.size if op == "avg" else 1.0
+    result = _run(call, tensor.dtype, scale)
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)

@@ -34,7 +34,7 @@ import torch
 from . import kernels
 from .comm.base import Communicator
 
-__all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "get_compressor", "COMPRESSORS",
+__all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "Divided", "get_compressor", "COMPRESSORS",
            "pack_bits", "unpack_bits"]
 
 
@@ -149,6 +149,39 @@ class Quantize(Compressor):
         return kernels.decode_codes(payload, self.bits, count, scale, dtype)
 
 
+class Divided(Compressor):
+    """``inner`` applied to values divided by ``divisor``; decoding multiplies back.
+
+    Used for ``op="avg"`` when values travel as float16: a sum whose average
+    fits float16 would overflow on the wire if sums travelled undivided
+    (PyTorch's fp16 hook divides by the world size first for the same reason).
+    Decoded values are in the original units, so algorithms and error
+    feedback see no difference but the rounding.
+    """
+
+    def __init__(self, inner: Compressor, divisor: int) -> None:
+        super().__init__(inner.wire_dtype)
+        self.inner, self.divisor = inner, divisor
+        self.name, self.needs_scale = inner.name, inner.needs_scale
+
+    @property
+    def value_bits(self) -> int:
+        return self.inner.value_bits
+
+    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
+        return self.inner.agree_scale(comm, values)
+
+    def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.inner.encode(values / self.divisor, scale)
+
+    def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        work = torch.promote_types(dtype, torch.float32)
+        return (self.inner.decode(wire, scale, work) * self.divisor).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"Divided({self.inner!r}, {self.divisor})"
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack int8 codes in [-(2^(b-1)-1), 2^(b-1)-1] into bytes, 8/b codes per byte.
 
@@ -171,12 +204,21 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 COMPRESSORS = ["fp16", "bf16", "trunc16", "q8", "q4", "q2", "q8s", "q4s", "q2s"]
 
 
-def get_compressor(spec: "str | Compressor | None", dtype: torch.dtype) -> Compressor:
+def get_compressor(spec: "str | Compressor | None", dtype: torch.dtype, divisor: int = 1) -> Compressor:
     """A compressor from a name in COMPRESSORS, an instance, or None.
 
     None means no compression: values travel in the input's ``dtype`` and the
-    dense allreduce uses the backend's own (a Cast named "none").
+    dense allreduce uses the backend's own (a Cast named "none"). With
+    ``divisor`` > 1 (``op="avg"``), a float16 cast is wrapped in
+    :class:`Divided` so that averages that fit float16 never overflow on the wire.
     """
+    codec = _named_compressor(spec, dtype)
+    if divisor > 1 and codec.wire_dtype == torch.float16 and not codec.needs_scale:
+        return Divided(codec, divisor)
+    return codec
+
+
+def _named_compressor(spec: "str | Compressor | None", dtype: torch.dtype) -> Compressor:
     if spec is None:
         return Cast(dtype, "none")
     if isinstance(spec, Compressor):

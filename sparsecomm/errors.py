@@ -28,4 +28,8 @@ class CommTimeoutError(SparseCommError, TimeoutError):
 
 
 class PeerError(SparseCommError):
-    """Another rank failed (simulated world) so this rank cannot go on."""
+    """Another rank failed or went away, so this rank cannot go on.
+
+    In the simulated world: a peer raised. On torch.distributed: the
+    transport reported a broken connection (a peer exited) before the timeout.
+    """

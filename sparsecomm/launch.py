@@ -58,7 +58,7 @@ def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: 
 
 
 def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
-          timeout: float = 600, threads: int | None = None) -> list[Any]:
+          timeout: float = 600, threads: int | None = None, missing_ok: bool = False) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` local processes; return their results.
 
     1. Pick a free loopback port and spawn the processes.
@@ -69,6 +69,7 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
     ``fn`` must be importable by name (a module-level function). Each process
     uses ``threads`` torch threads (default: cores / nprocs, at least 1).
     Raises RuntimeError with the failing rank's traceback if any rank failed.
+    With ``missing_ok``, a rank that exited without a result gives None.
     """
     import torch.multiprocessing as mp
 
@@ -82,7 +83,7 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"spawn: {getattr(fn, '__name__', fn)} did not finish in {timeout:g} s")
-        return collect(outdir, nprocs)
+        return collect(outdir, nprocs, missing_ok)
 
 
 def save_result(outdir: str, rank: int, fn: Callable[[], Any]) -> bool:
@@ -98,12 +99,18 @@ def save_result(outdir: str, rank: int, fn: Callable[[], Any]) -> bool:
         return False
 
 
-def collect(outdir: str, nprocs: int) -> list[Any]:
-    """Results saved by :func:`save_result` for ranks 0..nprocs-1; raise on any failure."""
+def collect(outdir: str, nprocs: int, missing_ok: bool = False) -> list[Any]:
+    """Results saved by :func:`save_result` for ranks 0..nprocs-1; raise on any failure.
+
+    With ``missing_ok``, a rank that saved nothing (it exited) gives None.
+    """
     results = []
     for rank in range(nprocs):
         path = Path(outdir) / f"{rank}.pt"
         if not path.exists():
+            if missing_ok:
+                results.append(None)
+                continue
             raise RuntimeError(f"rank {rank} exited without a result")
         data = torch.load(path, weights_only=False)
         if "error" in data:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from .comm.base import Communicator
-from .state import CallStats, PhaseStats, State
+from .state import CallStats, PhaseStats, State, allow_in_checkpoints
 
 __all__ = ["SparseResult", "AlgorithmSpec", "register", "get", "names", "PhaseRecorder"]
 
@@ -55,11 +55,19 @@ class SparseResult:
     kept_idx: torch.Tensor | None = None
     kept_val: torch.Tensor | None = None
 
-    def to_dense(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-        """A new dense tensor of n entries holding the result times ``scale``."""
+    def _scaled(self, scale: float) -> torch.Tensor:
         vals = self.values
         if scale != 1.0:
             vals = vals.to(torch.promote_types(vals.dtype, torch.float32)) * scale
+        return vals
+
+    def count_nonfinite(self, dtype: torch.dtype, scale: float = 1.0) -> int:
+        """How many result values are NaN/Inf once scaled and cast to ``dtype`` (O(k) when sparse)."""
+        return int((~torch.isfinite(self._scaled(scale).to(dtype))).sum())
+
+    def to_dense(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """A new dense tensor of n entries holding the result times ``scale``."""
+        vals = self._scaled(scale)
         if self.indexes is None:
             return vals.to(dtype, copy=True)
         out = torch.zeros(self.n, dtype=dtype, device=self.values.device)
@@ -87,6 +95,7 @@ def register(name: str, state_class: type[State]) -> Callable:
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary)
         state_class.algorithm = name
+        allow_in_checkpoints(state_class)
         return fn
 
     return deco

@@ -9,13 +9,25 @@ numbers only, so they pickle (``torch.save(state)``) for checkpoints.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["State", "CallStats", "PhaseStats", "check_density", "topk_count"]
+__all__ = ["State", "CallStats", "PhaseStats", "check_density", "topk_count", "allow_in_checkpoints"]
+
+
+def allow_in_checkpoints(*classes: type) -> None:
+    """Let ``torch.load`` with its defaults (``weights_only=True``) rebuild ``classes``.
+
+    States hold only tensors, numbers, strings, tuples and dicts, which the
+    weights-only unpickler accepts once the classes themselves are allowed.
+    """
+    add = getattr(torch.serialization, "add_safe_globals", None)  # torch >= 2.4
+    if add is not None:
+        add(list(classes))
 
 
 def check_density(density: Any) -> float:
@@ -116,6 +128,14 @@ class State:
         self.totals: dict[str, int] = {"calls": 0, "bytes_sent": 0, "bytes_received": 0,
                                        "local_selected": 0, "global_selected": 0}
 
+    def settings(self) -> dict[str, Any]:
+        """The user's settings (the ``__init__`` arguments) and the iteration.
+
+        Every rank must hold the same ones: the collective input check compares them.
+        """
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        return {**{name: getattr(self, name) for name in names}, "iteration": self.iteration}
+
     @classmethod
     def exact(cls, density: float) -> "State":
         """The state a stateless call uses: exact selection, no residual."""
@@ -163,6 +183,11 @@ class State:
             residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
         self.residual = residual
 
+    def keep_all(self, acc: torch.Tensor) -> None:
+        """After a call that delivered nothing: the whole accumulated input stays in the residual."""
+        if self.error_feedback:
+            self.residual = acc
+
     def record(self, stats: CallStats) -> None:
         self.iteration += 1
         self.last = stats
@@ -178,3 +203,6 @@ class State:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(density={self.density}, error_feedback="
                 f"{self.error_feedback}, iteration={self.iteration})")
+
+
+allow_in_checkpoints(State, CallStats, PhaseStats)

@@ -95,23 +95,59 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def bad_input_cases(rank: int, size: int, comm=None) -> list[str]:
-    """Each bad call must raise InputError on every rank; returns the messages."""
-    msgs = []
-    calls = [
-        lambda: sparsecomm.allreduce(torch.arange(10) if rank == 0 else torch.randn(10), 0.1, comm=comm),
-        lambda: sparsecomm.allreduce(torch.randn(10 + (rank == size - 1)), 0.1, comm=comm),
-        lambda: sparsecomm.allreduce(torch.randn(10).to(torch.float16 if rank else torch.float32), 0.1, comm=comm),
-        lambda: sparsecomm.allreduce(torch.randn(10), 0.0, comm=comm),
-        lambda: sparsecomm.allreduce(torch.randn(10), 1.5, comm=comm),
-        lambda: sparsecomm.allreduce(torch.tensor([1.0, float("nan")]) if rank == 1 else torch.ones(2), 0.5, comm=comm),
-        lambda: sparsecomm.allreduce(torch.empty(10, device="meta") if rank == 0 else torch.randn(10), 0.5, comm=comm),
-    ]
-    for call in calls:
+def bad_input_cases(rank: int, size: int, comm=None) -> dict[str, str]:
+    """Each bad call must raise InputError on every rank; returns the messages by case.
+
+    One rank differing from the others (the last, or rank 0/1) is the hard
+    case: that rank alone knows, and its peers must not be left waiting.
+    """
+    last = rank == size - 1
+
+    def ok(n=10):
+        return torch.randn(n, generator=torch.Generator().manual_seed(rank))
+
+    def restored_state(iteration):  # as if ranks resumed from different checkpoints
+        st = sparsecomm.OkTopkState(0.1, tau=2)
+        st.iteration = iteration
+        return st
+
+    calls = {
+        "integer": lambda: sparsecomm.allreduce(torch.arange(10) if rank == 0 else ok(), 0.1, comm=comm),
+        "numel": lambda: sparsecomm.allreduce(ok(10 + last), 0.1, comm=comm),
+        "dtype": lambda: sparsecomm.allreduce(ok().to(torch.float16 if rank else torch.float32), 0.1, comm=comm),
+        "density0": lambda: sparsecomm.allreduce(ok(), 0.0, comm=comm),
+        "density1.5": lambda: sparsecomm.allreduce(ok(), 1.5, comm=comm),
+        "nan": lambda: sparsecomm.allreduce(torch.tensor([1.0, float("nan")]) if rank == 1 else torch.ones(2),
+                                            0.5, comm=comm),
+        "meta": lambda: sparsecomm.allreduce(torch.empty(10, device="meta") if rank == 0 else ok(), 0.5, comm=comm),
+        "op": lambda: sparsecomm.allreduce(ok(), 0.5, op="avg" if last else "sum", comm=comm),
+        "density-vs-state": lambda: sparsecomm.allreduce(ok(), 0.2 if last else 0.1,
+                                                         state=sparsecomm.OkTopkState(0.1), comm=comm),
+        "tau": lambda: sparsecomm.allreduce(ok(), state=sparsecomm.OkTopkState(0.1, tau=4 if last else 2),
+                                            comm=comm),
+        "iteration": lambda: sparsecomm.allreduce(ok(), state=restored_state(7 if last else 6), comm=comm),
+        "compressor": lambda: sparsecomm.allreduce(ok(), 0.5, compressor="q8" if last else None, comm=comm),
+    }
+    msgs = {}
+    for name, call in calls.items():
         try:
             call()
         except sparsecomm.InputError as exc:
-            msgs.append(str(exc))
+            msgs[name] = str(exc)
         else:
-            raise AssertionError("bad input was accepted")
+            raise AssertionError(f"bad input {name!r} was accepted")
     return msgs
+
+
+def check_bad_input_messages(msgs: dict[str, str]) -> None:
+    """What every rank must have been told for each case of :func:`bad_input_cases`."""
+    expected = {
+        "integer": "unsupported dtype", "numel": "element count differs", "dtype": "dtype differs",
+        "density0": "density", "density1.5": "density", "nan": "NaN or Inf on rank(s) [1]",
+        "meta": "device the communicator cannot use", "op": "op differs across ranks (per rank: [",
+        "density-vs-state": "state does not fit the call", "tau": "settings differ across ranks: tau",
+        "iteration": "settings differ across ranks: iteration", "compressor": "compressor differs",
+    }
+    assert msgs.keys() == expected.keys(), msgs.keys()
+    for name, words in expected.items():
+        assert words in msgs[name], (name, msgs[name])

@@ -14,9 +14,9 @@ from sparsecomm.launch import collect, spawn
 HERE = Path(__file__).resolve().parent
 
 
-def run_gloo(size: int, fn, *args, timeout: float = 240) -> list:
+def run_gloo(size: int, fn, *args, timeout: float = 240, missing_ok: bool = False) -> list:
     """``fn(rank, size, *args)`` on ``size`` gloo processes; returns per-rank results."""
-    return spawn(size, fn, *args, timeout=timeout, threads=1)
+    return spawn(size, fn, *args, timeout=timeout, threads=1, missing_ok=missing_ok)
 
 
 def mpiexec() -> str | None:

@@ -7,6 +7,7 @@ import sys
 import torch
 
 import cases
+import test_properties
 
 
 def main() -> None:
@@ -25,6 +26,7 @@ def main() -> None:
         "allreduce": lambda: cases.allreduce_cases(rank, size),  # resolution finds COMM_WORLD
         "bad_input": lambda: cases.bad_input_cases(rank, size),
         "resolve": lambda: sparsecomm.resolve().name,
+        "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
     }
     save_result(outdir, rank, bodies[case])
 

@@ -7,6 +7,7 @@ are its k largest-magnitude nonzero entries, ties broken by lower index.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -48,3 +49,55 @@ def ref_oktopk(grads: list[torch.Tensor], density: float) -> torch.Tensor:
 def ref_local_topk(g: torch.Tensor, density: float) -> torch.Tensor:
     flat = g.reshape(-1).to(torch.float64)
     return torch.from_numpy(ref_topk(flat.numpy(), k_of(density, flat.numel())))
+
+
+def ref_sum_of_selected(grads, selections):
+    total = torch.zeros(grads[0].numel(), dtype=torch.float32)
+    for g, idx in zip(grads, selections):
+        total[idx] += g.float()[idx]
+    return total
+
+
+def ref_gaussian_selection(g: torch.Tensor, density: float) -> torch.Tensor:
+    """Independent float64 version of the Gaussiank rule."""
+    v = g.double().numpy()
+    k = k_of(density, v.size)
+    th = abs(v.mean()) + NormalDist().inv_cdf(1 - density / 2) * (v.std(ddof=1) if v.size > 1 else 0.0)
+    mag = np.abs(v)
+    nonzero = int((mag > 0).sum())
+    for _ in range(20):
+        count = int((mag >= th).sum())
+        if th <= 0 or count >= 0.75 * k or count >= nonzero:
+            break
+        th *= 0.8
+    return torch.from_numpy(np.nonzero((mag >= th) & (mag > 0))[0])
+
+
+def ref_gtopk(grads, density, value_dtype=torch.float32):
+    """The binomial tree of top-k merges, written out."""
+    P, n = len(grads), grads[0].numel()
+    k = k_of(density, n)
+
+    def top(vec_dict):
+        idx = np.array(sorted(vec_dict), dtype=np.int64)
+        vals = np.array([vec_dict[i] for i in idx], dtype=np.float64)
+        keep = ref_topk(vals, k) if idx.size else np.array([], dtype=np.int64)
+        return {int(idx[j]): vals[j] for j in keep}
+
+    sets = []
+    for g in grads:
+        flat = g.float().numpy()
+        sets.append({int(i): float(flat[i]) for i in ref_topk(flat, k)})
+    d = 1
+    while d < P:
+        for i in range(0, P, 2 * d):
+            if i + d < P:
+                merged = dict(sets[i])
+                for j, v in sets[i + d].items():
+                    merged[j] = merged.get(j, 0.0) + v
+                sets[i] = top(merged)
+        d *= 2
+    out = torch.zeros(n, dtype=torch.float32)
+    for j, v in sets[0].items():
+        out[j] = v
+    return out

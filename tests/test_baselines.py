@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from statistics import NormalDist
-
-import numpy as np
 import pytest
 import torch
 
 import sparsecomm
 
-from reference import k_of, ref_topk
+from reference import k_of, ref_gaussian_selection, ref_gtopk, ref_sum_of_selected, ref_topk
 
 SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank"]
 
@@ -23,58 +20,6 @@ def run(algorithm, grads, density, **kw):
 def int_grads(P, n, seed=0, levels=20, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(-levels, levels + 1, (n,), generator=gen).to(dtype) for _ in range(P)]
-
-
-def ref_sum_of_selected(grads, selections):
-    total = torch.zeros(grads[0].numel(), dtype=torch.float32)
-    for g, idx in zip(grads, selections):
-        total[idx] += g.float()[idx]
-    return total
-
-
-def ref_gaussian_selection(g: torch.Tensor, density: float) -> torch.Tensor:
-    """Independent float64 version of the Gaussiank rule."""
-    v = g.double().numpy()
-    k = k_of(density, v.size)
-    th = abs(v.mean()) + NormalDist().inv_cdf(1 - density / 2) * v.std(ddof=1)
-    mag = np.abs(v)
-    nonzero = int((mag > 0).sum())
-    for _ in range(20):
-        count = int((mag >= th).sum())
-        if th <= 0 or count >= 0.75 * k or count >= nonzero:
-            break
-        th *= 0.8
-    return torch.from_numpy(np.nonzero((mag >= th) & (mag > 0))[0])
-
-
-def ref_gtopk(grads, density, value_dtype=torch.float32):
-    """The binomial tree of top-k merges, written out."""
-    P, n = len(grads), grads[0].numel()
-    k = k_of(density, n)
-
-    def top(vec_dict):
-        idx = np.array(sorted(vec_dict), dtype=np.int64)
-        vals = np.array([vec_dict[i] for i in idx], dtype=np.float64)
-        keep = ref_topk(vals, k) if idx.size else np.array([], dtype=np.int64)
-        return {int(idx[j]): vals[j] for j in keep}
-
-    sets = []
-    for g in grads:
-        flat = g.float().numpy()
-        sets.append({int(i): float(flat[i]) for i in ref_topk(flat, k)})
-    d = 1
-    while d < P:
-        for i in range(0, P, 2 * d):
-            if i + d < P:
-                merged = dict(sets[i])
-                for j, v in sets[i + d].items():
-                    merged[j] = merged.get(j, 0.0) + v
-                sets[i] = top(merged)
-        d *= 2
-    out = torch.zeros(n, dtype=torch.float32)
-    for j, v in sets[0].items():
-        out[j] = v
-    return out
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 8])

@@ -85,6 +85,7 @@ class _World:
         self.mailbox: dict[tuple[int, int, int], deque] = defaultdict(deque)
         self.failure: tuple[int, BaseException] | None = None
         self.last_progress = time.monotonic()
+        self.run_holder: int | None = None
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()
@@ -123,29 +124,47 @@ class _World:
                 held = _release_run(self)
                 cond.wait(min(self.timeout - idle, 0.5))
             if held:
-                _acquire_run(self)
+                _acquire_run(self, rank, what)
 
     @contextlib.contextmanager
-    def idle(self) -> Iterator[None]:
+    def idle(self, rank: int) -> Iterator[None]:
         held = _release_run(self)
         try:
             yield
         finally:
             if held:
-                _acquire_run(self)
+                _acquire_run(self, rank)
 
 
 def _release_run(world: _World) -> bool:
     if getattr(_local, "holds_run", False):
         _local.holds_run = False
+        world.run_holder = None
         world.run.release()
         return True
     return False
 
 
-def _acquire_run(world: _World) -> None:
-    world.run.acquire()
+def _acquire_run(world: _World, rank: int, what: Callable[[], str] = lambda: "its turn") -> None:
+    """Take this rank's turn to run (``what`` it waits in names it in errors).
+
+    A peer that keeps the turn too long (blocked outside sparsecomm, say) or
+    fails makes this raise instead of waiting forever.
+    """
+    start = time.monotonic()
+    while not world.run.acquire(timeout=0.5):
+        if world.failure is not None and world.failure[0] != rank:
+            frank, fexc = world.failure
+            raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} "
+                            f"failed: {type(fexc).__name__}: {fexc}")
+        idle = time.monotonic() - max(start, world.last_progress)
+        if idle > world.timeout:
+            raise CommTimeoutError(
+                f"rank {rank}: {what()} timed out after {world.timeout:g} s (simulated world): "
+                f"rank {world.run_holder} has not reached a communicator call in that time "
+                "(blocked outside sparsecomm?)")
     _local.holds_run = True
+    world.run_holder = rank
 
 
 class _SimRequest(Request):
@@ -171,10 +190,10 @@ class SimCommunicator(Communicator):
         self._cost = (0, 0)
 
     def supports_device(self, device: torch.device) -> bool:
-        return True
+        return device.type != "meta"  # any device that holds values
 
     def idle(self) -> contextlib.AbstractContextManager:
-        return self._world.idle()
+        return self._world.idle(self.rank)
 
     # ---- accounting hook: remember the cost of the collective being run ----
     def _count(self, nbytes: int, messages: int) -> None:
@@ -322,6 +341,30 @@ def _raise_if_message(result: Any) -> Any:
     return result
 
 
+def _join(threads: list[threading.Thread], world: _World, results: list[Any],
+          errors: list[tuple[float, int, BaseException]]) -> None:
+    """Join the rank threads; once a rank failed, give the others ``timeout`` seconds.
+
+    A rank blocked outside sparsecomm (``time.sleep``, an Event that is never
+    set) would otherwise keep ``simulate`` from returning: it is abandoned (its
+    thread is a daemon) and reported as timed out.
+    """
+    deadline = None
+    for rank, t in enumerate(threads):
+        while t.is_alive():
+            t.join(0.2)
+            if deadline is None and world.failure is not None:
+                deadline = time.monotonic() + world.timeout
+            if deadline is not None and time.monotonic() > deadline:
+                break
+    for rank, t in enumerate(threads):
+        if t.is_alive():
+            exc = CommTimeoutError(f"rank {rank}: still running {world.timeout:g} s after rank "
+                                   f"{world.failure[0]} failed; abandoned (blocked outside sparsecomm?)")
+            errors.append((time.monotonic(), rank, exc))
+            results[rank] = exc
+
+
 @dataclass
 class SimResult:
     """What ``simulate`` returns: per-rank results, traffic stats and modelled time."""
@@ -366,8 +409,8 @@ def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
 
     def run(rank: int) -> None:
         _local.comm = comms[rank]
-        _acquire_run(world)
         try:
+            _acquire_run(world, rank)
             results[rank] = fn(rank, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             errors.append((time.monotonic(), rank, exc))
@@ -384,8 +427,7 @@ def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
                    for r in range(world_size)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        _join(threads, world, results, errors)
     if errors and not return_exceptions:
         primary = [e for e in sorted(errors, key=lambda e: e[:2]) if not isinstance(e[2], PeerError)]
         _, rank, exc = (primary or sorted(errors, key=lambda e: e[:2]))[0]

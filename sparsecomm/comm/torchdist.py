@@ -12,11 +12,12 @@ largest and counts the padded bytes, since that is what travels.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Sequence
 
 import torch
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, PeerError
 from .base import Communicator, Request
 
 __all__ = ["TorchCommunicator"]
@@ -63,10 +64,16 @@ class TorchCommunicator(Communicator):
 
     # ---- waiting ---------------------------------------------------------------
     def _wait(self, work: Any, what: str) -> None:
+        t0 = time.monotonic()
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            raise CommTimeoutError(f"rank {self.rank}: {what} failed or timed out after "
+            elapsed = time.monotonic() - t0
+            if elapsed < 0.9 * self.timeout:  # not a timeout: the transport failed
+                raise PeerError(f"rank {self.rank}: {what} failed after {elapsed:.2g} s on "
+                                f"{self.name}, before its {self.timeout:g} s timeout: a peer "
+                                f"closed its connection or exited ({exc})") from exc
+            raise CommTimeoutError(f"rank {self.rank}: {what} timed out after "
                                    f"{self.timeout:g} s on {self.name}: {exc}") from exc
         if ok is False:
             raise CommTimeoutError(f"rank {self.rank}: {what} timed out after {self.timeout:g} s "

@@ -1,0 +1,203 @@
+"""Promises a hostile run found broken (issue 9), one reproducer each, plus their engine twins.
+
+1. an ``op`` that differs between ranks;            5. checkpoints with torch.load's defaults;
+2. a density or state setting that differs;          6. torch.compile in a fresh process;
+3. a meta tensor in the simulated world;             7. a rank blocked outside sparsecomm (sim);
+4. float16 ``op="avg"`` overflowing on the wire;     and a gloo peer that exits: say so.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.errors import CommTimeoutError, InputError, PeerError
+
+import cases
+import engines
+
+ALGORITHMS = sparsecomm.algorithms()
+
+
+def every_rank(P, body, timeout=5.0):
+    t0 = time.monotonic()
+    res = sparsecomm.simulate(P, body, timeout=timeout, return_exceptions=True)
+    return res.results, time.monotonic() - t0
+
+
+# ---- 1-3: the collective check, on the simulated world (gloo and MPI: test_engines) ----
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_every_bad_input_case_raises_on_every_rank_of_the_simulated_world(P):
+    results, seconds = every_rank(P, lambda r: cases.bad_input_cases(r, P), timeout=5)
+    assert seconds < 5, "a rank waited for a peer instead of raising at once"
+    for msgs in results:
+        assert not isinstance(msgs, BaseException), msgs
+        cases.check_bad_input_messages(msgs)
+
+
+def test_op_that_differs_is_an_error_not_two_answers():
+    body = lambda r: sparsecomm.allreduce(torch.arange(1., 11.), density=0.5, op="avg" if r else "sum")  # noqa: E731
+    results, _ = every_rank(2, body)
+    for exc in results:
+        assert isinstance(exc, InputError) and "op differs" in str(exc) and "'sum', 'avg'" in str(exc)
+
+
+@pytest.mark.parametrize("setting", [{"tau": 3}, {"tau_prime": 7}, {"balanced": False},
+                                     {"count_bounds": (0.5, 1.5)}, {"local_select": "estimate"}])
+def test_state_settings_that_differ_are_named(setting):
+    def body(r):
+        st = sparsecomm.OkTopkState(0.1, **(setting if r == 1 else {}))
+        return sparsecomm.allreduce(torch.randn(50), state=st)
+
+    results, seconds = every_rank(3, body)
+    assert seconds < 5
+    (name,) = setting
+    for exc in results:
+        assert isinstance(exc, InputError) and f"settings differ across ranks: {name}" in str(exc), exc
+
+
+def test_meta_tensor_caught_in_the_simulated_world_even_when_the_caller_catches():
+    def body(r):
+        t = torch.empty(10, device="meta") if r == 1 else torch.randn(10)
+        try:
+            sparsecomm.allreduce(t, 0.5)
+        except InputError as exc:
+            return str(exc)
+        return "returned"
+
+    results, seconds = every_rank(3, body)
+    assert seconds < 5
+    assert all("device the communicator cannot use" in m for m in results), results
+
+
+# ---- 4: float16 averages, and a sum that really overflows ------------------------------
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_float16_average_that_fits_is_returned_even_when_the_sum_does_not(algorithm, P):
+    def body(r):
+        x = torch.zeros(20, dtype=torch.float16)
+        x[3] = 40000  # the sum over P ranks overflows float16; the average does not
+        x[7] = r + 1
+        st = sparsecomm.registry.get(algorithm).state_class(0.1)
+        return [sparsecomm.allreduce(x, state=st, op="avg") for _ in range(3)], st.residual
+
+    results, _ = every_rank(P, body)
+    for outs, residual in results:
+        for out in outs:
+            assert torch.isfinite(out).all(), out
+        assert outs[0][3] == 40000
+        assert residual is None or torch.isfinite(residual).all()
+    for outs, _ in results:
+        assert all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_float16_sum_that_overflows_raises_everywhere_and_keeps_the_gradient(algorithm):
+    def body(r):
+        x = torch.zeros(20, dtype=torch.float16)
+        x[3], x[5] = 40000, 1.0
+        st = sparsecomm.registry.get(algorithm).state_class(0.1, error_feedback=True)
+        try:
+            sparsecomm.allreduce(x, state=st)
+        except InputError as exc:
+            return str(exc), st.residual, st.iteration
+        return "returned", None, None
+
+    results, _ = every_rank(3, body)
+    for msg, residual, iteration in results:
+        assert "overflows torch.float16 at 1 entry" in msg, msg
+        assert iteration == 1
+        # Nothing delivered, nothing lost: the input is in the residual, finite.
+        assert residual[3] == 40000 and residual[5] == 1.0 and torch.isfinite(residual).all()
+
+
+# ---- 5: checkpoints load with torch.load's defaults ------------------------------------
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_state_checkpoint_loads_with_torch_defaults(algorithm):
+    def body(r):
+        st = sparsecomm.registry.get(algorithm).state_class(0.1, error_feedback=algorithm != "dense")
+        for _ in range(3):
+            sparsecomm.allreduce(torch.randn(200), state=st)
+        return st
+
+    st = sparsecomm.simulate(2, body).results[0]
+    buf = io.BytesIO()
+    torch.save({"state": st}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["state"]  # weights_only=True, torch 2.6+'s default
+    assert type(loaded) is type(st) and loaded.settings() == st.settings()
+    assert loaded.totals == st.totals and loaded.last == st.last
+    if st.residual is not None:
+        assert torch.equal(loaded.residual, st.residual)
+
+
+# ---- 6: torch.compile in a fresh process ------------------------------------------------
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backend):
+    script = textwrap.dedent(f"""
+        import torch, sparsecomm
+        def step(x):
+            y = x * 2
+            return sparsecomm.allreduce(y, density=0.5) + 1
+        x = torch.arange(1., 9.)
+        got = torch.compile(step, backend={backend!r})(x)
+        want = step(x)
+        assert torch.equal(got, want), (got, want)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---- 7: a simulated rank blocked outside sparsecomm ---------------------------------------
+@pytest.mark.parametrize("block", ["sleep", "event"])
+def test_simulate_returns_when_a_rank_blocks_outside_sparsecomm(block):
+    def body(r):
+        if r == 0:
+            time.sleep(30) if block == "sleep" else threading.Event().wait()
+        return sparsecomm.allreduce(torch.ones(10), 0.5)
+
+    t0 = time.monotonic()
+    with pytest.raises((CommTimeoutError, PeerError)) as info:
+        sparsecomm.simulate(3, body, timeout=2)
+    assert time.monotonic() - t0 < 8  # timeout, then as long again for the stuck rank
+    assert "blocked outside sparsecomm" in str(info.value)
+
+
+# ---- a gloo peer that exits: the message says what happened -------------------------------
+def _peer_exits_case(rank, size):
+    import os
+
+    import torch.distributed as dist
+
+    from sparsecomm.comm.torchdist import TorchCommunicator
+
+    comm = TorchCommunicator(timeout=30)
+    dist.barrier()
+    if rank == size - 1:
+        os._exit(0)  # no result, no goodbye
+    t0 = time.monotonic()
+    try:
+        for _ in range(100):  # the first calls may still find the peer's socket open
+            sparsecomm.allreduce(torch.randn(1000), 0.1, comm=comm)
+            time.sleep(0.05)
+    except (PeerError, CommTimeoutError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", 0.0
+
+
+@pytest.mark.slow
+def test_gloo_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
+    results = engines.run_gloo(3, _peer_exits_case, missing_ok=True)
+    assert results[-1] is None
+    for kind, msg, seconds in results[:-1]:
+        assert kind == "PeerError" and seconds < 20, (kind, msg, seconds)
+        assert "before its 30 s timeout" in msg and "exited" in msg and "timed out" not in msg
