@@ -13,9 +13,9 @@ import torch
 
 from sparsecomm.algorithms.exchange import equal_boundaries
 from sparsecomm.comm.base import Communicator, Request
-from sparsecomm.compress import Compressor, Quantize
+from sparsecomm.compress import Compressor
 from sparsecomm.registry import PhaseRecorder, SparseResult, register
-from sparsecomm.state import CallStats, State
+from sparsecomm.state import CallStats, Preselection, State
 
 __all__ = ["DenseState", "dense"]
 
@@ -34,7 +34,7 @@ class DenseState(State):
 
 @register("dense", DenseState)
 def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
-          codec: Compressor) -> SparseResult:
+          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Dense allreduce of every value through the communicator.
 
     1. No compressor: the backend's own allreduce (ring, Rabenseifner) in the
@@ -48,7 +48,7 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
     n = acc.numel()
     stats = CallStats(algorithm="dense", n=n, k=n, local_selected=n, global_selected=n)
     rec = PhaseRecorder(comm, stats)
-    if codec.name == "none" or comm.size == 1:
+    if codec.sums_on_wire or comm.size == 1:
         with rec.phase("allreduce"):
             sent = codec.roundtrip(acc)
             total = (codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
@@ -57,30 +57,15 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
     return _compressed(acc, comm, codec, stats, rec)
 
 
-def _encode_chunk(codec: Compressor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    if isinstance(codec, Quantize):
-        return codec.encode_packed(values, scale)  # quantise and pack to b bits in one pass
-    return codec.encode(values, scale).view(torch.uint8)
-
-
-def _decode_chunk(codec: Compressor, payload: torch.Tensor, count: int, scale: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(codec, Quantize):
-        return codec.decode_packed(payload, count, scale, dtype)
-    return codec.decode(payload.clone().view(codec.wire_dtype), scale, dtype)
-
-
 def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
                 rec: PhaseRecorder) -> SparseResult:
     P, me, n = comm.size, comm.rank, acc.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     chunk = [acc[starts[j]:starts[j + 1]] for j in range(P)]
     with rec.phase("reduce_scatter"):
-        maxima = torch.tensor([float(c.abs().max()) if c.numel() else 0.0 for c in chunk],
-                              dtype=torch.float64)
-        scales = comm.allreduce(maxima, "max").tolist() if codec.needs_scale else [1.0] * P
-        payloads = [_encode_chunk(codec, chunk[j], scales[j]) for j in range(P)]
-        sent = torch.cat([_decode_chunk(codec, payloads[j], chunk[j].numel(), scales[j], acc.dtype)
+        scales = codec.agree_scales(comm, chunk)
+        payloads = [codec.pack(chunk[j], scales[j]) for j in range(P)]
+        sent = torch.cat([codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype)
                           for j in range(P)])
         mine = sent[starts[me]:starts[me + 1]].clone()
         sends: list[Request] = []
@@ -92,13 +77,13 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
             sends.append(comm.isend(payloads[dst], dst, _TAG_RS))
         for req, buf in recvs:
             req.wait()
-            mine += _decode_chunk(codec, buf, mine.numel(), scales[me], acc.dtype)
+            mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype)
         for req in sends:
             req.wait()
     with rec.phase("allgather"):
-        scale = float(mine.abs().max()) if codec.needs_scale and mine.numel() else 1.0
-        owner_payload = _encode_chunk(codec, mine, scale)
-        delivered = _decode_chunk(codec, owner_payload, mine.numel(), scale, acc.dtype)
+        scale = codec.own_scale(mine)
+        owner_payload = codec.pack(mine, scale)
+        delivered = codec.unpack(owner_payload, mine.numel(), scale, acc.dtype)
         header = torch.tensor([scale], dtype=torch.float64).view(torch.uint8)
         message = torch.cat([header, owner_payload])
         sizes = comm.allgather(torch.tensor([message.numel()], dtype=torch.int64)).flatten().tolist()
@@ -109,7 +94,7 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
             msg = gathered[pos:pos + sizes[j]]
             pos += sizes[j]
             s = float(msg[:8].clone().view(torch.float64))
-            parts.append(_decode_chunk(codec, msg[8:], starts[j + 1] - starts[j], s, acc.dtype))
+            parts.append(codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype))
         total = torch.cat(parts)
     kept_idx = torch.arange(starts[me], starts[me + 1], device=acc.device)
     return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats,

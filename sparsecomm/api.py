@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import struct
 import time
 import zlib
@@ -277,6 +278,9 @@ def _control_device(comm: Communicator, device: torch.device) -> torch.device:
 
 
 # ---- running the algorithm ---------------------------------------------------------
+_stateless_calls = itertools.count()
+
+
 def _run(call: _Call, out_dtype: torch.dtype | None, scale: float) -> SparseResult:
     """Compensate, run the algorithm, refuse a non-finite result, keep the residual.
 
@@ -287,15 +291,19 @@ def _run(call: _Call, out_dtype: torch.dtype | None, scale: float) -> SparseResu
     state = call.state if call.state is not None else spec.state_class.exact(call.density)
     comm = call.comm
     flat = call.tensor.detach().reshape(-1)
+    # Stochastic rounding draws noise per (rank, step): the state's iteration,
+    # or a count of this process's stateless calls (every rank makes the same).
+    step = state.iteration if call.state is not None else next(_stateless_calls)
     t0 = time.perf_counter()
-    acc = state.compensate(flat)
+    compensated = state.compensate(flat)
+    acc = compensated.acc
     accumulate = time.perf_counter() - t0
     k = topk_count(state.density, flat.numel())
     # With op="avg", 16-bit float values travel pre-divided by P (as PyTorch's
     # fp16 hook does): sums whose average fits float16 must not overflow on the wire.
     codec = get_compressor(call.compressor, flat.dtype,
-                           divisor=comm.size if call.op == "avg" else 1)
-    result = spec.fn(acc, k, comm, state, codec)
+                           divisor=comm.size if call.op == "avg" else 1).for_call(comm.rank, step)
+    result = spec.fn(acc, k, comm, state, codec, compensated.preselected)
     # Error-feedback accumulation (fused with selection for Ok-Topk's reuse steps) is a phase too.
     result.stats.phases = {"accumulate": PhaseStats(seconds=accumulate), **result.stats.phases}
     overflow = result.count_nonfinite(out_dtype or result.values.dtype, scale)

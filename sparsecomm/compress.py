@@ -23,10 +23,28 @@ with one small allreduce, so every rank decodes every code the same way),
 optionally with stochastic rounding (unbiased). In sparse records a code
 takes one byte whatever b is (the 4-byte index dominates the record); dense
 payloads pack codes tightly (b bits each).
+
+The protocol an algorithm uses, whatever the compressor:
+
+1. ``encode_shared(comm, values)``: one scale for every rank (collective;
+   a no-op for casts), for values that are summed after decoding;
+   ``encode_own(values)``: a scale of this message alone, sent with it (trees,
+   where no moment exists at which all ranks could agree).
+2. The :class:`Encoded` result's ``wire`` travels (in COO records, or as a
+   dense ``pack``-ed payload); ``decoded(dtype)`` is what receivers will see.
+3. Receivers ``decode(wire, scale, dtype)`` (or ``unpack`` a dense payload).
+
+Stochastic rounding draws its noise from a stream per (seed, rank, step,
+message): ``for_call(rank, step)`` binds a compressor to one call, so ranks
+and steps never share noise, and a run is reproducible from its seed, across
+a checkpoint too (the step is the state's iteration).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -34,8 +52,21 @@ import torch
 from . import kernels
 from .comm.base import Communicator
 
-__all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "Divided", "get_compressor", "COMPRESSORS",
-           "pack_bits", "unpack_bits"]
+__all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "Divided", "Encoded", "get_compressor",
+           "COMPRESSORS", "pack_bits", "unpack_bits"]
+
+
+@dataclass
+class Encoded:
+    """Values as they travel: the wire tensor, its scale, and the compressor that made them."""
+
+    wire: torch.Tensor
+    scale: float
+    codec: "Compressor"
+
+    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        """What the receivers will see, in ``dtype``."""
+        return self.codec.decode(self.wire, self.scale, dtype)
 
 
 class Compressor:
@@ -52,9 +83,35 @@ class Compressor:
         """Bits a value takes in a dense payload."""
         return torch.empty(0, dtype=self.wire_dtype).element_size() * 8
 
-    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
-        """The scale every rank uses for this call (1.0 when not needed)."""
+    @property
+    def sums_on_wire(self) -> bool:
+        """Whether the wire holds the values themselves, so a backend's own
+        allreduce may sum them (no compression)."""
+        return False
+
+    def for_call(self, rank: int, step: int) -> "Compressor":
+        """This compressor bound to one call of one rank (only stochastic rounding cares)."""
+        return self
+
+    # ---- scales ------------------------------------------------------------------
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
+        """One scale per part, the same on every rank (collective when scales are needed)."""
+        return [1.0] * len(parts)
+
+    def own_scale(self, values: torch.Tensor) -> float:
+        """The scale of a message from these values alone."""
         return 1.0
+
+    # ---- the protocol ------------------------------------------------------------
+    def encode_shared(self, comm: Communicator, values: torch.Tensor) -> Encoded:
+        """Encode with the scale every rank agrees on for this step (see the module docstring)."""
+        (scale,) = self.agree_scales(comm, [values])
+        return Encoded(self.encode(values, scale), scale, self)
+
+    def encode_own(self, values: torch.Tensor) -> Encoded:
+        """Encode with a scale of these values alone (it must travel with them)."""
+        scale = self.own_scale(values)
+        return Encoded(self.encode(values, scale), scale, self)
 
     def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return values.to(self.wire_dtype)
@@ -66,6 +123,16 @@ class Compressor:
         """What the receiver will see of ``values``, in their dtype."""
         return self.decode(self.encode(values, scale), scale, values.dtype)
 
+    # ---- dense payloads ----------------------------------------------------------
+    def pack(self, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """A dense payload (uint8) of ``values``: ``value_bits`` per value."""
+        return self.encode(values, scale).contiguous().view(torch.uint8)
+
+    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """The ``count`` values of a :meth:`pack`-ed payload, decoded to ``dtype``."""
+        # clone: a slice of a gathered byte buffer may be misaligned for the wire dtype
+        return self.decode(payload.clone().view(self.wire_dtype), scale, dtype)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
 
@@ -76,6 +143,10 @@ class Cast(Compressor):
     def __init__(self, dtype: torch.dtype, name: str | None = None) -> None:
         super().__init__(dtype)
         self.name = name or str(dtype).replace("torch.", "")
+
+    @property
+    def sums_on_wire(self) -> bool:
+        return self.name == "none"  # the input's own dtype: nothing compressed
 
 
 class Truncate16(Compressor):
@@ -98,8 +169,22 @@ class Truncate16(Compressor):
         return (wire.to(torch.int32) << 16).view(torch.float32).to(dtype)
 
 
+def _stream_seed(*parts: int) -> int:
+    """A 63-bit seed mixing ``parts`` (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class Quantize(Compressor):
-    """b-bit scalar quantization with a shared scale (max |v| over ranks)."""
+    """b-bit scalar quantization with a shared scale (max |v| over ranks).
+
+    Args:
+        bits: 2, 4 or 8.
+        stochastic: round up with probability equal to the fraction (unbiased)
+            instead of to nearest.
+        seed: of the rounding noise; the noise of message m of rank r at step
+            t comes from the stream (seed, r, t, m).
+    """
 
     needs_scale = True
 
@@ -107,45 +192,54 @@ class Quantize(Compressor):
         if bits not in (2, 4, 8):
             raise ValueError(f"quantization bits must be 2, 4 or 8, got {bits!r}")
         super().__init__(torch.int8)
-        self.bits, self.stochastic = bits, stochastic
+        self.bits, self.stochastic, self.seed = bits, stochastic, int(seed)
         self.levels = 2 ** (bits - 1) - 1
         self.name = f"q{bits}" + ("s" if stochastic else "")
-        self._gen = torch.Generator().manual_seed(seed)
+        self._stream = (self.seed, 0, 0)
+        self._messages = 0
 
     @property
     def value_bits(self) -> int:
         return self.bits
 
-    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
-        parts = [values] if isinstance(values, torch.Tensor) else list(values)
-        local = max((float(v.abs().max()) for v in parts if v.numel()), default=0.0)
+    def for_call(self, rank: int, step: int) -> "Quantize":
+        if not self.stochastic:
+            return self
+        bound = copy.copy(self)
+        bound._stream, bound._messages = (self.seed, int(rank), int(step)), 0
+        return bound
+
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
+        local = torch.tensor([self.own_scale(p) for p in parts], dtype=torch.float64)
         if comm.size > 1:
-            local = float(comm.allreduce(torch.tensor([local], dtype=torch.float64), "max"))
-        return local
+            local = comm.allreduce(local, "max")
+        return local.tolist()
+
+    def own_scale(self, values: torch.Tensor) -> float:
+        return float(values.abs().max()) if values.numel() else 0.0
+
+    def _noise(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(_stream_seed(*self._stream, self._messages))
+        self._messages += 1
+        return torch.rand(shape, generator=gen).to(device)
 
     def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         if scale <= 0 or values.numel() == 0:
             return torch.zeros(values.shape, dtype=torch.int8, device=values.device)
         x = values.to(torch.float32) * (self.levels / scale)
-        if self.stochastic:
-            noise = torch.rand(x.shape, generator=self._gen).to(x.device)
-            x = torch.floor(x + noise)
-        else:
-            x = torch.round(x)
+        x = torch.floor(x + self._noise(x.shape, x.device)) if self.stochastic else torch.round(x)
         return x.clamp_(-self.levels, self.levels).to(torch.int8)
 
     def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         return (wire.to(torch.float32) * (scale / self.levels)).to(dtype)
 
-    def encode_packed(self, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """``pack_bits(encode(values, scale), bits)``: in one fused pass when rounding to nearest."""
+    def pack(self, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """Codes packed to b bits: in one fused pass when rounding to nearest."""
         if self.stochastic:
             return pack_bits(self.encode(values, scale), self.bits)
         return kernels.encode_codes(values, self.bits, scale)
 
-    def decode_packed(self, payload: torch.Tensor, count: int, scale: float,
-                      dtype: torch.dtype) -> torch.Tensor:
-        """``decode(unpack_bits(payload, bits, count), scale, dtype)``, fused."""
+    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
         return kernels.decode_codes(payload, self.bits, count, scale, dtype)
 
 
@@ -168,8 +262,19 @@ class Divided(Compressor):
     def value_bits(self) -> int:
         return self.inner.value_bits
 
-    def agree_scale(self, comm: Communicator, values: Sequence[torch.Tensor] | torch.Tensor) -> float:
-        return self.inner.agree_scale(comm, values)
+    @property
+    def sums_on_wire(self) -> bool:
+        return self.inner.sums_on_wire  # a sum of divided values is the divided sum
+
+    def for_call(self, rank: int, step: int) -> "Divided":
+        inner = self.inner.for_call(rank, step)
+        return self if inner is self.inner else Divided(inner, self.divisor)
+
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
+        return self.inner.agree_scales(comm, parts)
+
+    def own_scale(self, values: torch.Tensor) -> float:
+        return self.inner.own_scale(values)
 
     def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return self.inner.encode(values / self.divisor, scale)

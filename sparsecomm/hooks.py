@@ -184,19 +184,12 @@ def sparse_allreduce_hook(state: SparseHookState,
        state's algorithm, with error feedback and the compressor.
     3. Return a completed future with the reduced bucket (averaged for "avg").
     """
-    buf = bucket.buffer()
     order = [state._param_index[id(p)] for p in bucket.parameters()]
     key = tuple(sorted(order))
     # Canonical layout: parameters in model order, so a bucket holding the same
     # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
     # same vector to the algorithm and keeps its thresholds and boundaries.
-    permuted = list(key) != order and sum(state._numel[i] for i in order) == buf.numel()
-    if permuted:
-        starts, pos = {}, 0
-        for i in order:
-            starts[i] = pos
-            pos += state._numel[i]
-        buf = torch.cat([buf[starts[i]:starts[i] + state._numel[i]] for i in key])
+    buf = _reorder(bucket.buffer(), order, key, state._numel)
     t0 = time.perf_counter()
     comm = state.comm
     before = comm.stats.snapshot()
@@ -220,12 +213,22 @@ def sparse_allreduce_hook(state: SparseHookState,
         state.stats.append([])
         if len(state.stats) > 1000:  # keep memory bounded on long runs
             del state.stats[:-1000]
-    if permuted:  # back to the bucket's own layout
-        pos, pieces = 0, {}
-        for i in key:
-            pieces[i] = out[pos:pos + state._numel[i]]
-            pos += state._numel[i]
-        out = torch.cat([pieces[i] for i in order])
+    out = _reorder(out, list(key), tuple(order), state._numel)  # back to the bucket's own layout
     fut = torch.futures.Future()
     fut.set_result(out)
     return fut
+
+
+def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], numel: List[int]) -> torch.Tensor:
+    """``flat`` holds parameters ``order`` one after another; return them in ``wanted`` order.
+
+    Returns ``flat`` itself when nothing moves, or when the sizes do not add
+    up (a bucket that is not exactly its parameters: left as DDP laid it out).
+    """
+    if list(wanted) == list(order) or sum(numel[i] for i in order) != flat.numel():
+        return flat
+    starts, pos = {}, 0
+    for i in order:
+        starts[i] = pos
+        pos += numel[i]
+    return torch.cat([flat[starts[i]:starts[i] + numel[i]] for i in wanted])

@@ -1,15 +1,17 @@
 """The algorithm registry and the result type every algorithm returns.
 
-An algorithm is a function ``fn(acc, k, comm, state, codec) -> SparseResult``
-registered under a name with the State class it uses::
+An algorithm is a function ``fn(acc, k, comm, state, codec, preselected) ->
+SparseResult`` registered under a name with the State class it uses::
 
     @register("oktopk", OkTopkState)
-    def oktopk(acc, k, comm, state, codec): ...
+    def oktopk(acc, k, comm, state, codec, preselected): ...
 
 ``acc`` is the (error-compensated) flat input in the work dtype, which the
-algorithm must not modify; ``codec`` (a :class:`~sparsecomm.compress.Compressor`)
-is how values travel: a cast to the input's dtype unless the caller chose a
-compressor.
+algorithm must not modify; ``codec`` (a :class:`~sparsecomm.compress.Compressor`,
+bound to this call) is how values travel: a cast to the input's dtype unless
+the caller chose a compressor; ``preselected`` is what the state's
+``compensate`` selected while accumulating (a
+:class:`~sparsecomm.state.Preselection`, Ok-Topk's fused pass), else None.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["State", "CallStats", "PhaseStats", "check_density", "topk_count", "allow_in_checkpoints"]
+__all__ = ["State", "CallStats", "PhaseStats", "Compensated", "Preselection", "check_density", "topk_count",
+           "allow_in_checkpoints"]
 
 
 def allow_in_checkpoints(*classes: type) -> None:
@@ -101,6 +102,32 @@ class CallStats:
         return sum(max(p.messages_sent, p.messages_received) for p in self.phases.values())
 
 
+@dataclass
+class Preselection:
+    """Entries found above a reused threshold while the residual was accumulated (one fused pass).
+
+    ``indexes`` holds the first ``min(count, capacity)`` of them in index
+    order; ``count`` is how many there were in all (more than
+    ``len(indexes)`` when the buffer overflowed).
+    """
+
+    indexes: torch.Tensor
+    count: int
+
+
+@dataclass
+class Compensated:
+    """What :meth:`State.compensate` hands to the algorithm.
+
+    ``acc``: the error-compensated flat input in the work dtype (the algorithm
+    must not modify it). ``preselected``: a :class:`Preselection`, when the
+    state selected while accumulating, else None.
+    """
+
+    acc: torch.Tensor
+    preselected: Preselection | None = None
+
+
 class State:
     """Base state: density, error feedback, iteration counter and statistics.
 
@@ -155,15 +182,15 @@ class State:
         """Accumulation dtype: float32 for 16-bit inputs, else the input's."""
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def compensate(self, flat: torch.Tensor) -> torch.Tensor:
+    def compensate(self, flat: torch.Tensor) -> Compensated:
         """The accumulated input: residual + flat (work dtype), or flat itself."""
         self.n = flat.numel()
         wd = self.work_dtype(flat.dtype)
         if not self.error_feedback:
-            return flat.to(wd)
+            return Compensated(flat.to(wd))
         if self.residual is None or self.residual.device != flat.device:
             self.residual = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
-        return self.residual + flat
+        return Compensated(self.residual + flat)
 
     def update(self, acc: torch.Tensor, result: Any) -> None:
         """Residual <- acc minus what this rank contributed, as received (so rounding stays),

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator, Request
-from ..compress import Compressor
+from ..compress import Encoded
 
 __all__ = ["equal_boundaries", "split_and_reduce"]
 
@@ -28,17 +28,18 @@ def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
 
 
-def split_and_reduce(local_idx: torch.Tensor, wire: torch.Tensor, starts: Sequence[int],
-                     comm: Communicator, index_dtype: torch.dtype, codec: Compressor, scale: float,
-                     work_dtype: torch.dtype, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
+                     comm: Communicator, index_dtype: torch.dtype, work_dtype: torch.dtype,
+                     bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
 
-    ``wire`` holds the encoded values of ``local_idx`` (``codec`` with ``scale``).
+    ``values`` holds the encoded values of ``local_idx`` (with a scale every rank shares).
     Parts are decoded and added into a dense accumulator of the region as they
     arrive (in step order, so the sum is deterministic); the touched indexes
     come from the received index lists, not from a scan of the whole region.
     """
     P, me = comm.size, comm.rank
+    wire, codec, scale = values.wire, values.codec, values.scale
     off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
     region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=wire.device)
 

@@ -15,7 +15,7 @@ from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
-from ..state import CallStats, State
+from ..state import CallStats, Preselection, State
 from .topka import allgather_and_sum
 
 __all__ = ["GaussiankState", "gaussiank", "gaussian_threshold"]
@@ -43,7 +43,7 @@ def gaussian_threshold(acc: torch.Tensor, density: float) -> float:
 
 @register("gaussiank", GaussiankState)
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
-              codec: Compressor) -> SparseResult:
+              codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Gaussiank sparse allreduce.
 
     1. th = |mean(acc)| + z * std(acc), z = Phi^-1(1 - density / 2).

@@ -17,7 +17,7 @@ from ..compress import Compressor
 from ..distselect import global_topk_mask
 from ..registry import PhaseRecorder, SparseResult, register
 from .exchange import equal_boundaries, split_and_reduce
-from ..state import CallStats, State, topk_count
+from ..state import CallStats, Compensated, Preselection, State, topk_count
 
 __all__ = ["OkTopkState", "oktopk"]
 
@@ -58,8 +58,10 @@ class OkTopkState(State):
             so the hard cap holds either way.
 
     Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
-    (P+1 region starts), ``residual``, ``iteration``; statistics in ``last``
-    and ``totals`` (see :class:`~sparsecomm.state.State`).
+    (P+1 region starts), ``residual``, ``iteration``, and ``local_stale`` /
+    ``global_stale`` (a count fell below the bounds: the next call
+    re-evaluates that threshold exactly); statistics in ``last`` and
+    ``totals`` (see :class:`~sparsecomm.state.State`).
     """
 
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
@@ -87,23 +89,22 @@ class OkTopkState(State):
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
         self.boundaries: torch.Tensor | None = None
-        self._recompute_local = False
-        self._recompute_global = False
-        self._preselected: tuple[torch.Tensor, int] | None = None
+        self.local_stale = False
+        self.global_stale = False
 
     def reuse_due(self, t: int) -> bool:
         """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
-        return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self._recompute_local)
+        return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self.local_stale)
 
-    def compensate(self, flat: torch.Tensor) -> torch.Tensor:
+    def compensate(self, flat: torch.Tensor) -> Compensated:
         """residual += flat, fused with the reused-threshold selection when one is due.
 
         ``kernels.ef_select`` accumulates and selects in one pass over memory
         (numba on CPU, Triton/CuPy on GPU). Up to ``FUSED_CAPACITY * k``
         candidates are kept, enough for the exact correction among them when
-        the reused threshold selects too many.
+        the reused threshold selects too many; they go to the algorithm as
+        ``Compensated.preselected``.
         """
-        self._preselected = None
         if not (self.error_feedback and self.reuse_due(self.iteration + 1)):
             return super().compensate(flat)
         self.n = flat.numel()
@@ -112,8 +113,7 @@ class OkTopkState(State):
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
         idx, _, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
                                           zero_selected=False)
-        self._preselected = (idx[:min(count, capacity)], count)
-        return self.residual
+        return Compensated(self.residual, Preselection(idx[:min(count, capacity)], count))
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
@@ -123,12 +123,13 @@ class OkTopkState(State):
 
 @register("oktopk", OkTopkState)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
-           codec: Compressor) -> SparseResult:
+           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Ok-Topk sparse allreduce (O(k) volume) on one rank.
 
     1. Local selection: every ``tau`` calls the exact top-k of |acc|; in
        between the entries above the reused local threshold, corrected when
-       the count leaves ``count_bounds``.
+       the count leaves ``count_bounds`` (the entries above it come
+       ``preselected`` from the fused accumulate-and-select pass).
     2. Every ``tau_prime`` calls, region boundaries: each rank cuts its sorted
        selected indexes into P equal-count parts; the P-1 cut points are
        averaged over ranks with one allreduce. Rank j owns region j.
@@ -153,7 +154,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        local_idx = _local_select(acc, k, state, t, stats)
+        local_idx = _local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
@@ -166,38 +167,35 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
 
     with rec.phase("split_reduce"):
-        local_val = acc[local_idx]
-        scale = codec.agree_scale(comm, local_val)
-        wire = codec.encode(local_val, scale)
-        sent_local = codec.decode(wire, scale, acc.dtype)
-        red_rel, red_val = split_and_reduce(local_idx, wire, starts, comm, index_dtype,
-                                             codec, scale, acc.dtype, state.bucket)
+        local = codec.encode_shared(comm, acc[local_idx])
+        sent_local = local.decoded(acc.dtype)
+        red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
+                                             acc.dtype, state.bucket)
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
         red_rel, red_val = red_rel[keep], red_val[keep]
 
     with rec.phase("allgatherv"):
-        scale = codec.agree_scale(comm, red_val)
-        wire = codec.encode(red_val, scale)
-        records = kernels.pack_records(red_rel, wire, index_dtype, codec.wire_dtype)
+        owned = codec.encode_shared(comm, red_val)
+        records = kernels.pack_records(red_rel, owned.wire, index_dtype, codec.wire_dtype)
         gidx, gwire = _balance_and_allgatherv(records, counts, starts, comm, index_dtype,
                                               codec.wire_dtype, state.balance_factor, stats)
-        gval = codec.decode(gwire, scale, acc.dtype)
+        gval = codec.decode(gwire, owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
     contributed_mask = kernels.isin_sorted(local_idx, gidx)
     return SparseResult(n=n, indexes=gidx, values=gval,
                         contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
                         stats=stats, kept_idx=red_rel + starts[me],
-                        kept_val=red_val - codec.decode(wire, scale, acc.dtype))
+                        kept_val=red_val - owned.decoded(acc.dtype))
 
 
 # ---- step 1: local selection -------------------------------------------------
-def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
-                  stats: CallStats) -> torch.Tensor:
+def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: CallStats,
+                  preselected: Preselection | None) -> torch.Tensor:
     if not st.reuse_due(t):
-        st._recompute_local = False
+        st.local_stale = False
         stats.events["local_recomputed"] = 1
         if st.local_select == "estimate" and k < acc.numel():
             # A threshold from a sample and sampled counts, then the same
@@ -213,9 +211,8 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int,
         idx = kernels.topk_indexes(acc, k, use_abs=True)
         st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
         return idx
-    pre, st._preselected = st._preselected, None
-    if pre is not None:  # selected while accumulating the residual (fused, one pass)
-        idx, count = pre
+    if preselected is not None:  # selected while accumulating the residual (fused, one pass)
+        idx, count = preselected.indexes, preselected.count
         if count > idx.numel():  # more candidates than the buffer held: select exactly
             idx = kernels.topk_indexes(acc, k, use_abs=True)
             st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
@@ -238,7 +235,7 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, k: int, st: OkTopkStat
         st.local_threshold = float(mag[keep].min())
         stats.events["local_corrected"] = 1
     elif idx.numel() < lo * k:
-        st._recompute_local = True
+        st.local_stale = True
     return idx
 
 
@@ -267,14 +264,14 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                    stats: CallStats) -> tuple[torch.Tensor, list[int]]:
     """Mask of this rank's reduced entries in the global result, and every rank's count."""
     lo, hi = st.count_bounds
-    if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st._recompute_global):
+    if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st.global_stale):
         cand = (mag >= st.global_threshold) & (mag > 0)
         counts = comm.allgather(cand.sum().reshape(1).to(torch.int64)).flatten().tolist()
         total = sum(counts)
         if lo * k <= total <= hi * k:
             return cand, counts
         if total < lo * k:
-            st._recompute_global = True
+            st.global_stale = True
             return cand, counts
         # Too many: the exact global top-k are among the candidates.
         masked = torch.where(cand, mag, torch.zeros_like(mag))
@@ -284,7 +281,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         return mask, counts
     mask, counts, th = global_topk_mask(mag, k, comm)
     st.global_threshold = th
-    st._recompute_global = False
+    st.global_stale = False
     stats.events["global_recomputed"] = 1
     return mask, counts
 

@@ -11,7 +11,7 @@ from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
-from ..state import CallStats, State
+from ..state import CallStats, Preselection, State
 
 __all__ = ["TopkAState", "topka", "allgather_and_sum"]
 
@@ -25,7 +25,7 @@ class TopkAState(State):
 
 @register("topka", TopkAState)
 def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
-          codec: Compressor) -> SparseResult:
+          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkA sparse allreduce (allgather of local top-k).
 
     1. Select the exact local top-k of |acc|.
@@ -46,17 +46,15 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
     stats.local_selected = idx.numel()
     index_dtype = kernels.index_dtype_for(n)
     with rec.phase("allgatherv"):
-        values = acc[idx]
-        scale = codec.agree_scale(comm, values)
-        wire = codec.encode(values, scale)
+        mine = codec.encode_shared(comm, acc[idx])
         counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=acc.device))
-        records = kernels.pack_records(idx, wire, index_dtype, codec.wire_dtype)
+        records = kernels.pack_records(idx, mine.wire, index_dtype, codec.wire_dtype)
         gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
     with rec.phase("sum"):
         gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
         total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx,
-                                    codec.decode(gwire, scale, acc.dtype))
+                                    codec.decode(gwire, mine.scale, acc.dtype))
         uniq = kernels.unique_indexes(gidx, n)
     stats.global_selected = uniq.numel()
     return SparseResult(n=n, indexes=uniq, values=total[uniq], contributed=idx,
-                        sent=codec.decode(wire, scale, acc.dtype), stats=stats)
+                        sent=mine.decoded(acc.dtype), stats=stats)

@@ -16,7 +16,7 @@ from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import PhaseRecorder, SparseResult, register
-from ..state import CallStats, State
+from ..state import CallStats, Preselection, State
 from .exchange import equal_boundaries, split_and_reduce
 
 __all__ = ["TopkDSAState", "topkdsa"]
@@ -34,7 +34,7 @@ class TopkDSAState(State):
 
 @register("topkdsa", TopkDSAState)
 def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
-            codec: Compressor) -> SparseResult:
+            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
 
     1. Select the exact local top-k of |acc|.
@@ -53,23 +53,19 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
     index_dtype = kernels.index_dtype_for(max(sizes))
     with rec.phase("reduce_scatter"):
-        values = acc[idx]
-        scale = codec.agree_scale(comm, values)
-        wire = codec.encode(values, scale)
-        rel, val = split_and_reduce(idx, wire, starts, comm, index_dtype, codec, scale,
-                                    acc.dtype, state.bucket)
+        mine = codec.encode_shared(comm, acc[idx])
+        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket)
     with rec.phase("allgatherv"):
         rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
         vb = rb - torch.empty(0, dtype=index_dtype).element_size()
         dense = rel.numel() * rb >= sizes[me] * vb
-        scale2 = codec.agree_scale(comm, val)
-        owner_wire = codec.encode(val, scale2)
+        owned = codec.encode_shared(comm, val)
         if dense:
             region = torch.zeros(sizes[me], dtype=codec.wire_dtype, device=acc.device)
-            region[rel] = owner_wire
+            region[rel] = owned.wire
             payload = region.view(torch.uint8).reshape(-1)
         else:
-            payload = kernels.pack_records(rel, owner_wire, index_dtype, codec.wire_dtype).reshape(-1)
+            payload = kernels.pack_records(rel, owned.wire, index_dtype, codec.wire_dtype).reshape(-1)
         table = comm.allgather(torch.tensor([payload.numel(), int(dense)], dtype=torch.int64,
                                             device=acc.device)).tolist()
         gathered = comm.allgatherv(payload, [b for b, _ in table]) if P > 1 else payload
@@ -88,8 +84,8 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
                 r, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, codec.wire_dtype)
                 gidx.append(r + starts[j])
                 gval.append(v)
-        gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), scale2, acc.dtype)
+        gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
     return SparseResult(n=n, indexes=gidx, values=gval, contributed=idx,
-                        sent=codec.decode(wire, scale, acc.dtype), stats=stats,
-                        kept_idx=rel + starts[me], kept_val=val - codec.decode(owner_wire, scale2, acc.dtype))
+                        sent=mine.decoded(acc.dtype), stats=stats,
+                        kept_idx=rel + starts[me], kept_val=val - owned.decoded(acc.dtype))
