@@ -1,9 +1,12 @@
-"""Baseline allreduces to compare sparse ones against; installed as ``sparsecomm.baselines``.
+"""Baselines that are only baselines: DenseOvlp (dense allreduce overlapped with backward).
 
-Importing this package registers them.
+This folder sits at the top of the repository but is installed *inside* the
+package as ``sparsecomm.baselines`` (``package-dir`` in pyproject.toml), like
+``kernels/``: import it as ``sparsecomm.baselines``, and use relative imports
+(``from ..comm import ...``) inside it, as everywhere in the package. The
+registered ``dense`` algorithm is in ``sparsecomm/algorithms/dense.py``.
 """
 
-from .dense import DenseState, dense
 from .denseovlp import DenseOverlap
 
-__all__ = ["DenseState", "dense", "DenseOverlap"]
+__all__ = ["DenseOverlap"]

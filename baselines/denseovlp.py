@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.comm import Communicator, resolve
+from ..comm import Communicator, resolve
 
 __all__ = ["DenseOverlap"]
 

@@ -1,6 +1,10 @@
 """Local (single-rank) kernels: top-k selection by magnitude, fused select, COO and payload helpers.
 
-Installed as ``sparsecomm.kernels``. Every operation with fast paths
+This folder sits at the top of the repository but is installed *inside* the
+package as ``sparsecomm.kernels`` (``package-dir`` in pyproject.toml): import
+it as ``sparsecomm.kernels``; modules inside it import each other relatively.
+A checkout that is not installed cannot import it (``import sparsecomm``
+says so). Every operation with fast paths
 (``kth_largest``, ``select_above``, ``ef_select``, ``count_above``,
 ``scatter_add``, ``pack_records``/``unpack_records``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``

@@ -8,15 +8,28 @@ Entry points::
     sparsecomm.simulate(P, fn)                         # P virtual ranks in one process
 """
 
+try:  # kernels/ and baselines/ live at the top of the checkout; installing maps them in
+    from . import kernels as _kernels  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - a bare checkout on sys.path
+    raise ImportError(
+        "sparsecomm.kernels is missing: sparsecomm is imported from a checkout that is not "
+        "installed. Install it (pip install -e . in the repository root): kernels/ and "
+        "baselines/ are installed as sparsecomm.kernels and sparsecomm.baselines") from exc
 from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms)
-from . import baselines as _baselines  # noqa: F401  (registers the baselines)
-from .algorithms import GaussiankState, GTopkState, OkTopkState, TopkAState, TopkDSAState
+from . import baselines  # noqa: F401  (sparsecomm.baselines.DenseOverlap)
+from .algorithms import (
+    DenseState,
+    GaussiankState,
+    GTopkState,
+    OkTopkState,
+    TopkAState,
+    TopkDSAState,
+)
 from .api import algorithms, allreduce, sparse_allreduce
-from .baselines import DenseState
 from .comm import Communicator, SimResult, resolve, simulate
 from .errors import CommTimeoutError, InputError, PeerError, SparseCommError
 from .network import PROFILES, Network
-from .registry import SparseResult
+from .result import SparseResult
 from .state import CallStats, State
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ from . import registry
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError
-from .registry import SparseResult
+from .result import SparseResult
 from .state import PhaseStats, State, check_density, topk_count
 
 __all__ = ["allreduce", "sparse_allreduce", "algorithms"]

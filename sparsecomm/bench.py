@@ -18,7 +18,6 @@ Every timed call is also checked: all ranks must hold the same result.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from .comm.base import Communicator
 from .state import topk_count
 from .synthetic import gradient
 
-__all__ = ["Row", "measure", "format_table", "write_json"]
+__all__ = ["Row", "measure", "format_table"]
 
 
 @dataclass
@@ -119,9 +118,3 @@ def format_table(rows: list[Row]) -> str:
         d = asdict(r)
         lines.append(" ".join(fmt.format(d[key]) for key, fmt in _COLUMNS))
     return "\n".join(lines)
-
-
-def write_json(rows: list[Row], path: str) -> None:
-    """Write the rows as a JSON list of objects."""
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=2)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .output import write_json
+
 __all__ = ["main"]
 
 
@@ -30,7 +32,7 @@ def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> list:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, write_json
+    from .bench import format_table
 
     if args.launcher == "spawn":
         from .launch import spawn
@@ -71,7 +73,7 @@ def _study(args: argparse.Namespace) -> int:
 
     def progress(row: "study.VolumeRow") -> None:
         done.append(row)
-        study.write_json(done, base + ".partial.json")  # a long study keeps what it measured
+        write_json(done, base + ".partial.json")  # a long study keeps what it measured
         print(f"  {row.kind:<9} P={row.P:<4} {row.algorithm:<10} bytes/rank max {row.bytes_max:>14,.0f} "
               f"mean {row.bytes_mean:>14,.0f}  msgs max {row.messages_max:>6.0f}  "
               f"measured/formula {row.ratio:6.3f}", flush=True)
@@ -79,7 +81,7 @@ def _study(args: argparse.Namespace) -> int:
     print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
           f"P={sizes} kinds={kinds}")
     rows = study.volume_study(sizes, algs, kinds, args.n, args.density, args.tau, progress=progress)
-    study.write_json(rows, base + ".json")
+    write_json(rows, base + ".json")
     study.write_csv(rows, base + ".csv")
     if args.what == "volume":
         study.plot_volume(rows, base + ".png")
@@ -88,7 +90,7 @@ def _study(args: argparse.Namespace) -> int:
         proj = []
         for net in args.networks.split(","):
             proj += study.project(rows, net, args.target_n)
-        study.write_json(proj, base + "_projection.json")
+        write_json(proj, base + "_projection.json")
         for net in args.networks.split(","):
             sub = [d for d in proj if d["network"] == net]
             study.plot_projection(sub, f"{base}_{net}.png")
@@ -108,7 +110,7 @@ def _train(args: argparse.Namespace) -> int:
     results = train.run(args.configs, ranks=args.ranks, epochs=args.epochs, lr=args.lr,
                         batch=args.batch, network=args.network)
     print(train.format_results(results))
-    train.write_json(results, os.path.join(args.out, "train.json"))
+    write_json(results, os.path.join(args.out, "train.json"))
     train.plot(results, os.path.join(args.out, "train.png"))
     print(f"# wrote {args.out}/train.json and {args.out}/train.png")
     return 0

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .comm.base import CommStats
+
 __all__ = ["State", "CallStats", "PhaseStats", "Compensated", "Preselection", "check_density", "topk_count",
            "allow_in_checkpoints"]
 
@@ -51,13 +53,9 @@ def topk_count(density: float, n: int) -> int:
 
 
 @dataclass
-class PhaseStats:
-    """Traffic and wall time of one phase of one call on this rank."""
+class PhaseStats(CommStats):
+    """Traffic (the communicator's counters) and wall time of one phase of one call on this rank."""
 
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
     seconds: float = 0.0
 
 

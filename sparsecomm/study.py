@@ -29,7 +29,6 @@ time on a network profile, scaling bytes linearly to a target model size.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
@@ -40,9 +39,10 @@ from . import registry
 from .api import allreduce
 from .comm import simulate
 from .network import Network, resolve_network
+from .output import pyplot
 from .state import topk_count
 
-__all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv", "write_json",
+__all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv",
            "plot_volume", "plot_projection", "ALGORITHMS", "BERT_ELEMENTS"]
 
 ALGORITHMS = ["dense", "topka", "gaussiank", "topkdsa", "gtopk", "oktopk"]
@@ -187,23 +187,6 @@ def write_csv(rows: list, path: str) -> None:
         writer.writerows(dicts)
 
 
-def write_json(rows: list, path: str) -> None:
-    dicts = [asdict(r) if hasattr(r, "__dataclass_fields__") else r for r in rows]
-    with open(path, "w") as f:
-        json.dump(dicts, f, indent=2)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ImportError("plots need matplotlib: pip install 'sparsecomm[study]'") from exc
-    return plt
-
-
 def _lines(ax, points: dict[str, list[tuple[float, float]]], ylabel: str) -> None:
     """One line per algorithm (fixed markers and dashes) on log-log axes over P."""
     for alg in ALGORITHMS:
@@ -220,7 +203,7 @@ def _lines(ax, points: dict[str, list[tuple[float, float]]], ylabel: str) -> Non
 
 def plot_volume(rows: list[VolumeRow], path: str) -> None:
     """Bytes per rank (busiest) vs P, log-log, one panel per kind, the lower bound drawn."""
-    plt = _pyplot()
+    plt = pyplot()
     kinds = sorted({r.kind for r in rows})
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
@@ -240,7 +223,7 @@ def plot_volume(rows: list[VolumeRow], path: str) -> None:
 
 def plot_projection(proj: list[dict], path: str) -> None:
     """Modelled time per call vs P, one line per algorithm."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     _lines(ax, {alg: [(d["P"], d["time_s"] * 1e3) for d in proj if d["algorithm"] == alg]
                 for alg in ALGORITHMS}, "modelled communication time per call (ms)")

@@ -15,13 +15,14 @@ compare fairly however loaded the machine was.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from typing import Any
 
 import torch
+
+from .output import pyplot
 
 __all__ = ["CONFIGS", "train_rank", "run", "format_results", "plot"]
 
@@ -163,9 +164,7 @@ def format_results(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: str) -> None:
     """Test accuracy vs epoch and vs modelled time, one line per configuration."""
-    from .study import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         epochs = range(1, len(r["accuracy"]) + 1)
@@ -183,8 +182,3 @@ def plot(results: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def write_json(results: list[dict], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)

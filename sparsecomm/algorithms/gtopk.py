@@ -23,7 +23,8 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
-from ..registry import PhaseRecorder, SparseResult, register
+from ..registry import register
+from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 
 __all__ = ["GTopkState", "gtopk"]

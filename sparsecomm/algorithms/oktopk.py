@@ -14,10 +14,11 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
-from ..distselect import global_topk_mask
-from ..registry import PhaseRecorder, SparseResult, register
-from .exchange import equal_boundaries, split_and_reduce
+from ..registry import register
+from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
+from .distselect import global_topk_mask
+from .exchange import equal_boundaries, split_and_reduce
 
 __all__ = ["OkTopkState", "oktopk"]
 
@@ -137,7 +138,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
        (step s: send to i+s, receive from i-s) and posted ``bucket`` steps at
        a time, reducing one bucket while the next is in flight.
     4. Global selection of the reduced entries: every ``tau`` calls exactly
-       (distributed radix select, ``sparsecomm.distselect``); in between with
+       (distributed radix select, ``algorithms.distselect``); in between with
        the reused global threshold, corrected like the local one.
     5. Balance and allgatherv: if the largest rank's count exceeds
        ``balance_factor`` times the mean, the packed records are first

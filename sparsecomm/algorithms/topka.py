@@ -10,7 +10,8 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
-from ..registry import PhaseRecorder, SparseResult, register
+from ..registry import register
+from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 
 __all__ = ["TopkAState", "topka", "allgather_and_sum"]

@@ -46,11 +46,9 @@ def self_communicator() -> Communicator:
 
 
 def _make_self() -> Communicator:
-    from .sim import _World
+    from .sim import single_rank
 
-    c = SimCommunicator(0, _World(1, default_timeout(), None))
-    c.name = "self"
-    return c
+    return single_rank(name="self")
 
 
 def _launched_by_mpi() -> bool:

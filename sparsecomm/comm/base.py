@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
@@ -49,6 +49,9 @@ def default_timeout() -> float:
     return float(value) if value else DEFAULT_TIMEOUT
 
 
+_COUNTERS = ("bytes_sent", "bytes_received", "messages_sent", "messages_received")
+
+
 @dataclass
 class CommStats:
     """Per-rank traffic counters; ``snapshot()`` and subtraction give a phase's share."""
@@ -59,10 +62,16 @@ class CommStats:
     messages_received: int = 0
 
     def snapshot(self) -> "CommStats":
-        return CommStats(**asdict(self))
+        return CommStats(*(getattr(self, f) for f in _COUNTERS))
 
     def __sub__(self, other: "CommStats") -> "CommStats":
-        return CommStats(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        return CommStats(*(getattr(self, f) - getattr(other, f) for f in _COUNTERS))
+
+    def __iadd__(self, other: "CommStats") -> "CommStats":
+        """Add ``other``'s four counters (a subclass keeps its own extra fields)."""
+        for f in _COUNTERS:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        return self
 
     def as_dict(self) -> dict:
         return asdict(self)

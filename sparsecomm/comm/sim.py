@@ -36,7 +36,7 @@ from ..errors import CommTimeoutError, PeerError
 from ..network import Network, resolve_network
 from .base import Communicator, Request, default_timeout
 
-__all__ = ["SimCommunicator", "SimResult", "simulate", "current_sim_comm"]
+__all__ = ["SimCommunicator", "SimResult", "simulate", "current_sim_comm", "single_rank"]
 
 _local = threading.local()
 
@@ -363,6 +363,13 @@ def _join(threads: list[threading.Thread], world: _World, results: list[Any],
                                    f"{world.failure[0]} failed; abandoned (blocked outside sparsecomm?)")
             errors.append((time.monotonic(), rank, exc))
             results[rank] = exc
+
+
+def single_rank(timeout: float | None = None, name: str = "sim") -> SimCommunicator:
+    """The communicator of a world of one rank (every collective returns its input)."""
+    comm = SimCommunicator(0, _World(1, default_timeout() if timeout is None else float(timeout), None))
+    comm.name = name
+    return comm
 
 
 @dataclass

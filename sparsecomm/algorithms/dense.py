@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from sparsecomm.algorithms.exchange import equal_boundaries
-from sparsecomm.comm.base import Communicator, Request
-from sparsecomm.compress import Compressor
-from sparsecomm.registry import PhaseRecorder, SparseResult, register
-from sparsecomm.state import CallStats, Preselection, State
+from ..comm.base import Communicator, Request
+from ..compress import Compressor
+from ..registry import register
+from ..result import PhaseRecorder, SparseResult
+from ..state import CallStats, Preselection, State
+from .exchange import equal_boundaries
 
 __all__ = ["DenseState", "dense"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm.base import Communicator
+from ..comm.base import Communicator
 
 __all__ = ["magnitude_keys", "global_topk_mask"]
 

@@ -1,0 +1,80 @@
+"""What every algorithm returns (:class:`SparseResult`) and how it counts its phases (:class:`PhaseRecorder`)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .comm.base import Communicator
+from .state import CallStats, PhaseStats
+
+__all__ = ["SparseResult", "PhaseRecorder"]
+
+
+@dataclass
+class SparseResult:
+    """The reduced result of one call, identical on every rank (but ``contributed``/``sent``).
+
+    Attributes:
+        n: number of elements of the flat tensor.
+        indexes: sorted int64 indexes of the result's entries, or None when
+            the result is dense (``values`` then has n entries).
+        values: reduced values (sum over ranks) at ``indexes``.
+        contributed: this rank's local indexes that reached the result, or
+            None when every entry did.
+        sent: the values this rank contributed at ``contributed``, as the
+            receivers decode them, in the work dtype.
+        stats: this rank's statistics of the call.
+        kept_idx, kept_val: values this rank must add back to its residual:
+            the error of re-encoding sums it reduced for others (region owner,
+            tree node), so that results plus residuals keep every gradient.
+    """
+
+    n: int
+    indexes: torch.Tensor | None
+    values: torch.Tensor
+    contributed: torch.Tensor | None
+    sent: torch.Tensor | None
+    stats: CallStats
+    kept_idx: torch.Tensor | None = None
+    kept_val: torch.Tensor | None = None
+
+    def _scaled(self, scale: float) -> torch.Tensor:
+        vals = self.values
+        if scale != 1.0:
+            vals = vals.to(torch.promote_types(vals.dtype, torch.float32)) * scale
+        return vals
+
+    def count_nonfinite(self, dtype: torch.dtype, scale: float = 1.0) -> int:
+        """How many result values are NaN/Inf once scaled and cast to ``dtype`` (O(k) when sparse)."""
+        return int((~torch.isfinite(self._scaled(scale).to(dtype))).sum())
+
+    def to_dense(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """A new dense tensor of n entries holding the result times ``scale``."""
+        vals = self._scaled(scale)
+        if self.indexes is None:
+            return vals.to(dtype, copy=True)
+        out = torch.zeros(self.n, dtype=dtype, device=self.values.device)
+        out[self.indexes] = vals.to(dtype)
+        return out
+
+
+class PhaseRecorder:
+    """Collects per-phase traffic (from the communicator's counters) and wall time."""
+
+    def __init__(self, comm: Communicator, stats: CallStats) -> None:
+        self.comm, self.stats = comm, stats
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        before, t0 = self.comm.stats.snapshot(), time.perf_counter()
+        try:
+            yield
+        finally:
+            p = self.stats.phases.setdefault(name, PhaseStats())
+            p += self.comm.stats - before
+            p.seconds += time.perf_counter() - t0
