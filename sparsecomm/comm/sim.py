@@ -113,18 +113,23 @@ class _World:
                 value = take()
                 if value is not None:
                     return value
-                if self.failure is not None and self.failure[0] != rank:
-                    frank, fexc = self.failure
-                    raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} failed: "
-                                    f"{type(fexc).__name__}: {fexc}")
-                idle = time.monotonic() - max(start, self.last_progress)
-                if idle > self.timeout:
-                    raise CommTimeoutError(f"rank {rank}: {what()} timed out after "
-                                           f"{self.timeout:g} s (simulated world)")
+                idle = self.check_waiting(rank, what, start)
                 held = _release_run(self)
                 cond.wait(min(self.timeout - idle, 0.5))
             if held:
                 _acquire_run(self, rank, what)
+
+    def check_waiting(self, rank: int, what: Callable[[], str], start: float, why: str = "") -> float:
+        """Raise if a peer failed or nothing progressed for ``timeout``; else the idle seconds."""
+        if self.failure is not None and self.failure[0] != rank:
+            frank, fexc = self.failure
+            raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} failed: "
+                            f"{type(fexc).__name__}: {fexc}")
+        idle = time.monotonic() - max(start, self.last_progress)
+        if idle > self.timeout:
+            raise CommTimeoutError(f"rank {rank}: {what()} timed out after {self.timeout:g} s "
+                                   f"(simulated world){why}")
+        return idle
 
     @contextlib.contextmanager
     def idle(self, rank: int) -> Iterator[None]:
@@ -153,16 +158,8 @@ def _acquire_run(world: _World, rank: int, what: Callable[[], str] = lambda: "it
     """
     start = time.monotonic()
     while not world.run.acquire(timeout=0.5):
-        if world.failure is not None and world.failure[0] != rank:
-            frank, fexc = world.failure
-            raise PeerError(f"rank {rank}: {what()} abandoned because rank {frank} "
-                            f"failed: {type(fexc).__name__}: {fexc}")
-        idle = time.monotonic() - max(start, world.last_progress)
-        if idle > world.timeout:
-            raise CommTimeoutError(
-                f"rank {rank}: {what()} timed out after {world.timeout:g} s (simulated world): "
-                f"rank {world.run_holder} has not reached a communicator call in that time "
-                "(blocked outside sparsecomm?)")
+        world.check_waiting(rank, what, start, f": rank {world.run_holder} has not reached a "
+                            "communicator call in that time (blocked outside sparsecomm?)")
     _local.holds_run = True
     world.run_holder = rank
 
