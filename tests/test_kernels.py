@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import sparsecomm
 from sparsecomm import kernels
-from sparsecomm.distselect import global_topk_mask
+from sparsecomm.algorithms.distselect import global_topk_mask
 
 from reference import ref_topk
 
