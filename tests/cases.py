@@ -19,7 +19,7 @@ def check_comm(comm: Communicator) -> dict:
     g = comm.allgather(torch.tensor([r, r * r]))
     assert g.tolist() == [[i, i * i] for i in range(P)], g
 
-    counts = [i % 3 for i in range(P)]  # includes ranks sending nothing
+    counts = _allgatherv_counts(P)  # includes ranks sending nothing
     mine = torch.full((counts[r], 2), float(r), dtype=torch.bfloat16)
     v = comm.allgatherv(mine, counts)
     expected = torch.cat([torch.full((counts[i], 2), float(i), dtype=torch.bfloat16) for i in range(P)])
@@ -59,6 +59,17 @@ def check_comm(comm: Communicator) -> dict:
     if P > 1:
         assert stats["bytes_sent"] > 0 and stats["messages_sent"] > 0
     return stats
+
+
+def _allgatherv_counts(size: int) -> list[int]:
+    return [i % 3 for i in range(size)]
+
+
+def check_comm_gloo_padding(rank: int, size: int) -> int:
+    """Bytes gloo moves in ``check_comm`` beyond the formulas: its allgatherv pads
+    every block to the largest (rows of 2 bfloat16 there)."""
+    counts = _allgatherv_counts(size)
+    return 2 * 2 * (max(counts) * (size - 1) - (sum(counts) - counts[rank]))
 
 
 def inputs(rank: int, n: int, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -128,6 +139,18 @@ def bad_input_cases(rank: int, size: int, comm=None) -> dict[str, str]:
         "iteration": lambda: sparsecomm.allreduce(ok(), state=restored_state(7 if last else 6), comm=comm),
         "compressor": lambda: sparsecomm.allreduce(ok(), 0.5, compressor="q8" if last else None, comm=comm),
     }
+    # Every rank must be told which rank is at fault, or every rank's value.
+    names_the_rank = {
+        "integer": "bad input on rank 0: unsupported dtype",
+        "numel": f"elements per rank: {[10] * (size - 1) + [11]}",
+        "dtype": f"per rank: {['torch.float32'] + ['torch.float16'] * (size - 1)}",
+        "density0": "bad input on " + ", ".join(f"rank {i}: invalid density" for i in range(size)),
+        "meta": "bad input on rank 0: tensor on a device the communicator cannot use",
+        "op": f"per rank: {['sum'] * (size - 1) + ['avg']}",
+        "density-vs-state": f"bad input on rank {size - 1}: state does not fit the call",
+        "tau": f"(rank {rank} has tau={4 if last else 2})",
+        "iteration": f"(rank {rank} has iteration={7 if last else 6})",
+    }
     msgs = {}
     for name, call in calls.items():
         try:
@@ -136,6 +159,8 @@ def bad_input_cases(rank: int, size: int, comm=None) -> dict[str, str]:
             msgs[name] = str(exc)
         else:
             raise AssertionError(f"bad input {name!r} was accepted")
+        if name in names_the_rank:
+            assert names_the_rank[name] in msgs[name], (rank, name, msgs[name])
     return msgs
 
 

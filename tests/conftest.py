@@ -2,13 +2,43 @@ import os
 
 import pytest
 import torch
+import torch.multiprocessing
+
+import engines
 
 # A hung collective must fail a test quickly, never stall CI.
 os.environ.setdefault("SPARSECOMM_TIMEOUT", "60")
 torch.set_num_threads(1)
 
+# gloo tests in files being edited elsewhere, marked here until their own
+# decorators say so; delete an entry once its test carries @pytest.mark.gloo.
+_GLOO_NOT_YET_DECORATED = {
+    "tests/test_reliability.py::test_gloo_peer_that_exits_is_reported_as_gone_not_as_a_timeout",
+    "tests/test_properties.py::test_seeded_slice_on_gloo",
+}
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "engines" in item.nodeid:
-            item.add_marker(pytest.mark.slow)
+        if item.nodeid in _GLOO_NOT_YET_DECORATED:
+            item.add_marker(pytest.mark.gloo)
+
+
+@pytest.fixture(autouse=True)
+def _starts_processes_only_when_marked(request, monkeypatch):
+    """``-m "not slow"`` must stay in-process: a test that starts gloo ranks or
+    mpiexec without saying so fails here instead of silently slowing that run."""
+    marks = {m.name for m in request.node.iter_markers()}
+
+    def refuse(what, needed):
+        def fail(*args, **kwargs):
+            decorators = " ".join(f"@pytest.mark.{name}" for name in needed)
+            pytest.fail(f"{request.node.nodeid} {what}: mark it {decorators}", pytrace=False)
+        return fail
+
+    # Every gloo launch (engines.run_gloo, sparsecomm.launch.spawn, train.run) goes through here.
+    if not {"slow", "gloo"} <= marks:
+        monkeypatch.setattr(torch.multiprocessing, "start_processes",
+                            refuse("starts gloo processes", ("slow", "gloo")))
+    if not {"slow", "mpi"} <= marks:
+        monkeypatch.setattr(engines, "run_mpi", refuse("runs mpiexec", ("slow", "mpi")))

@@ -48,8 +48,9 @@ def _step(model, opt, rank, step):
     return grads
 
 
-def equals_ddp(rank: int, size: int, algorithm: str) -> float:
-    """Largest gradient difference between DDP's allreduce and the hook at density 1."""
+def equals_ddp(rank: int, size: int, algorithm: str) -> tuple[float, dict]:
+    """Largest gradient difference between DDP's allreduce and the hook at density 1,
+    and the hook's totals (a hook DDP never called would match DDP too)."""
     ref = DDP(_model(mlp))
     hooked = DDP(_model(mlp))
     state = SparseHookState(hooked, algorithm, 1.0, min_bucket_elements=0)
@@ -60,7 +61,7 @@ def equals_ddp(rank: int, size: int, algorithm: str) -> float:
     for step in range(3):
         for a, b in zip(_step(ref, o1, rank, step), _step(hooked, o2, rank, step)):
             worst = max(worst, float((a - b).abs().max()))
-    return worst
+    return worst, dict(state.totals)
 
 
 def conservation(rank: int, size: int, steps: int = 15) -> dict:
@@ -71,12 +72,15 @@ def conservation(rank: int, size: int, steps: int = 15) -> dict:
     params = list(model.parameters())
     fed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     results = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    layouts = set()
+    layouts, step_layout = [], set()  # per step, the parameter sets of its buckets
 
     def recording_hook(st, bucket):
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             fed[st._param_index[id(p)]] += g.double()
-        layouts.add(tuple(st._param_index[id(p)] for p in bucket.parameters()))
+        step_layout.add(tuple(sorted(st._param_index[id(p)] for p in bucket.parameters())))
+        if bucket.is_last():
+            layouts.append(frozenset(step_layout))
+            step_layout.clear()
         return sparse_allreduce_hook(st, bucket)
 
     model.register_comm_hook(state, recording_hook)
@@ -87,7 +91,7 @@ def conservation(rank: int, size: int, steps: int = 15) -> dict:
     residuals = state.residuals()
     res = [residuals.get(i, torch.zeros(p.numel())).double().view_as(p) for i, p in enumerate(params)]
     return {"fed": fed, "results": results, "residuals": res, "layouts": layouts,
-            "final_layouts": set(state.buckets), "sparse": state.totals["sparse_buckets"]}
+            "state_layouts": set(state.buckets), "sparse": state.totals["sparse_buckets"]}
 
 
 def save_restore(rank: int, size: int) -> list:

@@ -43,7 +43,7 @@ def test_integer_tensor(bad_rank):
 
 @pytest.mark.parametrize("density", [0, 0.0, 1.5, -0.1, math.nan, math.inf, "0.1"])
 def test_bad_density(density):
-    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), density), match="density")
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), density), match=f"in (0, 1], got {density!r}")
 
 
 def test_density_differs_across_ranks():
@@ -81,7 +81,8 @@ def test_empty_tensor():
 def test_unknown_algorithm_and_op():
     every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, algorithm="nope"),
                       match="unknown algorithm")
-    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, op="max"), match="op")
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, op="max"),
+                      match="op must be 'sum' or 'avg', got 'max'")
 
 
 def test_state_of_the_wrong_algorithm_or_tensor():

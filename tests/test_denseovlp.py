@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -62,8 +63,33 @@ def test_matches_averaged_gradients(P, bucket_bytes):
         assert len(res[0][2]["bucket_bytes_sent"]) == 3 and all(b > 0 for b in res[0][2]["bucket_bytes_sent"][0])
 
 
+def test_buckets_are_reduced_while_backward_runs():
+    # The overlap itself, which matching the averages cannot show: with one bucket per
+    # parameter, the last layer's bucket is summed before backward reaches the first layer.
+    def body(rank):
+        model = make_model()
+        ovlp = DenseOverlap(model, bucket_bytes=1)
+        sent_then = []
+
+        def first_layer_gradient(grad):
+            with ovlp.comm.idle():  # let the peers and this rank's communication thread run
+                deadline = time.monotonic() + 10
+                while ovlp.comm.stats.bytes_sent == 0 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            sent_then.append(ovlp.comm.stats.bytes_sent)
+
+        model[0].weight.register_hook(first_layer_gradient)
+        x = torch.randn(16, 20, generator=torch.Generator().manual_seed(rank))
+        model(x).pow(2).mean().backward()
+        ovlp.synchronize()
+        return sent_then
+
+    for sent_then in sparsecomm.simulate(2, body, timeout=30).results:
+        assert len(sent_then) == 1 and sent_then[0] > 0, sent_then
+
+
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="op"):
+    with pytest.raises(ValueError, match="op must be 'avg' or 'sum', got 'max'"):
         DenseOverlap(make_model(), op="max")
     with pytest.raises(ValueError, match="bucket_bytes"):
         DenseOverlap(make_model(), bucket_bytes=0)

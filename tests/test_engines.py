@@ -68,15 +68,32 @@ def compare_with_simulation(real, simulated):
                 assert torch.equal(real[rank][name], real[0][name]), f"{name}: rank {rank} != rank 0"
 
 
-def test_gloo_communicator():
+@pytest.fixture(scope="module")
+def simulated_comm_stats():
+    return sparsecomm.simulate(P, lambda r: cases.check_comm(resolve())).results
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gloo_communicator(simulated_comm_stats):
     stats = engines.run_gloo(P, _comm_case)
-    assert all(s["bytes_sent"] > 0 for s in stats)
+    # Traffic is counted by the documented formulas on every backend, plus what
+    # gloo really moves beyond them: allgatherv blocks padded to the largest.
+    for rank, (got, want) in enumerate(zip(stats, simulated_comm_stats)):
+        pad = cases.check_comm_gloo_padding(rank, P)
+        assert pad > 0
+        assert got == {**want, "bytes_sent": want["bytes_sent"] + pad,
+                       "bytes_received": want["bytes_received"] + pad}, rank
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_gloo_allreduce_equals_simulation(simulated):
     compare_with_simulation(engines.run_gloo(P, _allreduce_case), simulated)
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_gloo_bad_input_raises_on_every_rank():
     t0 = time.monotonic()
     msgs = engines.run_gloo(P, _bad_input_case)
@@ -86,28 +103,53 @@ def test_gloo_bad_input_raises_on_every_rank():
     assert "the tensor is on meta, which the torch:gloo communicator cannot use" in msgs[0]["meta"]
 
 
-def test_gloo_dead_peer_times_out():
-    results = engines.run_gloo(P, _dead_peer_case)
-    for msg, seconds in results[:-1]:
-        assert "allgather" in msg and "timed out" in msg and seconds < 10
+@pytest.fixture(scope="module")
+def gloo_dead_peer():
+    return engines.run_gloo(P, _dead_peer_case)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gloo_dead_peer_times_out(gloo_dead_peer):
+    assert gloo_dead_peer[-1] == "absent"
+    for rank, result in enumerate(gloo_dead_peer[:-1]):
+        # A string here is "no error": the call returned without the last rank.
+        assert isinstance(result, tuple), (rank, result)
+        msg, seconds = result
+        assert msg.startswith(f"rank {rank}: allgather timed out after 3 s on torch:gloo"), msg
+        assert 0.9 * 3 <= seconds < 10, seconds  # waited its timeout, not the group's 120 s
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.xfail(strict=True, reason="README promises a CommTimeoutError naming the operation and the "
+                   "peer; on gloo a timed-out collective names only the operation and the caller's rank")
+def test_gloo_dead_peer_timeout_names_the_peer(gloo_dead_peer):
+    for result in gloo_dead_peer[:-1]:
+        assert f"rank {P - 1}" in result[0] or f"[{P - 1}]" in result[0], result[0]
 
 
 needs_mpi = pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed "
                                "(pip install 'sparsecomm[mpi]')")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @needs_mpi
-def test_mpi_communicator():
-    stats = engines.run_mpi(P, "comm")
-    assert all(s["bytes_sent"] > 0 for s in stats)
+def test_mpi_communicator(simulated_comm_stats):
+    assert engines.run_mpi(P, "comm") == simulated_comm_stats  # MPI moves what the formulas count
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @needs_mpi
 def test_mpi_allreduce_equals_simulation(simulated):
     assert engines.run_mpi(P, "resolve") == ["mpi"] * P
     compare_with_simulation(engines.run_mpi(P, "allreduce"), simulated)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @needs_mpi
 def test_mpi_bad_input_raises_on_every_rank():
     msgs = engines.run_mpi(P, "bad_input")

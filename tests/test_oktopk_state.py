@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
+import pytest
 import torch
 
 import sparsecomm
@@ -91,6 +93,8 @@ def test_far_off_threshold_is_capped_on_random_gradients():
 
 
 def test_stats_account_every_byte():
+    P = 5
+
     def body(rank):
         c = sparsecomm.resolve()
         st = sparsecomm.OkTopkState(0.02, tau=1, tau_prime=1)
@@ -99,12 +103,16 @@ def test_stats_account_every_byte():
         delta = c.stats - before
         return st.last, delta
 
-    for last, delta in sparsecomm.simulate(5, body).results:
+    for last, delta in sparsecomm.simulate(P, body).results:
         assert set(last.phases) == {"accumulate", "local_select", "repartition", "split_reduce",
                                     "global_select", "allgatherv"}
-        # Everything but the input check's allgather is attributed to a phase.
-        check = len(Signature().row()) * 8 * 4  # int64s from each of the 4 peers
-        assert last.bytes_sent == delta.bytes_sent - check
+        # Everything but the input check's allgather is attributed to a phase, both ways.
+        check_bytes = len(Signature().row()) * 8 * (P - 1)  # int64s to and from each peer
+        assert last.bytes_sent == delta.bytes_sent - check_bytes
+        assert last.bytes_received == delta.bytes_received - check_bytes
+        assert last.messages_sent == delta.messages_sent - (P - 1)
+        assert sum(p.messages_received for p in last.phases.values()) == delta.messages_received - (P - 1)
+        assert last.bytes_received > 0 and last.messages_sent > 0
         assert last.k == 400 and last.global_selected == 400
         assert all(p.seconds >= 0 for p in last.phases.values())
 
@@ -113,31 +121,41 @@ def test_wide_index_path_gives_the_same_result(monkeypatch):
     """Regions of 2**31 elements or more switch COO indexes to int64; force that path here."""
     grads = [torch.randint(-20, 21, (5000,), generator=torch.Generator().manual_seed(r)).float()
              for r in range(3)]
-    narrow = sparsecomm.simulate(3, lambda r: sparsecomm.allreduce(grads[r], 0.05)).results
-    monkeypatch.setattr(kernels, "index_dtype_for", lambda span: torch.int64)
 
     def body(rank):
-        c = sparsecomm.resolve()
-        out = sparsecomm.allreduce(grads[rank], 0.05)
-        return out, c.stats.bytes_received
+        res = sparsecomm.sparse_allreduce(grads[rank], 0.05)
+        phases = res.stats.phases
+        return res.to_dense(torch.float32), phases["split_reduce"].bytes_received, phases["allgatherv"].bytes_received
 
+    narrow = sparsecomm.simulate(3, body).results
+    monkeypatch.setattr(kernels, "index_dtype_for", lambda span: torch.int64)
     wide = sparsecomm.simulate(3, body).results
-    for (w, _), n_ in zip(wide, narrow):
+    for (w, w_split, w_gather), (n_, n_split, n_gather) in zip(wide, narrow):
         assert torch.equal(w, n_)
+        # The wide path was taken: a record's index takes 8 bytes instead of 4 next to
+        # its 4-byte value, and the same records travel.
+        assert n_gather > 0 and 2 * w_gather == 3 * n_gather
+        assert w_split > n_split
     assert torch.equal(wide[0][0], ref_oktopk(grads, 0.05))
 
 
-def test_world_size_change_repartitions():
-    st = sparsecomm.OkTopkState(0.1, tau=100, tau_prime=100)
+@pytest.mark.parametrize("P", [2, 3])
+def test_world_size_change_repartitions(P):
+    # No error feedback: every call selects from g itself, so the cut points are known.
+    st = sparsecomm.OkTopkState(0.1, tau=100, tau_prime=100, error_feedback=False)
     g = torch.arange(1.0, 101.0)
     sparsecomm.allreduce(g, state=st)  # P = 1
     assert st.boundaries.tolist() == [0, 100]
 
-    out = sparsecomm.simulate(2, lambda r: sparsecomm.allreduce(g, state=_copy(st))).results
-    assert torch.equal(out[0], out[1])
+    def body(rank):
+        mine = copy.deepcopy(st)  # as if every rank resumed from the P = 1 checkpoint
+        return sparsecomm.allreduce(g, state=mine), mine
 
-
-def _copy(st):
-    import copy
-
-    return copy.deepcopy(st)
+    res = sparsecomm.simulate(P, body).results
+    # tau_prime = 100 does not ask for new boundaries at call 2: the world size does. Every
+    # rank selects indexes 90..99 (k = 10), so the balanced cut points are 90 + 10 j / P.
+    expected = [0] + [90 + 10 * j // P for j in range(1, P)] + [100]
+    for out, mine in res:
+        assert mine.boundaries.tolist() == expected
+        assert mine.last.events.get("repartitioned") == 1
+        assert torch.equal(out, ref_oktopk([g] * P, 0.1))

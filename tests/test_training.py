@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ def test_reducer_follows_algorithm_2(P):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         fed = 0
         applied = 0
+        selected = []
         for s in range(steps):
             g = torch.Generator().manual_seed(100 * rank + s)
             x, y = torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -32,13 +34,19 @@ def test_reducer_follows_algorithm_2(P):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             fed = fed + torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
             reducer.reduce()
-            applied = applied + torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            step = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            selected.append(int(step.count_nonzero()))
+            applied = applied + step
             opt.step()
-        return fed, applied, reducer.state.residual.double(), [p.detach().clone() for p in model.parameters()]
+        return fed, applied, reducer.state.residual.double(), [p.detach().clone() for p in model.parameters()], selected
 
     out = sparsecomm.simulate(P, body).results
     for o in out:  # every rank applied the same update, so the models stay identical
         assert all(torch.equal(a, b) for a, b in zip(o[3], out[0][3]))
+    # The update is sparse (at P = 1 a reducer that passed gradients through would
+    # conserve everything too): at most the hard cap of 4k/3 entries per step.
+    k = math.ceil(0.05 * sum(p.numel() for p in _MODEL.parameters()))
+    assert all(0 < c <= 4 * k // 3 for c in out[0][4]), out[0][4]
     fed = sum(o[0] for o in out)
     residual = sum(o[2] for o in out)
     torch.testing.assert_close(out[0][1] * P + residual, fed, rtol=1e-5, atol=1e-5)
@@ -47,14 +55,14 @@ def test_reducer_follows_algorithm_2(P):
 def test_reducer_validation():
     with pytest.raises(ValueError, match="no parameter"):
         SparseGradientReducer([])
-    with pytest.raises(ValueError, match="op"):
+    with pytest.raises(ValueError, match="op must be 'avg' or 'sum', got 'max'"):
         SparseGradientReducer(_MODEL.parameters(), op="max")
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_short_convergence_run(tmp_path):
-    pytest.importorskip("sklearn")
-    from sparsecomm import train
+    from sparsecomm import train  # needs scikit-learn and matplotlib: the [test] extra has them
 
     results = train.run(["dense", "oktopk", "dense-q4"], ranks=4, epochs=8)
     acc = {r["config"]: r["accuracy"][-1] for r in results}
