@@ -10,20 +10,6 @@ import engines
 os.environ.setdefault("SPARSECOMM_TIMEOUT", "60")
 torch.set_num_threads(1)
 
-# gloo tests in files being edited elsewhere, marked here until their own
-# decorators say so; delete an entry once its test carries @pytest.mark.gloo.
-_GLOO_NOT_YET_DECORATED = {
-    "tests/test_reliability.py::test_gloo_peer_that_exits_is_reported_as_gone_not_as_a_timeout",
-    "tests/test_properties.py::test_seeded_slice_on_gloo",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid in _GLOO_NOT_YET_DECORATED:
-            item.add_marker(pytest.mark.gloo)
-
-
 @pytest.fixture(autouse=True)
 def _starts_processes_only_when_marked(request, monkeypatch):
     """``-m "not slow"`` must stay in-process: a test that starts gloo ranks or

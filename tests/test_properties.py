@@ -64,6 +64,7 @@ def test_seeded_slice_on_the_simulated_world():
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_seeded_slice_on_gloo():
     check_seeded(engines.run_gloo(3, _seeded_cases, SEEDS), 3, SEEDS)
 

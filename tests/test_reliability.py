@@ -140,6 +140,7 @@ def test_state_checkpoint_loads_with_torch_defaults(algorithm):
 
 
 # ---- 6: torch.compile in a fresh process ------------------------------------------------
+@pytest.mark.slow  # a fresh Python process each
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backend):
     script = textwrap.dedent(f"""
@@ -195,6 +196,7 @@ def _peer_exits_case(rank, size):
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_gloo_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
     results = engines.run_gloo(3, _peer_exits_case, missing_ok=True)
     assert results[-1] is None
