@@ -51,9 +51,29 @@ def comm():
 
 
 ROWS: list = []
+#: Rows of test_steady_state.py (dicts), printed as one table with ratios to ``add``.
+STEADY: list = []
+
+
+def _steady_table() -> str:
+    add = {r["n"]: r["ms"] for r in STEADY if r["algorithm"] == "add"}
+    lines = [f"{'algorithm':>10} {'n':>11} {'time ms':>9} {'/add':>6} {'faults':>7} "
+             f"{'exact%':>7} {'sel/k':>6} {'worst':>6}"]
+    for r in STEADY:
+        if r["algorithm"] == "add":
+            lines.append(f"{'add':>10} {r['n']:>11} {r['ms']:>9.2f} {1.0:>6.2f}")
+            continue
+        ratio = r["ms"] / add[r["n"]] if r["n"] in add else float("nan")
+        lines.append(f"{r['algorithm']:>10} {r['n']:>11} {r['ms']:>9.2f} {ratio:>6.2f} "
+                     f"{r['faults_per_call']:>7.0f} {100 * r['exact_or_corrected']:>6.0f}% "
+                     f"{r['selected_over_k_mean']:>6.2f} {r['selected_over_k_worst']:>6.2f}")
+    return "\n".join(lines)
 
 
 def pytest_terminal_summary(terminalreporter):
+    if STEADY and _launched_rank() == 0:
+        terminalreporter.write_sep("=", "steady-state call at world size 1, one thread (ratios to add)")
+        terminalreporter.write_line(_steady_table())
     if ROWS and _launched_rank() == 0:
         from sparsecomm.bench import format_table
 

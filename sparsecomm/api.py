@@ -37,7 +37,7 @@ _OPS = {"sum": 1, "avg": 2}
 _PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
              6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
-             9: "unknown compressor", 10: "tensor cannot be read"}
+             9: "unknown compressor", 10: "tensor cannot be read", 11: "out= does not fit the tensor"}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,15 +79,16 @@ class _Call:
     state: State | None
     compressor: Any
     comm: Communicator
+    out: Any = None
 
     @classmethod
     def resolve(cls, tensor: Any, density: Any, algorithm: Any, op: Any, state: State | None,
-                compressor: Any, group: Any, comm: Any) -> "_Call":
+                compressor: Any, group: Any, comm: Any, out: Any = None) -> "_Call":
         if algorithm is None:
             algorithm = state.algorithm if state is not None and state.algorithm else "oktopk"
         if density is None:
             density = state.density if isinstance(state, State) else 0.01
-        return cls(tensor, density, algorithm, op, state, compressor, resolve(group=group, comm=comm))
+        return cls(tensor, density, algorithm, op, state, compressor, resolve(group=group, comm=comm), out)
 
 
 # ---- the collective check ----------------------------------------------------------
@@ -162,6 +163,9 @@ def _local_problem(call: _Call) -> tuple[int, str] | None:
         get_compressor(call.compressor, tensor.dtype)
     except ValueError as exc:
         return 9, str(exc)
+    why = _out_problem(call)
+    if why:
+        return 11, why
     state = call.state
     if state is not None:
         if not isinstance(state, spec.state_class):
@@ -174,6 +178,16 @@ def _local_problem(call: _Call) -> tuple[int, str] | None:
         if why:
             return 7, why
     return None
+
+
+def _out_problem(call: _Call) -> str | None:
+    """Why ``out=`` cannot take the result, or None."""
+    out, t = call.out, call.tensor
+    if out is None or (isinstance(out, torch.Tensor) and out.shape == t.shape and out.dtype == t.dtype
+                       and out.device == t.device and out.is_contiguous()):
+        return None
+    return ("out= must be a contiguous tensor with the input's shape, dtype and device "
+            f"({tuple(t.shape)}, {t.dtype}, {t.device})")
 
 
 def _signature(call: _Call, problem: tuple[int, str] | None) -> Signature:
@@ -262,6 +276,9 @@ def _check_unchecked(call: _Call) -> None:
     """With ``check=False``: still never guess an op or ignore a density (local, no traffic)."""
     if call.op not in _OPS:
         raise InputError(f"sparsecomm.allreduce: op must be 'sum' or 'avg', got {call.op!r}")
+    why = _out_problem(call)
+    if why:
+        raise InputError(f"sparsecomm.allreduce: {why}")
     if call.state is not None and float(call.density) != call.state.density:
         raise InputError(f"sparsecomm.allreduce: density={call.density} differs from the "
                          f"state's density {call.state.density}")
@@ -344,7 +361,8 @@ def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
 @_eager_under_compile
 def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
               op: str = "sum", state: State | None = None, compressor: "str | Compressor | None" = None,
-              group: Any = None, comm: Any = None, check: bool = True) -> torch.Tensor:
+              group: Any = None, comm: Any = None, check: bool = True,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (or average) ``tensor`` over all ranks, sending only its largest entries.
 
     1. Check the arguments on every rank and exchange a signature, so bad or
@@ -375,9 +393,12 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         group: a torch.distributed process group.
         comm: an mpi4py communicator or a sparsecomm Communicator.
         check: run the collective input check (default True).
+        out: write the result here (a contiguous tensor like ``tensor``;
+            ``tensor`` itself reduces in place) instead of into a new tensor:
+            steady-state calls then allocate nothing of size n.
 
     Returns:
-        A dense tensor with the shape, dtype and device of ``tensor``.
+        A dense tensor with the shape, dtype and device of ``tensor`` (``out`` if given).
 
     Raises:
         InputError: on every rank, for bad or mismatched arguments, NaN/Inf
@@ -390,11 +411,14 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         st = sparsecomm.OkTopkState(density=0.01, tau=32, tau_prime=64)
         out = sparsecomm.allreduce(grad, state=st, op="avg")
     """
-    call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm)
+    call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     if check:
         _check_collectively(call)
     else:
         _check_unchecked(call)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     result = _run(call, tensor.dtype, scale)
+    if out is not None:
+        result.to_dense(tensor.dtype, scale, out=out.view(-1))
+        return out
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)

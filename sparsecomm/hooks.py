@@ -182,24 +182,29 @@ def sparse_allreduce_hook(state: SparseHookState,
        their parameters).
     2. Warm-up steps and small buckets: dense allreduce. Otherwise the
        state's algorithm, with error feedback and the compressor.
-    3. Return a completed future with the reduced bucket (averaged for "avg").
+    3. Return a completed future with the reduced bucket (averaged for "avg"),
+       written into the bucket's own buffer when its layout allows.
     """
     order = [state._param_index[id(p)] for p in bucket.parameters()]
     key = tuple(sorted(order))
     # Canonical layout: parameters in model order, so a bucket holding the same
     # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
     # same vector to the algorithm and keeps its thresholds and boundaries.
-    buf = _reorder(bucket.buffer(), order, key, state._numel)
+    flat = bucket.buffer()
+    buf = _reorder(flat, order, key, state._numel)
+    # Reduce into the bucket's own buffer when it is already in model order (DDP's
+    # own hooks do the same): no n-element allocation per bucket per step.
+    into = buf if buf is flat else None
     t0 = time.perf_counter()
     comm = state.comm
     before = comm.stats.snapshot()
     dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements
     if dense:
-        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm)
+        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm, out=into)
         selected = buf.numel()
     else:
         st = state._bucket_state(key, buf.device)
-        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm)
+        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm, out=into)
         selected = st.last.global_selected
     delta = comm.stats - before
     state.stats[-1].append({"bucket": bucket.index(), "numel": buf.numel(), "dense": dense,

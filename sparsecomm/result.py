@@ -50,15 +50,34 @@ class SparseResult:
         return vals
 
     def count_nonfinite(self, dtype: torch.dtype, scale: float = 1.0) -> int:
-        """How many result values are NaN/Inf once scaled and cast to ``dtype`` (O(k) when sparse)."""
-        return int((~torch.isfinite(self._scaled(scale).to(dtype))).sum())
+        """How many result values are NaN/Inf once scaled and cast to ``dtype`` (O(k) when sparse).
 
-    def to_dense(self, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-        """A new dense tensor of n entries holding the result times ``scale``."""
+        One min/max pass when all is well (a dense result has n values); counts only when not.
+        """
         vals = self._scaled(scale)
-        if self.indexes is None:
-            return vals.to(dtype, copy=True)
-        out = torch.zeros(self.n, dtype=dtype, device=self.values.device)
+        if vals.numel() == 0:
+            return 0
+        lo, hi = torch.aminmax(vals.reshape(-1))
+        if bool(torch.isfinite(lo.to(dtype))) and bool(torch.isfinite(hi.to(dtype))):
+            return 0
+        return int((~torch.isfinite(vals.to(dtype))).sum())
+
+    def to_dense(self, dtype: torch.dtype, scale: float = 1.0,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense tensor of n entries holding the result times ``scale``: new, or ``out``.
+
+        ``out`` (flat, contiguous, n elements of ``dtype``) is written once:
+        zeroed, then the result's entries scattered in.
+        """
+        vals = self._scaled(scale)
+        if out is None:
+            if self.indexes is None:
+                return vals.to(dtype, copy=True)
+            out = torch.zeros(self.n, dtype=dtype, device=self.values.device)
+        elif self.indexes is None:
+            return out.copy_(vals)
+        else:
+            out.zero_()
         out[self.indexes] = vals.to(dtype)
         return out
 

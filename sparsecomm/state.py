@@ -188,7 +188,8 @@ class State:
             return Compensated(flat.to(wd))
         if self.residual is None or self.residual.device != flat.device:
             self.residual = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
-        return Compensated(self.residual + flat)
+        # In place: a fresh n-element tensor per call costs more in page faults than the add.
+        return Compensated(self.residual.add_(flat))
 
     def update(self, acc: torch.Tensor, result: Any) -> None:
         """Residual <- acc minus what this rank contributed, as received (so rounding stays),
@@ -199,14 +200,31 @@ class State:
         """
         if not self.error_feedback:
             return
+        residual = acc  # the residual itself (compensate accumulated in place): O(k) updates
         if result.contributed is None:
-            residual = acc - result.sent.to(acc.dtype)
+            residual.sub_(result.sent.to(acc.dtype))
         else:
-            residual = acc
-            residual[result.contributed] -= result.sent.to(acc.dtype)
+            # contributed indexes are unique: one in-place pass, bitwise r - v
+            residual.index_add_(0, result.contributed, result.sent.to(acc.dtype), alpha=-1)
         if result.kept_idx is not None and result.kept_idx.numel():
             residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
         self.residual = residual
+
+    def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A persistent all-zero buffer; whoever uses it leaves it all zero again (O(k) resets).
+
+        Steady-state calls then allocate nothing of size n: a fresh 100 MB
+        ``torch.zeros`` costs ~56 ms of page faults at 25M elements, five
+        times the add the call is measured against. Not saved in checkpoints.
+        """
+        bufs = self.__dict__.setdefault("_scratch", {})
+        buf = bufs.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = bufs[name] = torch.zeros(numel, dtype=dtype, device=device)
+        return buf
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_scratch"}
 
     def keep_all(self, acc: torch.Tensor) -> None:
         """After a call that delivered nothing: the whole accumulated input stays in the residual."""

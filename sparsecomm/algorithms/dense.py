@@ -52,6 +52,8 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
     if codec.sums_on_wire or comm.size == 1:
         with rec.phase("allreduce"):
             sent = codec.roundtrip(acc)
+            if sent is acc:  # an identity cast; acc may be the residual, updated in place after
+                sent = acc.clone()
             total = (codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
                      if comm.size > 1 else sent)
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats)

@@ -30,26 +30,29 @@ def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
 
 def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
                      comm: Communicator, index_dtype: torch.dtype, work_dtype: torch.dtype,
-                     bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     bucket: int, region: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
 
     ``values`` holds the encoded values of ``local_idx`` (with a scale every rank shares).
     Parts are decoded and added into a dense accumulator of the region as they
     arrive (in step order, so the sum is deterministic); the touched indexes
     come from the received index lists, not from a scan of the whole region.
+    ``region``: an all-zero accumulator of this rank's region (a state's
+    scratch buffer), left all zero again; None allocates one.
     """
     P, me = comm.size, comm.rank
     wire, codec, scale = values.wire, values.codec, values.scale
+    if P == 1:  # one region, one contributor: nothing to add
+        return local_idx, codec.decode(wire, scale, work_dtype)
     off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
-    region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=wire.device)
+    if region is None:
+        region = torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype, device=wire.device)
 
     def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
         return local_idx[off[j]:off[j + 1]] - starts[j], wire[off[j]:off[j + 1]]
 
     own_idx, own_wire = part(me)
     kernels.scatter_add(region, own_idx, codec.decode(own_wire, scale, work_dtype))
-    if P == 1:
-        return own_idx, region[own_idx]
     touched = [own_idx]
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
                                device=local_idx.device)
@@ -83,4 +86,6 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     for req in all_sends:
         req.wait()
     rel = torch.unique(torch.cat(touched))  # sorted
-    return rel, region[rel]
+    sums = region[rel]
+    region[rel] = 0  # O(k): the buffer is all zero again for the next call
+    return rel, sums

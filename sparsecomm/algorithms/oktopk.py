@@ -25,6 +25,8 @@ __all__ = ["OkTopkState", "oktopk"]
 _TAG_BALANCE = 0x5C02
 #: Candidates the fused select keeps, in units of k (the correction needs them all).
 FUSED_CAPACITY = 4
+#: Magnitudes the tail fit of :func:`tail_threshold` looks at, at most.
+_TAIL_SAMPLE = 1 << 16
 
 
 class OkTopkState(State):
@@ -92,6 +94,7 @@ class OkTopkState(State):
         self.boundaries: torch.Tensor | None = None
         self.local_stale = False
         self.global_stale = False
+        self.local_kth: float | None = None  # last call's k-th largest |acc| (exact or estimated)
 
     def reuse_due(self, t: int) -> bool:
         """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
@@ -170,8 +173,9 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     with rec.phase("split_reduce"):
         local = codec.encode_shared(comm, acc[local_idx])
         sent_local = local.decoded(acc.dtype)
+        region = state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)
         red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
-                                             acc.dtype, state.bucket)
+                                             acc.dtype, state.bucket, region)
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
@@ -185,7 +189,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
         gval = codec.decode(gwire, owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
-    contributed_mask = kernels.isin_sorted(local_idx, gidx)
+    contributed_mask = _isin(local_idx, gidx, state.scratch("mark", n, torch.bool, acc.device))
     return SparseResult(n=n, indexes=gidx, values=gval,
                         contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
                         stats=stats, kept_idx=red_rel + starts[me],
@@ -204,40 +208,97 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
             th = kernels.estimate_threshold(acc, k)
             idx = kernels.select_above(acc, th, use_abs=True)
             if idx.numel() >= st.count_bounds[0] * k:
-                st.local_threshold = th
-                return _checked_select(acc, idx, k, st, stats)
+                return _checked_select(acc, idx, idx.numel(), th, k, st, stats)
             # Too few (ties, or a sample in step with a periodic layout would
             # give the same estimate every time): select exactly instead.
             stats.events["local_estimate_fallback"] = 1
         idx = kernels.topk_indexes(acc, k, use_abs=True)
-        st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
+        _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
         return idx
+    th = st.local_threshold
     if preselected is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = preselected.indexes, preselected.count
         if count > idx.numel():  # more candidates than the buffer held: select exactly
+            est = tail_threshold(acc[idx].abs(), count, th, k)  # from the sample the buffer holds
             idx = kernels.topk_indexes(acc, k, use_abs=True)
-            st.local_threshold = float(acc[idx].abs().min()) if idx.numel() else None
+            _set_local_threshold(st, est if est is not None else float(acc[idx].abs().min()))
             stats.events["local_corrected"] = 1
+            stats.events["local_overflowed"] = 1
             return idx
     else:
-        idx = kernels.select_above(acc, st.local_threshold, use_abs=True)
-    return _checked_select(acc, idx, k, st, stats)
+        idx = kernels.select_above(acc, th, use_abs=True)
+        count = idx.numel()
+    return _checked_select(acc, idx, count, th, k, st, stats)
 
 
-def _checked_select(acc: torch.Tensor, idx: torch.Tensor, k: int, st: OkTopkState,
-                    stats: CallStats) -> torch.Tensor:
-    """Apply the count bounds to a threshold selection ``idx``: cap it, or ask for a re-evaluation."""
+def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float, k: int,
+                    st: OkTopkState, stats: CallStats) -> torch.Tensor:
+    """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
+
+    1. Above the upper bound: keep the exact top-k of these few candidates.
+    2. Below the lower bound: go on with fewer (the re-estimate lowers the threshold).
+    3. Every call: the next threshold is where this call would have selected k
+       (:func:`tail_threshold` of the magnitudes above ``th``), moved on by the
+       trend of those thresholds over the last two calls, so that a count
+       drifting with error feedback stays inside the bounds without corrections.
+    """
     lo, hi = st.count_bounds
+    mag = acc[idx].abs()
+    est = tail_threshold(mag, count, th, k)
     if idx.numel() > hi * k:
         # Too many: the exact top-k are among these few candidates.
-        mag = acc[idx].abs()
         keep = kernels.topk_of_candidates(idx, mag, k)
         idx = idx[keep]
-        st.local_threshold = float(mag[keep].min())
         stats.events["local_corrected"] = 1
     elif idx.numel() < lo * k:
+        stats.events["local_under"] = 1
+    if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
+    else:
+        _set_local_threshold(st, est)
     return idx
+
+
+def _set_local_threshold(st: OkTopkState, kth: float | None) -> None:
+    """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated)."""
+    prev, st.local_kth = st.local_kth, kth
+    if kth is None or not kth > 0:
+        st.local_threshold = kth
+        return
+    # The k-th largest moves steadily under error feedback (residuals grow on what is not
+    # sent), and its growth slows as it settles: follow half its trend (in log terms)
+    # for one call, at most 25% either way, so a jump is not amplified.
+    trend = 1.0 if prev is None or not prev > 0 else min(1.25, max(0.8, (kth / prev) ** 0.5))
+    st.local_threshold = kth * trend
+
+
+def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float | None:
+    """Where about k of this call's magnitudes would have been above, from those above ``th``.
+
+    1. Fit a power-law tail to the magnitudes above ``th`` (the Hill estimator,
+       alpha = m / sum(ln(mag / th)), over the ``m`` magnitudes held: all
+       ``count`` of them, or a sample when the fused buffer overflowed).
+    2. Return ``th * (count / k) ** (1 / alpha)``: that tail's k-th largest.
+
+    O(m), no selection. None when nothing was above ``th`` or everything sat at it.
+    """
+    if count <= 0 or mags.numel() == 0 or not th > 0:
+        return None
+    sample = mags[::max(1, mags.numel() // _TAIL_SAMPLE)]  # plenty for one exponent
+    logs = float(torch.log(sample.to(torch.float32) / th).clamp_(min=0).sum())
+    if not logs > 0:
+        return None
+    alpha = sample.numel() / logs
+    return th * (count / k) ** (1.0 / alpha)
+
+
+def _isin(values: torch.Tensor, members: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
+    """Mask of ``values`` found in ``members`` (indexes into ``mark``, an all-zero bool scratch
+    buffer of n entries, left all zero): O(k) random accesses instead of a binary search each."""
+    mark[members] = True
+    hit = mark[values]
+    mark[members] = False
+    return hit
 
 
 # ---- step 2: region boundaries ---------------------------------------------------

@@ -37,12 +37,16 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
         idx = kernels.topk_indexes(acc, k, use_abs=True)
-    return allgather_and_sum(acc, idx, comm, codec, stats, rec)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state)
 
 
 def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
-                      codec: Compressor, stats: CallStats, rec: PhaseRecorder) -> SparseResult:
-    """Steps 2-3 of TopkA for any local selection ``idx`` (shared with Gaussiank)."""
+                      codec: Compressor, stats: CallStats, rec: PhaseRecorder,
+                      state: State) -> SparseResult:
+    """Steps 2-3 of TopkA for any local selection ``idx`` (shared with Gaussiank).
+
+    The sum goes into the state's all-zero scratch buffer, reset in O(P k) after.
+    """
     n = acc.numel()
     stats.local_selected = idx.numel()
     index_dtype = kernels.index_dtype_for(n)
@@ -53,9 +57,11 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
     with rec.phase("sum"):
         gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
-        total = kernels.scatter_add(torch.zeros(n, dtype=acc.dtype, device=acc.device), gidx,
+        total = kernels.scatter_add(state.scratch("sum", n, acc.dtype, acc.device), gidx,
                                     codec.decode(gwire, mine.scale, acc.dtype))
         uniq = kernels.unique_indexes(gidx, n)
+        values = total[uniq]
+        total[uniq] = 0
     stats.global_selected = uniq.numel()
-    return SparseResult(n=n, indexes=uniq, values=total[uniq], contributed=idx,
+    return SparseResult(n=n, indexes=uniq, values=values, contributed=idx,
                         sent=mine.decoded(acc.dtype), stats=stats)

@@ -55,7 +55,8 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     index_dtype = kernels.index_dtype_for(max(sizes))
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, acc[idx])
-        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket)
+        region = state.scratch("region", sizes[me], acc.dtype, acc.device)
+        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region)
     with rec.phase("allgatherv"):
         rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
         vb = rb - torch.empty(0, dtype=index_dtype).element_size()

@@ -1,0 +1,91 @@
+"""A steady-state call at world size 1, one thread: time over ``torch.add(r, g, out=r)``.
+
+The workload of issue 11: a slowly drifting gradient (``x = 0.9 x + 0.1 randn``
+each step), error feedback on, density 1%, the result written into ``out=``.
+After ``WARMUP`` calls (thresholds and residuals settle), every round drifts
+the gradient untimed (pedantic ``setup``) and times one call. Reported per
+algorithm, all from the same run: median time, time / add, minor page faults
+per call (``getrusage``: a fresh n-element tensor costs n/1024 of them), the
+fraction of calls that corrected or re-selected exactly, and the selected
+count over k (mean, worst).
+
+    python -m pytest benchmarks/test_steady_state.py --benchmark-json steady.json
+    SPARSECOMM_STEADY_SIZES=25000000,100000000 python -m pytest benchmarks/test_steady_state.py
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.state import topk_count
+
+from conftest import STEADY
+
+SIZES = [int(s) for s in os.environ.get("SPARSECOMM_STEADY_SIZES", "25000000").split(",")]
+ROUNDS, WARMUP, DENSITY = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "20")), 20, 0.01
+EXACT_EVENTS = ("local_corrected", "local_recomputed", "local_overflowed", "local_estimate_fallback")
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
+def test_add(benchmark, n):
+    """The yardstick: one pass reading g and r and writing r."""
+    r, g = torch.zeros(n), torch.randn(n)
+    benchmark.pedantic(torch.add, args=(r, g), kwargs={"out": r}, rounds=ROUNDS, warmup_rounds=2)
+    STEADY.append({"algorithm": "add", "n": n, "ms": benchmark.stats.stats.median * 1e3})
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
+@pytest.mark.parametrize("algorithm", sparsecomm.algorithms())
+def test_steady_state_call(benchmark, algorithm, n):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    noise = torch.empty(n)
+    out = torch.empty(n)
+    state = sparsecomm.registry.get(algorithm).state_class(DENSITY, error_feedback=True)
+    k = topk_count(DENSITY, n) if algorithm != "dense" else n
+    seen = {"faults": [], "selected": [], "exact": 0, "calls": 0}
+
+    def drift():
+        x.mul_(0.9).add_(torch.randn(n, generator=gen, out=noise), alpha=0.1)
+        return (x,), {}
+
+    for _ in range(WARMUP):
+        sparsecomm.allreduce(drift()[0][0], state=state, out=out)
+
+    def call(g):
+        f0 = _minor_faults()
+        sparsecomm.allreduce(g, state=state, out=out)
+        seen["faults"].append(_minor_faults() - f0)
+        seen["selected"].append(state.last.local_selected / k)
+        seen["exact"] += any(e in state.last.events for e in EXACT_EVENTS)
+        seen["calls"] += 1
+
+    t0 = time.perf_counter()
+    benchmark.pedantic(call, setup=drift, rounds=ROUNDS, warmup_rounds=0, iterations=1)
+    row = {"algorithm": algorithm, "n": n, "ms": benchmark.stats.stats.median * 1e3,
+           "faults_per_call": statistics.median(seen["faults"]),
+           "exact_or_corrected": seen["exact"] / seen["calls"],
+           "selected_over_k_mean": statistics.mean(seen["selected"]),
+           "selected_over_k_worst": max(seen["selected"], key=lambda s: abs(s - 1)),
+           "wall_s": time.perf_counter() - t0}
+    benchmark.extra_info.update(row)
+    STEADY.append(row)

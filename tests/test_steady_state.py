@@ -1,0 +1,104 @@
+"""Steady-state calls (issue 11): results into ``out=``, scratch buffers, thresholds that follow drift.
+
+Speed itself is measured in ``benchmarks/test_steady_state.py``; these tests
+hold the behaviour the speed rests on.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.errors import InputError
+
+ALGORITHMS = sparsecomm.algorithms()
+
+
+def grad(rank, step, n=3000):
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("P", [1, 3])
+def test_out_receives_exactly_the_result(algorithm, P):
+    def body(rank):
+        fresh = sparsecomm.registry.get(algorithm).state_class(0.05)
+        into = sparsecomm.registry.get(algorithm).state_class(0.05)
+        inplace = sparsecomm.registry.get(algorithm).state_class(0.05)
+        buf = torch.full((3000,), 7.0)
+        rows = []
+        for step in range(4):
+            g = grad(rank, step)
+            want = sparsecomm.allreduce(g, state=fresh, op="avg")
+            got = sparsecomm.allreduce(g, state=into, op="avg", out=buf)
+            h = g.clone()
+            same = sparsecomm.allreduce(h, state=inplace, op="avg", out=h)  # in place
+            rows.append((torch.equal(got, want), got is buf, torch.equal(h, want), same is h))
+        return rows
+
+    for rows in sparsecomm.simulate(P, body).results:
+        assert all(all(r) for r in rows), rows
+
+
+def test_out_that_does_not_fit_is_bad_input_on_every_rank():
+    def body(rank):
+        out = torch.empty(11 if rank == 1 else 10)
+        try:
+            sparsecomm.allreduce(torch.randn(10), 0.5, out=out)
+        except InputError as exc:
+            return str(exc)
+        return "accepted"
+
+    for msg in sparsecomm.simulate(3, body, timeout=5).results:
+        assert "out= does not fit the tensor" in msg, msg
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "topkdsa", "topka", "gaussiank"])
+def test_scratch_buffers_are_left_all_zero_and_stay_out_of_checkpoints(algorithm):
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.05)
+        for step in range(3):
+            sparsecomm.allreduce(grad(rank, step), state=st)
+        scratch = dict(st.__dict__.get("_scratch", {}))
+        buf = io.BytesIO()
+        torch.save(st, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        # The restored state makes its own scratch and continues identically.
+        a = sparsecomm.allreduce(grad(rank, 9), state=st)
+        b = sparsecomm.allreduce(grad(rank, 9), state=loaded)
+        return scratch, "_scratch" in loaded.__dict__, torch.equal(a, b)
+
+    for scratch, _, same in sparsecomm.simulate(3, body).results:
+        assert scratch, "the algorithm used no scratch buffer"
+        assert all(int(torch.count_nonzero(b)) == 0 for b in scratch.values())
+        assert same
+
+
+def test_reused_threshold_follows_drift_without_corrections():
+    """The issue's workload: x = 0.9 x + 0.1 randn each step, error feedback on."""
+    n, density, tau, steps, warmup = 200_000, 0.01, 32, 30, 15
+
+    def body(rank):
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(n, generator=gen)
+        st = sparsecomm.OkTopkState(density, tau=tau, tau_prime=64)
+        rows = []
+        for _ in range(steps):
+            x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
+            sparsecomm.allreduce(x, state=st)
+            rows.append((st.last.local_selected, dict(st.last.events)))
+        return rows
+
+    k = math.ceil(density * n)
+    for rows in sparsecomm.simulate(2, body).results:
+        settled = rows[warmup:]
+        for selected, events in settled:
+            assert 2 * k / 3 <= selected <= 4 * k / 3, (selected, k)
+            # No correction and no exact selection between the tau-periodic re-evaluations.
+            assert not {"local_corrected", "local_overflowed", "local_under"} & events.keys(), events
+            assert "local_recomputed" not in events
