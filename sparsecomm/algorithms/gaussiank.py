@@ -42,31 +42,6 @@ def gaussian_threshold(acc: torch.Tensor, density: float) -> float:
     return abs(mean) + z * std
 
 
-def _lowered_threshold(acc: torch.Tensor, th: float, k: int) -> tuple[float, int]:
-    """Step 2: the first of th, 0.8 th, 0.8^2 th, ... selecting >= 3k/4 (or every nonzero).
-
-    Every candidate is counted in one pass (``kernels.count_above`` takes a
-    list; at most 16 per pass so GPU kernels take them too), not one pass per
-    lowering. Returns (threshold, lowerings).
-    """
-    if not th > 0:
-        return th, 0
-    ladder = [th]
-    while len(ladder) <= MAX_LOWERINGS and 0 < ladder[-1] * LOWER_FACTOR < ladder[-1]:
-        ladder.append(ladder[-1] * LOWER_FACTOR)  # repeated products: the same floats as a loop
-    nonzero = None
-    for first in range(0, len(ladder), 16):
-        counts = kernels.count_above(acc, ladder[first:first + 16])
-        for j, count in enumerate(counts.tolist(), start=first):
-            if count >= 0.75 * k or j == len(ladder) - 1:
-                return ladder[j], j
-            if nonzero is None:
-                nonzero = int(torch.count_nonzero(acc))
-            if count >= nonzero:
-                return ladder[j], j
-    return ladder[-1], len(ladder) - 1
-
-
 @register("gaussiank", GaussiankState)
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
               codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
@@ -81,7 +56,19 @@ def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankSta
     stats = CallStats(algorithm="gaussiank", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        th, lowered = _lowered_threshold(acc, gaussian_threshold(acc, state.density), k)
+        th = gaussian_threshold(acc, state.density)
+        nonzero = None
+        lowered = 0
+        while th > 0 and lowered < MAX_LOWERINGS:
+            count = int(kernels.count_above(acc, [th])[0])  # one pass, no |acc| tensor
+            if count >= 0.75 * k:
+                break
+            if nonzero is None:
+                nonzero = int(torch.count_nonzero(acc))
+            if count >= nonzero:
+                break
+            th *= LOWER_FACTOR
+            lowered += 1
         idx = kernels.select_above(acc, th, use_abs=True)
         stats.events["lowered"] = lowered
     return allgather_and_sum(acc, idx, comm, codec, stats, rec, state)
