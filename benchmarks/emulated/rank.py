@@ -1,0 +1,60 @@
+"""One rank of benchmarks/emulated/run.sh: per-call wall clock, sparse vs dense, drifting gradient.
+
+Each configuration gets 20 untimed warm-up calls (thresholds and residuals
+settle), then ``ROUNDS`` timed calls, each after a barrier; the slowest rank's
+median is what a training step would wait for. Rank 0 prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import sparsecomm
+
+CONFIGS = {"oktopk 1%": {"algorithm": "oktopk"}, "dense q8": {"algorithm": "dense", "compressor": "q8"},
+           "topka 1%": {"algorithm": "topka"}, "gtopk 1%": {"algorithm": "gtopk"}}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    n, rounds, warm = int(os.environ.get("N", "25000000")), int(os.environ.get("ROUNDS", "8")), 20
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x, noise, out, buf = torch.randn(n, generator=gen), torch.empty(n), torch.empty(n), torch.empty(n)
+
+    def drift() -> torch.Tensor:  # the issue's workload: x = 0.9 x + 0.1 randn
+        return x.mul_(0.9).add_(torch.randn(n, generator=gen, out=noise), alpha=0.1)
+
+    def timed(call) -> float:
+        ts = []
+        for _ in range(rounds):
+            g = drift()
+            dist.barrier()
+            t0 = time.perf_counter()
+            call(g)
+            ts.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    res = {"dense dist.all_reduce": timed(lambda g: dist.all_reduce(buf.copy_(g)))}
+    for name, kw in CONFIGS.items():
+        st = sparsecomm.registry.get(kw["algorithm"]).state_class(0.01, error_feedback=True)
+        extra = {k: v for k, v in kw.items() if k != "algorithm"}
+        for _ in range(warm):
+            sparsecomm.allreduce(drift(), state=st, out=out, **extra)
+        res[name] = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra))
+    if rank == 0:
+        print(json.dumps(res))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
