@@ -47,8 +47,10 @@ class OkTopkState(State):
             no rank ever sends more than ``floor(hi * k)`` entries in the
             split phase and the global result never exceeds ``floor(hi * k)``
             entries: that is the hard cap on message size. Below the lower
-            bound the call goes on with fewer entries and the next call
-            re-evaluates exactly.
+            bound the call goes on with fewer entries. Either way the next
+            threshold is re-estimated from this call's exceedances (see
+            ``_checked_select``); only when nothing exceeded does the next
+            call re-evaluate exactly.
         bucket: split-and-reduce steps whose messages are posted at once.
         local_select: how the local threshold is re-evaluated every ``tau``
             calls (and after a too-small count): ``"exact"`` selects exactly
