@@ -86,6 +86,7 @@ class SparseHookState:
         self.buckets: Dict[Tuple[int, ...], State] = {}
         self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not yet in a bucket
         self._comm: Optional[Communicator] = None
+        self._canonical: Dict[Tuple[int, ...], torch.Tensor] = {}  # per-layout reorder buffers
         # Statistics.
         self.stats: List[List[dict]] = [[]]
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0}
@@ -166,8 +167,17 @@ class SparseHookState:
         placed = {i for key in self.buckets for i in key}
         self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
 
-    def __getstate__(self) -> dict:  # communicators do not pickle
+    def _canonical_buffer(self, key: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A model-order buffer for the bucket of parameters ``key``, kept across steps."""
+        buffers = self.__dict__.setdefault("_canonical", {})  # absent in states pickled before it existed
+        buf = buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = buffers[key] = torch.empty_like(like)
+        return buf
+
+    def __getstate__(self) -> dict:  # communicators do not pickle; buffers are rebuilt
         d = dict(self.__dict__)
+        d["_canonical"] = {}
         d["_comm"] = None
         d["group"] = d["_comm_arg"] = None
         return d
@@ -191,20 +201,19 @@ def sparse_allreduce_hook(state: SparseHookState,
     # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
     # same vector to the algorithm and keeps its thresholds and boundaries.
     flat = bucket.buffer()
-    buf = _reorder(flat, order, key, state._numel)
-    # Reduce into the bucket's own buffer when it is already in model order (DDP's
-    # own hooks do the same): no n-element allocation per bucket per step.
-    into = buf if buf is flat else None
+    # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or into a
+    # model-order copy kept per layout, so that no step allocates a bucket-sized tensor.
+    buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat))
     t0 = time.perf_counter()
     comm = state.comm
     before = comm.stats.snapshot()
     dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements
     if dense:
-        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm, out=into)
+        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm, out=buf)
         selected = buf.numel()
     else:
         st = state._bucket_state(key, buf.device)
-        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm, out=into)
+        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm, out=buf)
         selected = st.last.global_selected
     delta = comm.stats - before
     state.stats[-1].append({"bucket": bucket.index(), "numel": buf.numel(), "dense": dense,
@@ -218,15 +227,17 @@ def sparse_allreduce_hook(state: SparseHookState,
         state.stats.append([])
         if len(state.stats) > 1000:  # keep memory bounded on long runs
             del state.stats[:-1000]
-    out = _reorder(out, list(key), tuple(order), state._numel)  # back to the bucket's own layout
+    out = _reorder(out, list(key), tuple(order), state._numel, out=flat)  # back to the bucket's layout
     fut = torch.futures.Future()
     fut.set_result(out)
     return fut
 
 
-def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], numel: List[int]) -> torch.Tensor:
+def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], numel: List[int],
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``flat`` holds parameters ``order`` one after another; return them in ``wanted`` order.
 
+    Written into ``out`` when given (a tensor like ``flat``), else a new tensor.
     Returns ``flat`` itself when nothing moves, or when the sizes do not add
     up (a bucket that is not exactly its parameters: left as DDP laid it out).
     """
@@ -236,4 +247,10 @@ def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], nume
     for i in order:
         starts[i] = pos
         pos += numel[i]
-    return torch.cat([flat[starts[i]:starts[i] + numel[i]] for i in wanted])
+    if out is None:
+        return torch.cat([flat[starts[i]:starts[i] + numel[i]] for i in wanted])
+    pos = 0
+    for i in wanted:
+        out[pos:pos + numel[i]].copy_(flat[starts[i]:starts[i] + numel[i]])
+        pos += numel[i]
+    return out

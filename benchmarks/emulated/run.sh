@@ -2,11 +2,13 @@
 # Per-call wall clock of sparse vs dense allreduces on an emulated slow-link cluster (needs root
 # and iproute2): P network namespaces joined by a bridge, every port shaped to RATE with tbf
 # (../shared/tools/netemu/cluster.sh), one gloo rank per namespace, one thread each.
-#   benchmarks/emulated/run.sh P RATE [PYTHON]      e.g. run.sh 2 1gbit
-# Prints rank 0's JSON line: the slowest rank's median seconds per call. N and ROUNDS in the
-# environment change the size (default 25M float32) and the timed calls (default 8).
+#   benchmarks/emulated/run.sh P RATE [PYTHON [allreduce|ddp]]      e.g. run.sh 2 1gbit
+# Prints rank 0's JSON line: the slowest rank's median seconds per allreduce call (rank.py) or
+# per DDP step with each hook (ddp_rank.py). N and ROUNDS in the environment change the
+# allreduce size (default 25M float32) and the timed calls (default 8).
 set -u
-P=$1; RATE=$2; PYTHON=${3:-python}
+P=$1; RATE=$2; PYTHON=${3:-python}; SUITE=${4:-allreduce}
+SCRIPT=rank.py; [ "$SUITE" = ddp ] && SCRIPT=ddp_rank.py
 HERE=$(cd "$(dirname "$0")" && pwd)
 NETEMU=${NETEMU:-$HERE/../../../shared/tools/netemu/cluster.sh}
 [ "$(id -u)" = 0 ] || { echo "run.sh: needs root (network namespaces)" >&2; exit 2; }
@@ -16,6 +18,6 @@ command -v ip >/dev/null || { echo "run.sh: needs iproute2 (ip)" >&2; exit 2; }
 trap '"$NETEMU" down "$P"' EXIT
 for r in $(seq 0 $((P-1))); do
   ip netns exec "sc$r" env MASTER_ADDR=10.77.0.1 MASTER_PORT=29600 GLOO_SOCKET_IFNAME="scv$r" \
-     RANK="$r" WORLD_SIZE="$P" OMP_NUM_THREADS=1 timeout 900 "$PYTHON" "$HERE/rank.py" &
+     RANK="$r" WORLD_SIZE="$P" OMP_NUM_THREADS=1 timeout 900 "$PYTHON" "$HERE/$SCRIPT" &
 done
 wait
