@@ -221,9 +221,10 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
     if preselected is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = preselected.indexes, preselected.count
         if count > idx.numel():  # more candidates than the buffer held: select exactly
-            est = tail_threshold(acc[idx].abs(), count, th, k)  # from the sample the buffer holds
+            # ...which also gives this call's exact k-th largest: a better guide than a tail
+            # fitted to whichever candidates the buffer kept (they depend on span timing).
             idx = kernels.topk_indexes(acc, k, use_abs=True)
-            _set_local_threshold(st, est if est is not None else float(acc[idx].abs().min()))
+            _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
             stats.events["local_corrected"] = 1
             stats.events["local_overflowed"] = 1
             return idx
