@@ -171,9 +171,9 @@ def _local_problem(call: _Call) -> tuple[int, str] | None:
         if not isinstance(state, spec.state_class):
             return 7, (f"algorithm {call.algorithm!r} needs a {spec.state_class.__name__}, "
                        f"got {type(state).__name__}")
-        if float(density) != state.density:
-            return 7, (f"density={density} differs from the state's density {state.density} "
-                       "(omit density= to use the state's)")
+        why = _density_vs_state(call)
+        if why:
+            return 7, why
         why = state.check_tensor(tensor.numel())
         if why:
             return 7, why
@@ -188,6 +188,14 @@ def _out_problem(call: _Call) -> str | None:
         return None
     return ("out= must be a contiguous tensor with the input's shape, dtype and device "
             f"({tuple(t.shape)}, {t.dtype}, {t.device})")
+
+
+def _density_vs_state(call: _Call) -> str | None:
+    """Why the call's density contradicts its state's, or None."""
+    if call.state is None or float(call.density) == call.state.density:
+        return None
+    return (f"density={call.density} differs from the state's density {call.state.density} "
+            "(omit density= to use the state's)")
 
 
 def _signature(call: _Call, problem: tuple[int, str] | None) -> Signature:
@@ -279,9 +287,9 @@ def _check_unchecked(call: _Call) -> None:
     why = _out_problem(call)
     if why:
         raise InputError(f"sparsecomm.allreduce: {why}")
-    if call.state is not None and float(call.density) != call.state.density:
-        raise InputError(f"sparsecomm.allreduce: density={call.density} differs from the "
-                         f"state's density {call.state.density}")
+    why = _density_vs_state(call)
+    if why:
+        raise InputError(f"sparsecomm.allreduce: {why}")
 
 
 def _all_finite(t: torch.Tensor) -> bool:

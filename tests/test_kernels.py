@@ -107,3 +107,6 @@ def test_isin_sorted_matches_isin():
         values = torch.randint(0, 300, (m,), generator=gen)
         sorted_set = torch.unique(torch.randint(0, 300, (k,), generator=gen))
         assert torch.equal(kernels.isin_sorted(values, sorted_set), torch.isin(values, sorted_set))
+        mark = torch.zeros(300, dtype=torch.bool)  # every value is below 300
+        assert torch.equal(kernels.isin_sorted(values, sorted_set, mark=mark), torch.isin(values, sorted_set))
+        assert not mark.any()  # left all zero for the next caller

@@ -191,7 +191,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
         gval = codec.decode(gwire, owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
-    contributed_mask = _isin(local_idx, gidx, state.scratch("mark", n, torch.bool, acc.device))
+    contributed_mask = kernels.isin_sorted(local_idx, gidx, mark=state.scratch("mark", n, torch.bool, acc.device))
     return SparseResult(n=n, indexes=gidx, values=gval,
                         contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
                         stats=stats, kept_idx=red_rel + starts[me],
@@ -279,8 +279,8 @@ def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float |
     """Where about k of this call's magnitudes would have been above, from those above ``th``.
 
     1. Fit a power-law tail to the magnitudes above ``th`` (the Hill estimator,
-       alpha = m / sum(ln(mag / th)), over the ``m`` magnitudes held: all
-       ``count`` of them, or a sample when the fused buffer overflowed).
+       alpha = m / sum(ln(mag / th)), over at most ``_TAIL_SAMPLE`` of the
+       ``count`` magnitudes, strided).
     2. Return ``th * (count / k) ** (1 / alpha)``: that tail's k-th largest.
 
     O(m), no selection. None when nothing was above ``th`` or everything sat at it.
@@ -293,15 +293,6 @@ def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float |
         return None
     alpha = sample.numel() / logs
     return th * (count / k) ** (1.0 / alpha)
-
-
-def _isin(values: torch.Tensor, members: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
-    """Mask of ``values`` found in ``members`` (indexes into ``mark``, an all-zero bool scratch
-    buffer of n entries, left all zero): O(k) random accesses instead of a binary search each."""
-    mark[members] = True
-    hit = mark[values]
-    mark[members] = False
-    return hit
 
 
 # ---- step 2: region boundaries ---------------------------------------------------

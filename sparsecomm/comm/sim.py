@@ -347,7 +347,7 @@ def _join(threads: list[threading.Thread], world: _World, results: list[Any],
     thread is a daemon) and reported as timed out.
     """
     deadline = None
-    for rank, t in enumerate(threads):
+    for t in threads:
         while t.is_alive():
             t.join(0.2)
             if deadline is None and world.failure is not None:
