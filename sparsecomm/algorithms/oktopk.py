@@ -231,6 +231,13 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
     else:
         idx = kernels.select_above(acc, th, use_abs=True)
         count = idx.numel()
+    if count == 0 and bool((acc != 0).any()):
+        # The threshold overshot (the top entries of the last call left with its residual):
+        # sending nothing would waste the call, so select exactly, as a re-evaluation would.
+        idx = kernels.topk_indexes(acc, k, use_abs=True)
+        _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
+        stats.events["local_recomputed"] = 1
+        return idx
     return _checked_select(acc, idx, count, th, k, st, stats)
 
 
@@ -247,7 +254,10 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float,
     """
     lo, hi = st.count_bounds
     mag = acc[idx].abs()
-    est = tail_threshold(mag, count, th, k)
+    if k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
+        est = float(torch.kthvalue(mag.float(), count - k + 1).values)
+    else:  # fewer than k: extrapolate the tail downwards
+        est = tail_threshold(mag, count, th, k)
     if idx.numel() > hi * k:
         # Too many: the exact top-k are among these few candidates.
         keep = kernels.topk_of_candidates(idx, mag, k)
@@ -257,13 +267,14 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float,
         stats.events["local_under"] = 1
     if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
-    else:
-        _set_local_threshold(st, est)
+    else:  # never above this call's largest magnitude: the next call selects something
+        _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None)
     return idx
 
 
-def _set_local_threshold(st: OkTopkState, kth: float | None) -> None:
-    """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated)."""
+def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None) -> None:
+    """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated),
+    at most ``ceiling``."""
     prev, st.local_kth = st.local_kth, kth
     if kth is None or not kth > 0:
         st.local_threshold = kth
@@ -272,7 +283,7 @@ def _set_local_threshold(st: OkTopkState, kth: float | None) -> None:
     # sent), and its growth slows as it settles: follow half its trend (in log terms)
     # for one call, at most 25% either way, so a jump is not amplified.
     trend = 1.0 if prev is None or not prev > 0 else min(1.25, max(0.8, (kth / prev) ** 0.5))
-    st.local_threshold = kth * trend
+    st.local_threshold = kth * trend if ceiling is None else min(kth * trend, ceiling)
 
 
 def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float | None:
