@@ -45,8 +45,17 @@ def _launch(name: str, grid: int, block: int, args: tuple, device: torch.device)
     cupy, mod = _module()
     with cupy.cuda.Device(device.index or 0):
         # Run on torch's stream so the kernel is ordered with the torch ops around it.
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        stream = _stream(cupy, torch.cuda.current_stream(device))
         mod.get_function(name)((grid,), (block,), args, stream=stream)
+
+
+def _stream(cupy, stream: torch.cuda.Stream):
+    """torch's stream as a CuPy stream (``Stream.from_external`` where CuPy has it: CuPy 14
+    deprecates ``ExternalStream``)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:

@@ -34,7 +34,8 @@ def choose_digit(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor) -
     h = hist.to(torch.int64)
     above = torch.flip(torch.cumsum(torch.flip(h, [0]), 0), [0])
     d = (above >= krem).sum() - 1
-    larger = torch.where(d < 255, above[(d + 1).clamp(max=255)], torch.zeros_like(d))
+    # gather, not above[tensor]: indexing with a device scalar reads it on the host (a sync per digit).
+    larger = torch.where(d < 255, above.gather(0, (d + 1).clamp(max=255).reshape(1))[0], torch.zeros_like(d))
     krem.sub_(larger)
     prefix.mul_(256).add_(d.to(prefix.dtype))
 

@@ -151,7 +151,7 @@ def _local_problem(call: _Call) -> tuple[int, str] | None:
         return 3, str(exc)
     if not call.comm.supports_device(tensor.device):
         return 4, (f"the tensor is on {tensor.device}, which the {call.comm.name} communicator "
-                   "cannot use (gloo and MPI take CPU tensors, NCCL takes CUDA tensors; "
+                   "cannot use (gloo and MPI take CPU and CUDA tensors, NCCL takes CUDA tensors; "
                    "a meta tensor has no values)")
     try:
         spec = registry.get(call.algorithm)
@@ -232,8 +232,7 @@ def _check_collectively(call: _Call) -> None:
     if comm.size == 1:
         table = [sig]
     else:
-        device = call.tensor.device if problem is None else torch.device("cpu")
-        ctrl = torch.tensor(sig.row(), dtype=torch.int64, device=_control_device(comm, device))
+        ctrl = torch.tensor(sig.row(), dtype=torch.int64, device=comm.control_device)
         table = [Signature.of_row(row) for row in comm.allgather(ctrl).tolist()]
     bad = [r for r, s in enumerate(table) if s.problem]
     if bad:
@@ -271,7 +270,7 @@ def _detail(field: str, values: list[int]) -> str:
 def _settings_mismatch(state: State, comm: Communicator) -> str:
     """The message for state settings that differ (every rank takes part in one allgather)."""
     settings = sorted(state.settings().items())
-    crcs = torch.tensor([_crc(repr(v)) for _, v in settings], dtype=torch.int64)
+    crcs = torch.tensor([_crc(repr(v)) for _, v in settings], dtype=torch.int64, device=comm.control_device)
     table = comm.allgather(crcs).tolist()
     differ = [name for j, (name, _) in enumerate(settings) if len({row[j] for row in table}) > 1]
     mine = ", ".join(f"{name}={dict(settings)[name]!r}" for name in differ)
@@ -295,11 +294,7 @@ def _check_unchecked(call: _Call) -> None:
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` has no NaN/Inf: min and max propagate both, in one pass (10x isfinite)."""
     lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-def _control_device(comm: Communicator, device: torch.device) -> torch.device:
-    return device if comm.supports_device(device) else torch.device("cpu")
+    return bool(torch.isfinite(torch.stack([lo, hi])).all())  # one host read (a GPU sync), not two
 
 
 # ---- running the algorithm ---------------------------------------------------------

@@ -72,7 +72,8 @@ def measure(comm: Communicator, algorithms: list[str], n: int, density: float = 
             elapsed = time.perf_counter() - t0
             if s < warmup:
                 continue
-            times.append(float(comm.allreduce(torch.tensor([elapsed], dtype=torch.float64), "max")))
+            times.append(float(comm.allreduce(torch.tensor([elapsed], dtype=torch.float64,
+                                                           device=comm.control_device), "max")))
             sent.append(comm.stats.bytes_sent - before)
             selected.append(state.last.global_selected)
             _check_identical(comm, out)
@@ -95,7 +96,8 @@ def _check_identical(comm: Communicator, out: torch.Tensor) -> None:
     """Every rank must hold the same result: compare a checksum across ranks."""
     if comm.size == 1:
         return
-    digest = torch.tensor([float(out.double().sum()), float(out.double().abs().sum())], dtype=torch.float64)
+    digest = torch.tensor([float(out.double().sum()), float(out.double().abs().sum())], dtype=torch.float64,
+                          device=comm.control_device)
     lo, hi = comm.allreduce(digest, "min"), comm.allreduce(digest, "max")
     if not torch.equal(lo, hi):
         raise RuntimeError(f"benchmark check failed: ranks hold different results ({lo} vs {hi})")

@@ -210,7 +210,7 @@ class Quantize(Compressor):
         return bound
 
     def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
-        local = torch.tensor([self.own_scale(p) for p in parts], dtype=torch.float64)
+        local = torch.tensor([self.own_scale(p) for p in parts], dtype=torch.float64, device=comm.control_device)
         if comm.size > 1:
             local = comm.allreduce(local, "max")
         return local.tolist()

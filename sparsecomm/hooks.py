@@ -162,8 +162,10 @@ class SparseHookState:
         self._pending = {}
         for key in self.buckets:  # re-attach residuals to the saved layouts
             st = self.buckets[key]
-            if self.error_feedback and any(i in d["residuals"] for i in key):
-                st.residual = torch.cat([d["residuals"].get(i, torch.zeros(self._numel[i])) for i in key])
+            saved = [d["residuals"][i] for i in key if i in d["residuals"]]
+            if self.error_feedback and saved:
+                st.residual = torch.cat([d["residuals"][i] if i in d["residuals"]
+                                         else saved[0].new_zeros(self._numel[i]) for i in key])
         placed = {i for key in self.buckets for i in key}
         self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
 

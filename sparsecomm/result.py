@@ -58,7 +58,7 @@ class SparseResult:
         if vals.numel() == 0:
             return 0
         lo, hi = torch.aminmax(vals.reshape(-1))
-        if bool(torch.isfinite(lo.to(dtype))) and bool(torch.isfinite(hi.to(dtype))):
+        if bool(torch.isfinite(torch.stack([lo, hi]).to(dtype)).all()):  # one host read, not two
             return 0
         return int((~torch.isfinite(vals.to(dtype))).sum())
 

@@ -186,10 +186,17 @@ class State:
         wd = self.work_dtype(flat.dtype)
         if not self.error_feedback:
             return Compensated(flat.to(wd))
-        if self.residual is None or self.residual.device != flat.device:
-            self.residual = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
         # In place: a fresh n-element tensor per call costs more in page faults than the add.
-        return Compensated(self.residual.add_(flat))
+        return Compensated(self.residual_on(flat).add_(flat))
+
+    def residual_on(self, flat: torch.Tensor) -> torch.Tensor:
+        """The residual on ``flat``'s device: zeros at first, moved (never reset) when it is
+        elsewhere, e.g. restored from a checkpoint loaded with ``map_location="cpu"``."""
+        if self.residual is None:
+            self.residual = torch.zeros(flat.numel(), dtype=self.work_dtype(flat.dtype), device=flat.device)
+        elif self.residual.device != flat.device:
+            self.residual = self.residual.to(flat.device)
+        return self.residual
 
     def update(self, acc: torch.Tensor, result: Any) -> None:
         """Residual <- acc minus what this rank contributed, as received (so rounding stays),

@@ -6,7 +6,8 @@ skipped, the reason naming what is missing) and :func:`runner`, which runs
 that backend's implementation on the test's CPU tensors:
 
 * ``torch`` and ``cpu`` (numba) as they are;
-* ``triton`` in Triton's interpreter, on CPU tensors, without a GPU;
+* ``triton`` compiled, on copies on the GPU, where ``torch.cuda.is_available()``;
+  elsewhere in Triton's interpreter, on the CPU tensors;
 * ``cupy`` on copies on the GPU, with results and in-place outputs copied back.
 """
 
@@ -90,12 +91,13 @@ def runner(backend: str, monkeypatch: pytest.MonkeyPatch):
 
     The test's ``monkeypatch`` scopes the Triton interpreter to that test.
     """
-    if backend == "triton":
+    on_gpu = backend == "cupy" or (backend == "triton" and torch.cuda.is_available())
+    if backend == "triton" and not on_gpu:
         interpret_triton(monkeypatch)
 
     def run(op: str, *args):
         table = dispatch.OPS[op]
-        if backend != "cupy":
+        if not on_gpu:
             return table.run(backend, *args)
         moved = [_to(a, "cuda") for a in args]
         result = table.run(backend, *moved)

@@ -41,6 +41,8 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _step(model, opt, rank, step):
     x, y = batch(rank, step)
+    device = next(model.parameters()).device
+    x, y = x.to(device), y.to(device)
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -48,11 +50,11 @@ def _step(model, opt, rank, step):
     return grads
 
 
-def equals_ddp(rank: int, size: int, algorithm: str) -> tuple[float, dict]:
+def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tuple[float, dict]:
     """Largest gradient difference between DDP's allreduce and the hook at density 1,
     and the hook's totals (a hook DDP never called would match DDP too)."""
-    ref = DDP(_model(mlp))
-    hooked = DDP(_model(mlp))
+    ref = DDP(_model(mlp).to(device))
+    hooked = DDP(_model(mlp).to(device))
     state = SparseHookState(hooked, algorithm, 1.0, min_bucket_elements=0)
     hooked.register_comm_hook(state, sparse_allreduce_hook)
     o1 = torch.optim.SGD(ref.parameters(), lr=0.1)

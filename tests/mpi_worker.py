@@ -7,6 +7,7 @@ import sys
 import torch
 
 import cases
+import test_gpu
 import test_properties
 
 
@@ -27,6 +28,7 @@ def main() -> None:
         "bad_input": lambda: cases.bad_input_cases(rank, size),
         "resolve": lambda: sparsecomm.resolve().name,
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
+        "matrix_cuda": lambda: test_gpu.matrix(rank, size, "cuda"),
     }
     save_result(outdir, rank, bodies[case])
 

@@ -128,8 +128,11 @@ def gradient(case: Case, rank: int, step: int) -> torch.Tensor:
     return g
 
 
-def rank_call(case: Case, rank: int, comm: Any = None) -> tuple[str, Any]:
-    """Run the case on one rank: ("error", message) or ("ok", (results, residual, fed))."""
+def rank_call(case: Case, rank: int, comm: Any = None, device: str = "cpu") -> tuple[str, Any]:
+    """Run the case on one rank: ("error", message) or ("ok", (results, residual, fed)).
+
+    ``device``: where the rank's tensors live (results come back on the CPU).
+    """
     mine = rank in case.perturbed
     dtype = DTYPES[case.dtype]
     density, op, compressor = case.density, case.op, case.compressor
@@ -152,7 +155,7 @@ def rank_call(case: Case, rank: int, comm: Any = None) -> tuple[str, Any]:
         for step in range(max(1, case.steps)):
             g = gradient(case, rank, step)
             fed += g
-            x = g.to(dtype)
+            x = g.to(device, dtype)
             if mine and case.perturb in ("nan", "inf") and step == max(1, case.steps) - 1:
                 x[case.seed % case.n] = float("nan") if case.perturb == "nan" else float("-inf")
             if mine and case.perturb == "shape":
@@ -161,7 +164,7 @@ def rank_call(case: Case, rank: int, comm: Any = None) -> tuple[str, Any]:
                 x = torch.empty_like(x, device="meta")
             out = sparsecomm.allreduce(x, density if state is None else None, algorithm=case.algorithm,
                                        op=op, state=state, compressor=compressor, comm=comm)
-            results.append(out.reshape(-1).to(torch.float64))
+            results.append(out.reshape(-1).to("cpu", torch.float64))
     except sparsecomm.InputError as exc:
         return "error", str(exc)
     residual = None

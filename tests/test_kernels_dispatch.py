@@ -219,6 +219,9 @@ def test_kernel_modules_import_without_cycles():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tests compile Triton kernels, and an "
+                    "interpreted run patches triton.language for the whole process (Triton 3.6: later "
+                    "compiles then fail), so no test interprets there")
 @pytest.mark.parametrize("compiled_first", [False, True], ids=["no_kernels_yet", "compiled_kernels"])
 def test_triton_interpreter_is_scoped_to_the_tests_that_ask_for_it(compiled_first):
     # gpu_paths.interpret_triton (behind gpu_paths.runner) must leave no
@@ -242,3 +245,18 @@ def test_triton_interpreter_is_scoped_to_the_tests_that_ask_for_it(compiled_firs
         assert "TRITON_INTERPRET" not in os.environ
         assert sys.modules.get(jit_name) is jit_before
         assert getattr(kernels, "_triton_jit", None) is jit_before
+
+
+def test_an_operation_can_prefer_its_own_order():
+    x = torch.rand(100)
+    op = dispatch.KernelOp("toy_prefer", lambda x: "torch", cpu="numba_backend:kth_largest",
+                           prefer={"cpu": ("torch", "cpu")})
+    try:
+        assert op.choice(x) == "torch"  # the default order would take cpu (numba) where it imports
+        if HAVE_NUMBA:
+            assert op.choice(x, backend="cpu") == "cpu"  # an explicit choice still wins
+        assert dispatch.OPS["ef_select"].prefer == dispatch.CUDA_SCANS
+        assert dispatch.OPS["ef_select"].choice(torch.ones(4), torch.ones(4), 1.0, 4, 1.0, True, None, None) \
+            == ("cpu" if HAVE_NUMBA else "torch")  # a CUDA order leaves the CPU's alone
+    finally:
+        del dispatch.OPS["toy_prefer"]

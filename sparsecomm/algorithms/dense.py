@@ -87,9 +87,10 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
         scale = codec.own_scale(mine)
         owner_payload = codec.pack(mine, scale)
         delivered = codec.unpack(owner_payload, mine.numel(), scale, acc.dtype)
-        header = torch.tensor([scale], dtype=torch.float64).view(torch.uint8)
+        header = torch.tensor([scale], dtype=torch.float64).view(torch.uint8).to(owner_payload.device)
         message = torch.cat([header, owner_payload])
-        sizes = comm.allgather(torch.tensor([message.numel()], dtype=torch.int64)).flatten().tolist()
+        sizes = comm.allgather(torch.tensor([message.numel()], dtype=torch.int64,
+                                            device=comm.control_device)).flatten().tolist()
         gathered = comm.allgatherv(message, sizes)
     with rec.phase("decode"):
         parts, pos = [], 0

@@ -55,7 +55,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     kernels.scatter_add(region, own_idx, codec.decode(own_wire, scale, work_dtype))
     touched = [own_idx]
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
-                               device=local_idx.device)
+                               device=comm.control_device)
     recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
     rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
 

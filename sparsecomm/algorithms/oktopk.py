@@ -114,8 +114,7 @@ class OkTopkState(State):
         if not (self.error_feedback and self.reuse_due(self.iteration + 1)):
             return super().compensate(flat)
         self.n = flat.numel()
-        if self.residual is None or self.residual.device != flat.device:
-            self.residual = torch.zeros(flat.numel(), dtype=self.work_dtype(flat.dtype), device=flat.device)
+        self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
         idx, _, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
                                           zero_selected=False)

@@ -52,7 +52,7 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
     index_dtype = kernels.index_dtype_for(n)
     with rec.phase("allgatherv"):
         mine = codec.encode_shared(comm, acc[idx])
-        counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=acc.device))
+        counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=comm.control_device))
         records = kernels.pack_records(idx, mine.wire, index_dtype, codec.wire_dtype)
         gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
     with rec.phase("sum"):

@@ -69,7 +69,7 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
         else:
             payload = kernels.pack_records(rel, owned.wire, index_dtype, codec.wire_dtype).reshape(-1)
         table = comm.allgather(torch.tensor([payload.numel(), int(dense)], dtype=torch.int64,
-                                            device=acc.device)).tolist()
+                                            device=comm.control_device)).tolist()
         gathered = comm.allgatherv(payload, [b for b, _ in table]) if P > 1 else payload
     stats.events["dense_regions"] = sum(d for _, d in table)
     with rec.phase("decode"):

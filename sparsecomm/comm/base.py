@@ -150,6 +150,15 @@ class Communicator(abc.ABC):
         """Whether tensors on ``device`` can be passed to this communicator."""
         return device.type == "cpu"
 
+    @property
+    def control_device(self) -> torch.device:
+        """Where small control messages (signatures, counts, scales) are built and travel.
+
+        The CPU, except for backends that take device tensors only (NCCL): the
+        same device on every rank, whatever device a call's tensor is on.
+        """
+        return torch.device("cpu")
+
     def idle(self) -> contextlib.AbstractContextManager:
         """Context for blocking on something other than this communicator.
 

@@ -6,7 +6,10 @@ naming the operation instead of blocking for the process group's own
 (30-minute) timeout.
 
 gloo has no variable-size allgather: ``allgatherv`` pads every block to the
-largest and counts the padded bytes, since that is what travels.
+largest and counts the padded bytes, since that is what travels. gloo is
+given CUDA tensors through host memory (each buffer copied to the host and the
+result back, as the MPI backend does): a CUDA model under DDP with gloo works,
+at the cost of the copies. NCCL takes CUDA tensors as they are.
 """
 
 from __future__ import annotations
@@ -54,13 +57,25 @@ class TorchCommunicator(Communicator):
         self._all_gather_t = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter_t = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.name = f"torch:{self.backend}"
+        # gloo's point-to-point and all_to_all take CPU tensors only: stage every buffer.
+        self._staged = self.backend == "gloo"
 
     def supports_device(self, device: torch.device) -> bool:
         if self.backend == "gloo":
-            return device.type == "cpu"
+            return device.type in ("cpu", "cuda")
         if self.backend == "nccl":
             return device.type == "cuda"
         return True
+
+    @property
+    def control_device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or a host copy of it where this backend stages device buffers."""
+        return t.cpu() if self._staged and t.device.type != "cpu" else t
 
     # ---- waiting ---------------------------------------------------------------
     def _wait(self, work: Any, what: str) -> None:
@@ -85,13 +100,23 @@ class TorchCommunicator(Communicator):
     # ---- point to point -----------------------------------------------------
     def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
         self._count_p2p_send(buf)
-        work = self._dist.isend(buf, self._global(dst), group=self.group, tag=tag)
-        return _TorchRequest(self, work, f"send of {buf.numel()} x {buf.dtype} to rank {dst} (tag {tag})")
+        host = self._host(buf)
+        work = self._dist.isend(host, self._global(dst), group=self.group, tag=tag)
+        req = _TorchRequest(self, work, f"send of {buf.numel()} x {buf.dtype} to rank {dst} (tag {tag})")
+        req._keep = host  # type: ignore[attr-defined]  # alive until the send completes
+        return req
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
-        work = self._dist.irecv(buf, self._global(src), group=self.group, tag=tag)
+        host = self._host(torch.empty_like(buf)) if self._staged and buf.device.type != "cpu" else buf
+
+        def done() -> None:
+            if host is not buf:
+                buf.copy_(host)
+            self._count_p2p_recv(buf)
+
+        work = self._dist.irecv(host, self._global(src), group=self.group, tag=tag)
         return _TorchRequest(self, work, f"recv of {buf.numel()} x {buf.dtype} from rank {src} (tag {tag})",
-                             lambda: self._count_p2p_recv(buf))
+                             done)
 
     # ---- collectives --------------------------------------------------------
     def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -99,11 +124,13 @@ class TorchCommunicator(Communicator):
         self._wait(work, what)
 
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:
+        device, t = t.device, self._host(t)
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         self._run("allgather", self._all_gather_t, out.view(-1), t.reshape(-1))
-        return out
+        return out.to(device)
 
     def _allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        device, t = t.device, self._host(t)
         largest = max(counts)
         row = t.shape[1:]
         padded = torch.zeros((largest, *row), dtype=t.dtype, device=t.device)
@@ -114,34 +141,42 @@ class TorchCommunicator(Communicator):
         self.stats.bytes_sent += extra
         self.stats.bytes_received += extra
         gathered = self._allgather(padded)
-        return torch.cat([gathered[r, : counts[r]] for r in range(self.size)])
+        return torch.cat([gathered[r, : counts[r]] for r in range(self.size)]).to(device)
 
     def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        device, t = t.device, self._host(t)
         out = torch.empty_like(t)
         self._run("alltoall", self._dist.all_to_all_single, out, t)
-        return out
+        return out.to(device)
+
+    def _copy_on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A private copy of ``t`` to reduce into: on the host where this backend stages."""
+        host = self._host(t)
+        return host.clone() if host is t else host
 
     def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        out = t.clone()
+        out = self._copy_on_host(t)
         red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX,
                "min": self._dist.ReduceOp.MIN}[op]
         self._run(f"allreduce/{op}", self._dist.all_reduce, out, op=red)
-        return out
+        return out.to(t.device)
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        device, t = t.device, self._host(t)
         out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
         self._run("reduce_scatter", self._reduce_scatter_t, out, t)
-        return out
+        return out.to(device)
 
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        device, chunk = chunk.device, self._host(chunk)
         out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
         self._run("all_gather", self._all_gather_t, out, chunk)
-        return out
+        return out.to(device)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
-        out = t.clone()
+        out = self._copy_on_host(t)
         self._run(f"broadcast from rank {root}", self._dist.broadcast, out, self._global(root))
-        return out
+        return out.to(t.device)
 
     def _barrier(self) -> None:
         # A barrier is an allreduce of one element: gloo's barrier cannot be waited with a timeout.
