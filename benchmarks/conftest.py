@@ -8,7 +8,10 @@ Every rank runs the same tests in the same order with fixed rounds (pedantic
 mode), so all ranks make the same collective calls. Only rank 0 prints and
 writes ``--benchmark-json``; it also prints an nccl-tests style table
 (``sparsecomm.bench`` columns) at the end. Sizes: ``SPARSECOMM_BENCH_SIZES``
-(comma-separated element counts, default "4000000,25000000").
+(comma-separated element counts, default "4000000,25000000"). Under torchrun
+the process group is NCCL where CUDA is available, else gloo;
+``SPARSECOMM_DIST_BACKEND`` chooses (e.g. gloo for several ranks on one GPU).
+Tensors are on the rank's GPU where the communicator takes them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def comm():
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            backend = os.environ.get("SPARSECOMM_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
     return sparsecomm.resolve()
 
 
@@ -58,7 +64,8 @@ STEADY: list = []
 def _steady_table() -> str:
     add = {r["n"]: r["ms"] for r in STEADY if r["algorithm"] == "add"}
     lines = [f"{'algorithm':>10} {'n':>11} {'time ms':>9} {'/add':>6} {'faults':>7} "
-             f"{'exact%':>7} {'sel/k':>6} {'worst':>6}"]
+             f"{'exact%':>7} {'sel/k':>6} {'worst':>6}"
+             + ("  kernels copies syncs" if any("syncs" in r for r in STEADY) else "")]
     for r in STEADY:
         if r["algorithm"] == "add":
             lines.append(f"{'add':>10} {r['n']:>11} {r['ms']:>9.2f} {1.0:>6.2f}")
@@ -66,7 +73,12 @@ def _steady_table() -> str:
         ratio = r["ms"] / add[r["n"]] if r["n"] in add else float("nan")
         lines.append(f"{r['algorithm']:>10} {r['n']:>11} {r['ms']:>9.2f} {ratio:>6.2f} "
                      f"{r['faults_per_call']:>7.0f} {100 * r['exact_or_corrected']:>6.0f}% "
-                     f"{r['selected_over_k_mean']:>6.2f} {r['selected_over_k_worst']:>6.2f}")
+                     f"{r['selected_over_k_mean']:>6.2f} {r['selected_over_k_worst']:>6.2f}"
+                     + (f"  {r['kernels']:>7} {r['copies']:>6} {r['syncs']:>5}" if "syncs" in r else ""))
+    for r in STEADY:
+        if r.get("sync_sites"):
+            lines.append(f"{r['algorithm']} syncs at: "
+                         + ", ".join(f"{site} x{c}" for site, c in sorted(r["sync_sites"].items())))
     return "\n".join(lines)
 
 

@@ -20,10 +20,22 @@ DENSITY = 0.01
 ROUNDS, WARMUP = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "8")), 2
 
 
+def _device(comm) -> torch.device:
+    """CUDA where this rank has a GPU the communicator takes (NCCL; gloo and MPI stage it)."""
+    cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    return cuda if torch.cuda.is_available() and comm.supports_device(cuda) else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
 @pytest.mark.parametrize("algorithm", ["oktopk", "dense"])
 def test_allreduce(benchmark, comm, algorithm, n):
-    grads = [gradient(comm.rank, s, n) for s in range(4)]
+    device = _device(comm)
+    grads = [gradient(comm.rank, s, n).to(device) for s in range(4)]
     state = sparsecomm.registry.get(algorithm).state_class(DENSITY)
     calls = {"i": 0, "sent": [], "selected": []}
 
@@ -36,6 +48,7 @@ def test_allreduce(benchmark, comm, algorithm, n):
 
     def run(g):
         out = sparsecomm.allreduce(g, state=state, comm=comm)
+        _sync(device)
         calls["sent"].append(comm.stats.bytes_sent - calls["before"])
         calls["selected"].append(state.last.global_selected)
         return out
@@ -43,7 +56,8 @@ def test_allreduce(benchmark, comm, algorithm, n):
     out = benchmark.pedantic(run, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     _check_identical(comm, out)
     # The slowest rank's median time is the collective's time.
-    t = float(comm.allreduce(torch.tensor([benchmark.stats.stats.median], dtype=torch.float64), "max"))
+    t = float(comm.allreduce(torch.tensor([benchmark.stats.stats.median], dtype=torch.float64,
+                                          device=comm.control_device), "max"))
     sent = statistics.mean(calls["sent"][WARMUP:])
     size = n * 4
     algbw = size / t / 1e9
@@ -58,9 +72,15 @@ def test_allreduce(benchmark, comm, algorithm, n):
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
 def test_memory_copy(benchmark, comm, n):
     """The yardstick: copying the gradient's bytes once on this rank."""
-    g = gradient(comm.rank, 0, n)
+    device = _device(comm)
+    g = gradient(comm.rank, 0, n).to(device)
     dst = torch.empty_like(g)
-    benchmark.pedantic(dst.copy_, args=(g,), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+
+    def copy():
+        dst.copy_(g)
+        _sync(device)
+
+    benchmark.pedantic(copy, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     t = benchmark.stats.stats.median
     ROWS.append(Row("memcpy", "local", comm.size, n, 1.0, n * 4, t * 1e3, n * 4 / t / 1e9,
                     float("nan"), 0.0))

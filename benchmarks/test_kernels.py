@@ -5,27 +5,38 @@
 
 Runs on one process (no collective calls). Device: CUDA when available, else
 CPU; the kernel path is the dispatcher's auto choice (``SPARSECOMM_KERNELS``
-overrides). Every timed result is checked against torch in the same run, and
-a table of times, elements/s, GB/s and ratios (measured in this run) is
-printed at the end. Density 0.01, float32.
+overrides), and ``SPARSECOMM_BENCH_BACKENDS=triton,cupy,torch`` times each
+named path of the main operations side by side. Every timed result is checked
+against torch in the same run, and a table of times, elements/s, GB/s and
+ratios (measured in this run) is printed at the end, with the fused select's
+bytes over the device's measured copy bandwidth (a copy of the same size,
+bytes read plus written). Density 0.01; ``SPARSECOMM_BENCH_DTYPES`` picks the
+gradient's dtypes (default float32; the residual is float32, as in a state).
+On CUDA each time is the median of ``SPARSECOMM_BENCH_ROUNDS`` runs between
+device events.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from sparsecomm import kernels
-from sparsecomm.kernels.dispatch import choose
+from sparsecomm.kernels.dispatch import OPS, available
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SIZES = [int(s) for s in os.environ.get("SPARSECOMM_BENCH_SIZES", "1000000,25000000").split(",")]
+DTYPES = [getattr(torch, d) for d in os.environ.get("SPARSECOMM_BENCH_DTYPES", "float32").split(",")]
+BACKENDS = [b for b in os.environ.get("SPARSECOMM_BENCH_BACKENDS", "auto").split(",") if b]
 DENSITY = 0.01
 ROUNDS = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "5"))
-RESULTS: dict[tuple[int, str], tuple[float, float]] = {}  # (n, name) -> (seconds, bytes moved)
+#: (n, dtype name, operation) -> (seconds, bytes moved)
+RESULTS: dict[tuple[int, str, str], tuple[float, float]] = {}
 
 
 def _sync() -> None:
@@ -34,62 +45,111 @@ def _sync() -> None:
 
 
 def _time(fn, setup=None) -> float:
-    """Best of ROUNDS after one warm-up; ``setup`` runs untimed before each call."""
-    best = float("inf")
+    """Best (CPU) or median between device events (CUDA) of ROUNDS after one warm-up;
+    ``setup`` runs untimed before each call."""
+    times = []
     for i in range(ROUNDS + 1):
         if setup is not None:
             setup()
         _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
+        if DEV.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
         if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
+            times.append(elapsed)
+    return statistics.median(times) if DEV.type == "cuda" else min(times)
 
 
-def _record(benchmark, n: int, name: str, seconds: float, nbytes: float) -> None:
-    RESULTS[(n, name)] = (seconds, nbytes)
-    benchmark.extra_info.update(n=n, seconds=seconds, elements_per_s=n / seconds,
-                                gb_per_s=nbytes / seconds / 1e9)
+def _backend(backend: str, op: str, *args) -> str:
+    """The path a ``backend`` parameter runs for ``op(*args)`` (skip the test where it cannot run here)."""
+    if backend != "auto" and not available(backend, args[OPS[op].on].device):
+        pytest.skip(f"{backend} cannot run on {args[OPS[op].on].device} here")
+    name = OPS[op].choice(*args, backend=backend)
+    return name if backend != "auto" else f"auto: {name}"
+
+
+def _kw(backend: str) -> dict:
+    return {} if backend == "auto" else {"backend": backend}
+
+
+def _record(benchmark, n: int, dtype: torch.dtype, name: str, seconds: float, nbytes: float) -> None:
+    RESULTS[(n, str(dtype).removeprefix("torch."), name)] = (seconds, nbytes)
+    benchmark.extra_info.update(n=n, dtype=str(dtype), operation=name, seconds=seconds,
+                                elements_per_s=n / seconds, gb_per_s=nbytes / seconds / 1e9)
     benchmark.pedantic(lambda: None, rounds=1)  # timing is ours (setup must stay untimed)
 
 
-def _data(n: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=gen).to(DEV), (0.1 * torch.randn(n, generator=gen)).to(DEV)
+def _data(n: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(residual float32, gradient ``dtype``), drawn on the device (1e9 draws on a CPU take minutes)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    r = torch.randn(n, generator=gen, device=DEV)
+    g = torch.randn(n, generator=gen, device=DEV).mul_(0.1).to(dtype)
+    return r, g
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_fused_select(benchmark, n):
-    r0, g = _data(n)
+def _ids(params):
+    return [f"n={n}" for n in params]
+
+
+sizes = pytest.mark.parametrize("n", SIZES, ids=_ids(SIZES))
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+@sizes
+@dtypes
+def test_yardstick_copy(benchmark, n, dtype):
+    """The device's copy bandwidth at this size: bytes read plus written, the floor's unit."""
+    src = torch.empty(3 * n, dtype=torch.float32, device=DEV).uniform_()
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src))
+    _record(benchmark, n, dtype, "yardstick copy of 12n bytes", t, 2 * src.numel() * 4)
+
+
+@sizes
+@dtypes
+@backends
+def test_fused_select(benchmark, n, dtype, backend):
+    r0, g = _data(n, dtype)
     k = max(1, int(DENSITY * n))
     th = kernels.kth_largest((r0 + g).abs(), k)
     cap = 2 * k
     r = r0.clone()
+    path = _backend(backend, "ef_select", g, r, th, cap, 1.0, True, None, None)
     oi = torch.empty(cap, dtype=torch.int64, device=DEV)
     ov = torch.empty(cap, dtype=torch.float32, device=DEV)
     restore = lambda: r.copy_(r0)  # noqa: E731  untimed: every call sees the same input
-    t = _time(lambda: kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov), restore)
+    t = _time(lambda: kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov, **_kw(backend)), restore)
     # Check against the reference while we are here.
     restore()
-    _, _, c = kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov)
-    r2 = r0.clone()
-    ri = torch.nonzero((r2 + g).abs() >= th).flatten()
+    _, _, c = kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov, **_kw(backend))
+    ri = torch.nonzero((r0 + g).abs() >= th).flatten()
     assert c == ri.numel() and torch.equal(oi[:min(c, cap)], ri[:cap])
-    _record(benchmark, n, f"fused select ({choose(r)})", t, 12 * n + 12 * min(c, cap))
+    # Floor: read g and r, write r, write the selected (int64, float32) records.
+    nbytes = n * (g.element_size() + 8) + 12 * min(c, cap)
+    _record(benchmark, n, dtype, f"fused select ({path})", t, nbytes)
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_yardstick_add(benchmark, n):
-    r, g = _data(n)
-    t = _time(lambda: torch.add(r, g, out=r))
-    _record(benchmark, n, "yardstick torch.add(r, g, out=r)", t, 12 * n)
+@sizes
+@dtypes
+def test_yardstick_add(benchmark, n, dtype):
+    r, g = _data(n, dtype)
+    t = _time(lambda: r.add_(g))
+    _record(benchmark, n, dtype, "yardstick r.add_(g)", t, n * (g.element_size() + 8))
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_unfused_chain(benchmark, n):
-    r0, g = _data(n)
+@sizes
+@dtypes
+def test_unfused_chain(benchmark, n, dtype):
+    r0, g = _data(n, dtype)
     k = max(1, int(DENSITY * n))
     th = kernels.kth_largest((r0 + g).abs(), k)
     r = r0.clone()
@@ -102,88 +162,107 @@ def test_unfused_chain(benchmark, n):
         return idx, val
 
     t = _time(chain, lambda: r.copy_(r0))
-    _record(benchmark, n, "unfused torch chain", t, 12 * n)
+    _record(benchmark, n, dtype, "unfused torch chain", t, n * (g.element_size() + 8))
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_exact_threshold(benchmark, n):
-    x, _ = _data(n, 1)
+@sizes
+@dtypes
+@backends
+def test_exact_threshold(benchmark, n, dtype, backend):
+    x, _ = _data(n, seed=1)
+    mag = x.to(dtype).abs()
     k = max(1, int(DENSITY * n))
-    mag = x.abs()
-    t = _time(lambda: kernels.kth_largest(mag, k))
-    assert kernels.kth_largest(mag, k) == float(torch.topk(mag, k).values.min())
-    _record(benchmark, n, f"exact threshold ({choose(mag)})", t, 4 * n)
+    path = _backend(backend, "kth_largest", mag, k, False)
+    t = _time(lambda: kernels.kth_largest(mag, k, **_kw(backend)))
+    assert kernels.kth_largest(mag, k, **_kw(backend)) == float(torch.topk(mag, k).values.min())
+    _record(benchmark, n, dtype, f"exact threshold ({path})", t, n * mag.element_size())
 
 
-@pytest.mark.parametrize("n", SIZES)
+@sizes
 def test_numpy_partition(benchmark, n):
     if DEV.type != "cpu":
         pytest.skip("numpy partition is the CPU reference only")
-    x, _ = _data(n, 1)
+    x, _ = _data(n, seed=1)
     k = max(1, int(DENSITY * n))
     mag = x.abs()
     t = _time(lambda: kernels.kth_largest(mag, k, backend="torch"))
-    _record(benchmark, n, "exact threshold (torch path: numpy.partition)", t, 4 * n)
+    _record(benchmark, n, torch.float32, "exact threshold (torch path: numpy.partition)", t, 4 * n)
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_topk_indexes(benchmark, n):
+@sizes
+@dtypes
+def test_topk_indexes(benchmark, n, dtype):
     # What an algorithm needs: the sorted indexes of the exact top-k of |x|.
-    x, _ = _data(n, 1)
+    x, _ = _data(n, seed=1)
+    x = x.to(dtype)
     k = max(1, int(DENSITY * n))
     t = _time(lambda: kernels.topk_indexes(x, k, use_abs=True))
     idx = kernels.topk_indexes(x, k, use_abs=True)
     ref = torch.topk(x.abs(), k).indices.sort().values
     assert torch.equal(idx, ref) or torch.equal(x.abs()[idx].sort().values, x.abs()[ref].sort().values)
-    _record(benchmark, n, f"exact top-k indexes ({choose(x)})", t, 4 * n)
+    _record(benchmark, n, dtype, "exact top-k indexes (auto)", t, n * x.element_size())
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_topk(benchmark, n):
-    x, _ = _data(n, 1)
+@sizes
+@dtypes
+def test_topk(benchmark, n, dtype):
+    x, _ = _data(n, seed=1)
+    x = x.to(dtype)
     k = max(1, int(DENSITY * n))
     t = _time(lambda: torch.topk(x.abs(), k))
-    _record(benchmark, n, "torch.topk(abs(x), k)", t, 4 * n)
+    _record(benchmark, n, dtype, "torch.topk(abs(x), k)", t, n * x.element_size())
 
 
-@pytest.mark.parametrize("n", SIZES)
+@sizes
+@dtypes
+@backends
 @pytest.mark.parametrize("kind", ["gaussian", "student_t", "drifting"])
-def test_estimated_threshold(benchmark, n, kind):
-    gen = torch.Generator().manual_seed(2)
-    if kind == "gaussian":
-        x = torch.randn(n, generator=gen)
-    elif kind == "student_t":
-        torch.manual_seed(2)
-        x = torch.distributions.StudentT(torch.tensor(2.5)).sample((n,))
+def test_estimated_threshold(benchmark, n, dtype, backend, kind):
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    if kind == "student_t":  # heavy tails: ratio of a normal to the root of a chi-square / 2.5
+        z = torch.randn(n, generator=gen, device=DEV)
+        chi2 = torch.distributions.Gamma(torch.tensor(1.25, device=DEV), torch.tensor(0.5, device=DEV)).sample((n,))
+        x = z / (chi2 / 2.5).sqrt()
     else:
-        x = torch.randn(n, generator=gen) * torch.linspace(0.05, 3.0, n)
-    x = x.to(DEV)
+        x = torch.randn(n, generator=gen, device=DEV)
+        if kind == "drifting":
+            x.mul_(torch.linspace(0.05, 3.0, n, device=DEV))
+    x = x.to(dtype)
     k = max(1, int(DENSITY * n))
-    t = _time(lambda: kernels.estimate_threshold(x, k))
-    th = kernels.estimate_threshold(x, k)
+    path = _backend(backend, "count_above", x, np.array([1.0]), 1)
+    t = _time(lambda: kernels.estimate_threshold(x, k, **_kw(backend)))
+    th = kernels.estimate_threshold(x, k, **_kw(backend))
     err = int((x.abs() >= th).sum()) / k - 1
     benchmark.extra_info["count_error"] = err
     assert abs(err) <= 0.05
-    _record(benchmark, n, f"estimated threshold, {kind} (count error {err:+.2%})", t, 4 * n)
+    _record(benchmark, n, dtype, f"estimated threshold ({path}), {kind} (count error {err:+.2%})", t,
+            n * x.element_size())
 
 
 def pytest_terminal_summary_table() -> str:
     """The table printed after the run (also used by the session fixture)."""
-    lines = [f"{'n':>11}  {'operation':<58} {'time ms':>9} {'Melem/s':>9} {'GB/s':>7}  ratio"]
-    for n in SIZES:
-        base = {name: s for (m, name), (s, _) in RESULTS.items() if m == n}
-        add = base.get("yardstick torch.add(r, g, out=r)")
+    lines = [f"{'n':>11} {'dtype':>9}  {'operation':<62} {'time ms':>9} {'Melem/s':>9} {'GB/s':>7}  ratio"]
+    for n, dt in dict.fromkeys((m, d) for m, d, _ in RESULTS):
+        base = {name: s for (m, d, name), (s, _) in RESULTS.items() if (m, d) == (n, dt)}
+        add = base.get("yardstick r.add_(g)")
         chain = base.get("unfused torch chain")
         topk = base.get("torch.topk(abs(x), k)")
-        for (m, name), (s, nb) in RESULTS.items():
-            if m != n:
+        copy = RESULTS.get((n, dt, "yardstick copy of 12n bytes"))
+        copy_bw = copy[1] / copy[0] if copy else None
+        for (m, d, name), (s, nb) in RESULTS.items():
+            if (m, d) != (n, dt):
                 continue
             ratio = ""
             if name.startswith("fused") and add and chain:
                 ratio = f"{s / add:.2f}x the add, {chain / s:.1f}x faster than the chain"
+                if copy_bw:
+                    ratio += f", {100 * nb / s / copy_bw:.0f}% of copy bandwidth"
             elif ("threshold" in name or "top-k indexes" in name) and topk:
                 ratio = f"{topk / s:.1f}x faster than torch.topk"
-            lines.append(f"{n:>11}  {name:<58} {1e3 * s:>9.2f} {n / s / 1e6:>9.0f} {nb / s / 1e9:>7.2f}  {ratio}")
+            elif name == "yardstick r.add_(g)" and copy_bw:
+                ratio = f"{100 * nb / s / copy_bw:.0f}% of copy bandwidth"
+            lines.append(f"{n:>11} {d:>9}  {name:<62} {1e3 * s:>9.3f} {n / s / 1e6:>9.0f} "
+                         f"{nb / s / 1e9:>7.1f}  {ratio}")
     return "\n".join(lines)
 
 
@@ -191,4 +270,5 @@ def pytest_terminal_summary_table() -> str:
 def _table():
     yield
     if RESULTS:
-        print(f"\nsparsecomm kernels on {DEV.type}, density {DENSITY}, float32\n" + pytest_terminal_summary_table())
+        name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+        print(f"\nsparsecomm kernels on {name}, density {DENSITY}\n" + pytest_terminal_summary_table())

@@ -9,8 +9,15 @@ per call (``getrusage``: a fresh n-element tensor costs n/1024 of them), the
 fraction of calls that corrected or re-selected exactly, and the selected
 count over k (mean, worst).
 
+On CUDA (``SPARSECOMM_STEADY_DEVICE=cuda``) every timed call ends with a
+device synchronisation, and one more call per algorithm is profiled: the
+kernels it launches, its device memory copies, and each host synchronisation
+it makes (``torch.cuda.set_sync_debug_mode``), listed by the line that made it,
+since each is a stall a user pays per bucket.
+
     python -m pytest benchmarks/test_steady_state.py --benchmark-json steady.json
     SPARSECOMM_STEADY_SIZES=25000000,100000000 python -m pytest benchmarks/test_steady_state.py
+    SPARSECOMM_STEADY_DEVICE=cuda python -m pytest benchmarks/test_steady_state.py -s
 """
 
 from __future__ import annotations
@@ -29,12 +36,45 @@ from sparsecomm.state import topk_count
 from conftest import STEADY
 
 SIZES = [int(s) for s in os.environ.get("SPARSECOMM_STEADY_SIZES", "25000000").split(",")]
+DEV = torch.device(os.environ.get("SPARSECOMM_STEADY_DEVICE", "cpu"))
 ROUNDS, WARMUP, DENSITY = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "20")), 20, 0.01
 EXACT_EVENTS = ("local_corrected", "local_recomputed", "local_overflowed", "local_estimate_fallback")
 
 
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile_call(fn) -> dict:
+    """Kernels, device copies and host synchronisations of one ``fn()`` on CUDA."""
+    import warnings
+    from collections import Counter
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = sum(e.name.startswith(("Memcpy", "Memset")) for e in device_events)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                    if "synchronizing" in str(w.message))
+    return {"kernels": len(device_events) - copies, "copies": copies, "syncs": sum(sites.values()),
+            "sync_sites": dict(sites)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,24 +88,30 @@ def one_thread():
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
 def test_add(benchmark, n):
     """The yardstick: one pass reading g and r and writing r."""
-    r, g = torch.zeros(n), torch.randn(n)
-    benchmark.pedantic(torch.add, args=(r, g), kwargs={"out": r}, rounds=ROUNDS, warmup_rounds=2)
+    r, g = torch.zeros(n, device=DEV), torch.randn(n, device=DEV)
+
+    def add():
+        torch.add(r, g, out=r)
+        _sync()
+
+    benchmark.pedantic(add, rounds=ROUNDS, warmup_rounds=2)
     STEADY.append({"algorithm": "add", "n": n, "ms": benchmark.stats.stats.median * 1e3})
 
 
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
 @pytest.mark.parametrize("algorithm", sparsecomm.algorithms())
 def test_steady_state_call(benchmark, algorithm, n):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, generator=gen)
-    noise = torch.empty(n)
-    out = torch.empty(n)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(n, generator=gen, device=DEV)
+    noise = torch.empty(n, device=DEV)
+    out = torch.empty(n, device=DEV)
     state = sparsecomm.registry.get(algorithm).state_class(DENSITY, error_feedback=True)
     k = topk_count(DENSITY, n) if algorithm != "dense" else n
     seen = {"faults": [], "selected": [], "exact": 0, "calls": 0}
 
     def drift():
         x.mul_(0.9).add_(torch.randn(n, generator=gen, out=noise), alpha=0.1)
+        _sync()
         return (x,), {}
 
     for _ in range(WARMUP):
@@ -74,6 +120,7 @@ def test_steady_state_call(benchmark, algorithm, n):
     def call(g):
         f0 = _minor_faults()
         sparsecomm.allreduce(g, state=state, out=out)
+        _sync()
         seen["faults"].append(_minor_faults() - f0)
         seen["selected"].append(state.last.local_selected / k)
         seen["exact"] += any(e in state.last.events for e in EXACT_EVENTS)
@@ -87,5 +134,7 @@ def test_steady_state_call(benchmark, algorithm, n):
            "selected_over_k_mean": statistics.mean(seen["selected"]),
            "selected_over_k_worst": max(seen["selected"], key=lambda s: abs(s - 1)),
            "wall_s": time.perf_counter() - t0}
+    if DEV.type == "cuda":
+        row.update(_profile_call(lambda: sparsecomm.allreduce(drift()[0][0], state=state, out=out)))
     benchmark.extra_info.update(row)
     STEADY.append(row)

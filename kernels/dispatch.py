@@ -101,6 +101,12 @@ _REGISTRY: dict[str, tuple[str | None, Callable[[], bool] | None, str]] = {
 }
 # ``auto``'s preference per device type; any other device type runs torch.
 _AUTO = {"cuda": ("triton", "cupy", "torch"), "cpu": ("cpu", "torch")}
+# The passes over the whole tensor, where CuPy measured fastest on an H100
+# (benchmarks/results/2026-11-23-h100/, float32, 100M / 1B elements): fused
+# select at 54% / 70% of the copy bandwidth (Triton 28%, torch 27%), radix
+# select 2.0x / 3.1x torch.topk (Triton 1.3x / 1.5x), the thresholds' counts
+# 1.1x / 5.7x (Triton 1.0x / 1.9x). Their tables use this order on CUDA.
+CUDA_SCANS = {"cuda": ("cupy", "triton", "torch")}
 
 BACKENDS = (*_REGISTRY, "auto")
 
@@ -138,8 +144,8 @@ def available(backend: str, device: torch.device | str = "cpu") -> bool:
     return runs_on is None or (dev == runs_on and _library_ok(backend))
 
 
-def _auto(dev: torch.device, supported: tuple[str, ...]) -> str:
-    for name in _AUTO.get(dev.type, ("torch",)):
+def _auto(dev: torch.device, supported: tuple[str, ...], prefer: Mapping[str, tuple[str, ...]] | None = None) -> str:
+    for name in (prefer or {}).get(dev.type) or _AUTO.get(dev.type, ("torch",)):
         if name in supported and available(name, dev):
             return name
     return "torch"
@@ -151,7 +157,8 @@ def _warn_once(message: str) -> None:
 
 
 def choose(tensor: torch.Tensor, backend: str | None = None,
-           supported: tuple[str, ...] = ("torch", "triton", "cupy", "cpu")) -> str:
+           supported: tuple[str, ...] = ("torch", "triton", "cupy", "cpu"),
+           prefer: Mapping[str, tuple[str, ...]] | None = None) -> str:
     """The backend to run an operation on ``tensor`` with.
 
     Args:
@@ -159,6 +166,8 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
         backend: explicit choice (see the module docstring), or None.
         supported: the backends the operation has. A backend it lacks is
             treated like one that cannot run.
+        prefer: device type -> the operation's own order for ``auto``
+            (default: the module's, ``_AUTO``).
 
     Returns:
         One of ``"torch"``, ``"triton"``, ``"cupy"``, ``"cpu"``.
@@ -169,7 +178,7 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
         if name not in BACKENDS:
             raise ValueError(f"unknown kernel backend {backend!r}; choose from {BACKENDS}")
         if name == "auto":
-            return _auto(dev, supported)
+            return _auto(dev, supported, prefer)
         if name not in supported:
             raise BackendUnavailable(f"this operation has no {name!r} path (it has {supported})")
         if not available(name, dev):
@@ -190,7 +199,7 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
                        + (f" (install: {install_hint(name)})" if install_hint(name) else ""))
         # An operation without that backend (e.g. scatter_add has no numba path)
         # simply takes its auto choice: the variable is a process-wide preference.
-    return _auto(dev, supported)
+    return _auto(dev, supported, prefer)
 
 
 #: Every operation's table, by operation name (filled as the kernel modules are imported).
@@ -212,6 +221,8 @@ class KernelOp:
         accepts: backend, or tuple of backends -> predicate over the
             arguments; where it is false the call runs the torch reference
             (e.g. "triton/cupy only for fp16/bf16/fp32").
+        prefer: device type -> this operation's order for ``auto`` where it
+            differs from the default (measured: see the table that sets it).
         **paths: backend -> ``"module:function"``, the module relative to
             ``sparsecomm.kernels``. Imported when first chosen: backend
             modules import optional libraries.
@@ -225,7 +236,7 @@ class KernelOp:
 
     def __init__(self, name: str, torch: Callable[..., Any], *, on: int = 0,
                  accepts: Mapping[str | tuple[str, ...], Callable[..., bool]] | None = None,
-                 **paths: str) -> None:
+                 prefer: Mapping[str, tuple[str, ...]] | None = None, **paths: str) -> None:
         for backend, path in paths.items():
             if backend not in _REGISTRY or backend == "torch":
                 raise ValueError(f"{name}: unknown kernel backend {backend!r}")
@@ -233,6 +244,7 @@ class KernelOp:
                 raise ValueError(f"{name}: {backend} path {path!r} is not 'module:function'")
         self.name = name
         self.on = on
+        self.prefer = dict(prefer or {})
         # In registry order, like choose()'s default.
         self.backends: tuple[str, ...] = tuple(b for b in _REGISTRY if b == "torch" or b in paths)
         self._paths = dict(paths)
@@ -249,7 +261,11 @@ class KernelOp:
         return f"KernelOp({self.name!r}, backends={self.backends})"
 
     def __call__(self, *args: Any, backend: str | None = None) -> Any:
-        return self.run(choose(args[self.on], backend, self.backends), *args)
+        return self.implementation(self.choice(*args, backend=backend))(*args)
+
+    def choice(self, *args: Any, backend: str | None = None) -> str:
+        """The backend a call with these arguments runs: chosen (:func:`choose`), then the fallback rule."""
+        return self.fallback(choose(args[self.on], backend, self.backends, self.prefer), *args)
 
     def run(self, backend: str, *args: Any) -> Any:
         """Run ``backend``'s implementation (after the fallback rule), without checking that it can run here.

@@ -115,4 +115,4 @@ def _positive_threshold(grad, residual, threshold, *_) -> bool:
 _EF_SELECT = dispatch.KernelOp(
     "ef_select", ef_select_torch, on=1, cpu="numba_backend:ef_select",
     triton="triton_backend:ef_select", cupy="cupy_backend:ef_select",
-    accepts={"cpu": _positive_threshold})
+    accepts={"cpu": _positive_threshold}, prefer=dispatch.CUDA_SCANS)

@@ -124,7 +124,7 @@ def _gpu_countable(x: torch.Tensor, thresholds: np.ndarray, every: int) -> bool:
 _COUNT_ABOVE = dispatch.KernelOp(
     "count_above", count_above_torch, cpu="numba_backend:count_above",
     triton="triton_backend:count_above", cupy="cupy_backend:count_above",
-    accepts={("triton", "cupy"): _gpu_countable})
+    accepts={("triton", "cupy"): _gpu_countable}, prefer=dispatch.CUDA_SCANS)
 
 
 def _interpolate(th: np.ndarray, counts: np.ndarray, k: int) -> float:

@@ -58,7 +58,7 @@ def _radix_dtype(mag: torch.Tensor, k: int, use_abs: bool) -> bool:
 _KTH_LARGEST = dispatch.KernelOp(
     "kth_largest", kth_largest_torch, cpu="numba_backend:kth_largest",
     triton="triton_backend:kth_largest", cupy="cupy_backend:kth_largest",
-    accepts={("triton", "cupy"): _radix_dtype})
+    accepts={("triton", "cupy"): _radix_dtype}, prefer=dispatch.CUDA_SCANS)
 
 
 def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:

@@ -25,12 +25,13 @@ __all__ = ["ef_select", "kth_largest", "scatter_add", "count_above", "pack_recor
            "encode_codes", "decode_codes", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK"]
 
-# Elements per program of the fused select: 8 per thread at 8 warps. Chosen from
-# the sm_90 cubin's registers (tests/test_kernels_gpu_build.py prints them):
-# 4096 per program needed 146 registers (1 block of 8 warps per SM), 2048 need
-# 80 (3 blocks, 48 KiB of loads in flight per SM) for this memory-bound pass.
-SELECT_BLOCK = 2048
-SELECT_WARPS = 8
+# Elements per program of the fused select: 32 per thread at 16 warps. Measured on
+# an H100 (benchmarks/gpu/tune_select.py, benchmarks/results/2026-11-23-h100/):
+# the decoupled look-back walks one tile per step, so fewer, larger tiles win:
+# 16384 x 16 warps ran 25M in 0.45 ms and 100M in 1.45 ms, 2048 x 8 (chosen
+# before from registers alone) 0.84 and 2.68 ms; 16384 x 4 warps spilled (9 ms).
+SELECT_BLOCK = 16384
+SELECT_WARPS = 16
 HIST_BLOCK = 4096
 HIST_WARPS = 8
 HIST_PROGRAMS = 1024  # about 8 programs per SM on an H100 (132 SMs): enough to hide latency
