@@ -48,7 +48,9 @@ def test_allgather_volume_grows_with_P_and_oktopk_does_not(rows):
     for kind in ("gaussian", "skewed"):
         by = {(r.algorithm, r.P): r.bytes_max for r in rows if r.kind == kind}
         assert by[("topka", 16)] > 5 * by[("topka", 2)]
-        assert by[("oktopk", 16)] < 2.5 * by[("oktopk", 2)]
+        # Up to the radix select's constant ~16 KiB, which P = 2 no longer pays at this k
+        # (its few candidates are gathered instead: distselect.gather_is_cheaper).
+        assert by[("oktopk", 16)] < 2.5 * by[("oktopk", 2)] + 16 * 1024
         assert by[("topka", 16)] > 3 * by[("oktopk", 16)]
 
 

@@ -17,7 +17,15 @@ k-th largest exactly:
    each rank how many of its ties to keep.
 
 Cost: 4 allreduces of 256 int64 counts plus one allgather of 2P counts, i.e. a
-constant 16 KiB of traffic per rank plus O(P) words, independent of k and n.
+constant 16 KiB of traffic per rank plus O(P) words, independent of k and n,
+in 5 rounds. When the candidates are few that constant dominates (k = 200 at
+P = 6: 6.4x the 2k(P-1)/P bound for the whole call), so ``method="gather"``
+allgathers every rank's count of positive magnitudes, then the magnitudes,
+and selects locally: two rounds and T values. ``method="auto"`` decides
+without a message, from a bound on T every rank knows (Ok-Topk's hard cap:
+P ranks contribute at most floor(hi k) entries each): gather when T values
+take fewer bytes than the radix rounds and the two allgathers take no more
+messages. Every method gives the same keys, ties and masks.
 """
 
 from __future__ import annotations
@@ -26,7 +34,20 @@ import torch
 
 from ..comm.base import Communicator
 
-__all__ = ["magnitude_keys", "global_topk_mask"]
+__all__ = ["magnitude_keys", "global_topk_mask", "METHODS"]
+
+METHODS = ("auto", "radix", "gather")
+
+
+def gather_is_cheaper(candidates_at_most: int, value_bytes: int, bits: int, P: int) -> bool:
+    """Whether gathering at most ``candidates_at_most`` values beats the radix rounds, in
+    bytes received (a ring allreduce of 256 int64 counts per round receives about twice
+    that) and in messages (two allgathers of P - 1 against ``bits / 8`` allreduces of
+    2 log2 P and one allgather)."""
+    rounds = bits // 8
+    fewer_bytes = candidates_at_most * value_bytes <= rounds * 2 * 256 * 8
+    no_more_messages = P - 1 <= rounds * 2 * max(1, (P - 1).bit_length())
+    return fewer_bytes and no_more_messages
 
 
 def magnitude_keys(mag: torch.Tensor) -> torch.Tensor:
@@ -59,32 +80,79 @@ def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator) -> tuple
     return prefix, above
 
 
-def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator) -> tuple[torch.Tensor, list[int], float | None]:
+def _kth_key_gathered(mag: torch.Tensor, positive: torch.Tensor, k: int, counts: list[int],
+                      comm: Communicator) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """The radix select's answer (k-th largest key, count above it) and the (above, equal)
+    table of every rank, from all positive magnitudes gathered in rank order."""
+    gathered = comm.allgatherv(mag[positive], counts) if comm.size > 1 else mag[positive]
+    keys = magnitude_keys(gathered)
+    if keys.numel() <= k:
+        return None, None
+    th_key = int(torch.topk(keys, k, sorted=False).values.min())
+    owner = torch.repeat_interleave(torch.arange(comm.size, device=keys.device),
+                                    torch.tensor(counts, device=keys.device))
+    gt, eq = keys > th_key, keys == th_key
+    table = torch.stack([torch.bincount(owner[gt], minlength=comm.size),
+                         torch.bincount(owner[eq], minlength=comm.size)], 1).to(torch.int64)
+    return (th_key, int(gt.sum())), table
+
+
+def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str = "radix",
+                     candidates_at_most: int | None = None) -> tuple[torch.Tensor, list[int], float | None]:
     """Select this rank's share of the global top-k of distributed magnitudes.
 
     Rank r's ``mag`` must hold the magnitudes of a contiguous index range that
     comes after rank r-1's and before rank r+1's, in index order, so that
     "lower index wins ties" is well defined across ranks.
 
+    1. ``auto``: ``gather`` if :func:`gather_is_cheaper` for
+       ``candidates_at_most`` positive magnitudes over all ranks, else ``radix``.
+    2. ``radix``: the k-th largest key by 8-bit digits (module docstring),
+       then one allgather of every rank's (above, equal) counts.
+       ``gather``: one allgather of every rank's count of positive
+       magnitudes, then the magnitudes themselves, in rank order; the k-th
+       largest key and the (above, equal) table computed locally.
+    3. Ties at the k-th largest go to the lowest global indexes.
+
     Args:
         mag: this rank's non-negative magnitudes (float32 or float64).
         k: how many entries to select over all ranks.
         comm: the communicator of the ranks holding the pieces.
+        method: ``auto``, ``radix`` or ``gather`` (same result; cost differs).
+        candidates_at_most: for ``auto``, a bound on the positive magnitudes
+            of all ranks together, the same on every rank (None: radix).
 
     Returns:
         (mask over ``mag`` of selected entries, selected count of every rank,
         k-th largest magnitude or None when all nonzero entries were taken).
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     keys = magnitude_keys(mag)
     bits = 64 if mag.dtype == torch.float64 else 32
-    found = _kth_key(keys, k, bits, comm)
+    positive = keys > 0
+    if method == "auto":
+        cheaper = candidates_at_most is not None and gather_is_cheaper(
+            candidates_at_most, mag.element_size(), bits, comm.size)
+        method = "gather" if cheaper else "radix"
+    counts_pos = None
+    if method == "gather":
+        counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
+    table, found = None, None
+    if counts_pos is not None and sum(counts_pos) <= k:
+        pass  # every positive entry is selected: nothing to gather or rank
+    elif method == "gather":
+        found, table = _kth_key_gathered(mag, positive, k, counts_pos, comm)
+    else:
+        found = _kth_key(keys, k, bits, comm)
     if found is None:
-        mask = keys > 0
-        counts = comm.allgather(mask.sum().reshape(1).to(torch.int64)).flatten()
-        return mask, counts.tolist(), None
+        if counts_pos is None:
+            counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
+        return positive, counts_pos, None
     th_key, above_global = found
     gt, eq = keys > th_key, keys == th_key
-    table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(torch.int64))
+    if table is None:
+        table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(torch.int64))
     need = k - above_global
     eq_before = torch.cumsum(table[:, 1], 0) - table[:, 1]
     take = torch.clamp(need - eq_before, min=0)

@@ -17,7 +17,7 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
-from .distselect import global_topk_mask
+from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, split_and_reduce
 
 __all__ = ["OkTopkState", "oktopk"]
@@ -61,6 +61,12 @@ class OkTopkState(State):
             whose count is within a few percent of k; when it selects too
             few, the same call falls back to the exact select. The count bounds above still apply,
             so the hard cap holds either way.
+        global_select: how the exact global threshold is found
+            (``algorithms.distselect``): ``"radix"`` in 5 rounds and a
+            constant ~16 KiB per rank, ``"gather"`` in 2 rounds moving every
+            candidate, ``"auto"`` (default) gather where the hard cap bounds
+            the candidates to fewer bytes than the radix rounds (small k,
+            P up to ~44), radix elsewhere. All three select the same entries.
 
     Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
     (P+1 region starts), ``residual``, ``iteration``, and ``local_stale`` /
@@ -69,13 +75,18 @@ class OkTopkState(State):
     ``totals`` (see :class:`~sparsecomm.state.State`).
     """
 
+    #: Default for states pickled before the setting existed (checkpoints load as they were).
+    global_select = "auto"
+
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
                  balance_factor: float = 4.0, count_bounds: tuple[float, float] = (2 / 3, 4 / 3),
-                 bucket: int = 4, local_select: str = "exact") -> None:
+                 bucket: int = 4, local_select: str = "exact", global_select: str = "auto") -> None:
         super().__init__(density, error_feedback)
         if local_select not in ("exact", "estimate"):
             raise ValueError(f"local_select must be 'exact' or 'estimate', got {local_select!r}")
+        if global_select not in METHODS:
+            raise ValueError(f"global_select must be one of {METHODS}, got {global_select!r}")
         for name, value in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -90,6 +101,7 @@ class OkTopkState(State):
         self.balanced, self.balance_factor = balanced, float(balance_factor)
         self.count_bounds = (float(lo), float(hi))
         self.local_select = local_select
+        self.global_select = global_select
         # Internal.
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
@@ -341,15 +353,20 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
             return cand, counts
         # Too many: the exact global top-k are among the candidates.
         masked = torch.where(cand, mag, torch.zeros_like(mag))
-        mask, counts, th = global_topk_mask(masked, k, comm)
+        mask, counts, th = global_topk_mask(masked, k, comm, st.global_select, _cap(st, k, comm.size))
         st.global_threshold = th
         stats.events["global_corrected"] = 1
         return mask, counts
-    mask, counts, th = global_topk_mask(mag, k, comm)
+    mask, counts, th = global_topk_mask(mag, k, comm, st.global_select, _cap(st, k, comm.size))
     st.global_threshold = th
     st.global_stale = False
     stats.events["global_recomputed"] = 1
     return mask, counts
+
+
+def _cap(st: OkTopkState, k: int, P: int) -> int:
+    """The most reduced entries all ranks can hold: every rank sends at most floor(hi k)."""
+    return P * int(st.count_bounds[1] * k)
 
 
 # ---- step 5: balance and allgatherv ---------------------------------------------
@@ -363,10 +380,16 @@ def _balance_and_allgatherv(records: torch.Tensor, counts: list[int], starts: Se
         records, held = _rebalance(records, counts, comm)
         stats.events["balanced"] = 1
     gathered = comm.allgatherv(records, held) if P > 1 else records
-    rel, vals = kernels.unpack_records(gathered, index_dtype, wire_dtype)
-    base = torch.repeat_interleave(torch.tensor(starts[:-1], dtype=torch.int64, device=rel.device),
-                                   torch.tensor(counts, device=rel.device))
-    return rel + base, vals
+    rel, vals = kernels.unpack_records(gathered, index_dtype, wire_dtype)  # fresh int64: offset in place
+    # Records come in region order, region j's at [C_j, C_j + counts[j]): one in-place add per
+    # region (a repeat_interleave of the offsets cost as much as the fused select at P = 1,
+    # and its device-side sizes are host reads on a GPU).
+    at = 0
+    for start, count in zip(starts[:-1], counts):
+        if start and count:
+            rel[at:at + count] += start
+        at += count
+    return rel, vals
 
 
 def _rebalance(records: torch.Tensor, counts: list[int], comm: Communicator) -> tuple[torch.Tensor, list[int]]:
