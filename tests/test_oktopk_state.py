@@ -159,3 +159,29 @@ def test_world_size_change_repartitions(P):
         assert mine.boundaries.tolist() == expected
         assert mine.last.events.get("repartitioned") == 1
         assert torch.equal(out, ref_oktopk([g] * P, 0.1))
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+def test_boundaries_split_the_ranks_selections_together_into_equal_parts(P):
+    # Ranks select in very different places (rank r mostly in its own 1/P of the tensor,
+    # plus a share everyone selects): averaging each rank's own cut points would not balance.
+    from sparsecomm.algorithms.oktopk import _BINS_PER_REGION, _balanced_boundaries
+
+    n = 100_003
+    picks = []
+    for r in range(P):
+        gen = torch.Generator().manual_seed(r)
+        own = torch.randint(r * n // P, (r + 1) * n // P, (400 * (r + 1),), generator=gen)
+        shared = torch.randint(0, n // 10, (300,), generator=gen)
+        picks.append(torch.unique(torch.cat([own, shared])))
+    res = sparsecomm.simulate(P, lambda r: _balanced_boundaries(picks[r], n, sparsecomm.comm.resolve())).results
+    assert all(torch.equal(b, res[0]) for b in res)  # every rank computes the same cuts
+    bounds = res[0].tolist()
+    assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(bounds)
+    every = torch.cat(picks)
+    T = every.numel()
+    B = _BINS_PER_REGION * P
+    densest_bin = int(torch.bincount(every * B // n, minlength=B).max())
+    for j in range(P):
+        got = int(((every >= bounds[j]) & (every < bounds[j + 1])).sum())
+        assert abs(got - T / P) <= densest_bin, (j, got, T / P, densest_bin)
