@@ -81,13 +81,11 @@ def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator) -> tuple
 
 
 def _kth_key_gathered(mag: torch.Tensor, positive: torch.Tensor, k: int, counts: list[int],
-                      comm: Communicator) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+                      comm: Communicator) -> tuple[tuple[int, int], torch.Tensor]:
     """The radix select's answer (k-th largest key, count above it) and the (above, equal)
-    table of every rank, from all positive magnitudes gathered in rank order."""
+    table of every rank, from all positive magnitudes gathered in rank order (more than k)."""
     gathered = comm.allgatherv(mag[positive], counts) if comm.size > 1 else mag[positive]
     keys = magnitude_keys(gathered)
-    if keys.numel() <= k:
-        return None, None
     th_key = int(torch.topk(keys, k, sorted=False).values.min())
     owner = torch.repeat_interleave(torch.arange(comm.size, device=keys.device),
                                     torch.tensor(counts, device=keys.device))
@@ -135,14 +133,12 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
         cheaper = candidates_at_most is not None and gather_is_cheaper(
             candidates_at_most, mag.element_size(), bits, comm.size)
         method = "gather" if cheaper else "radix"
-    counts_pos = None
+    counts_pos, table = None, None
     if method == "gather":
         counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
-    table, found = None, None
-    if counts_pos is not None and sum(counts_pos) <= k:
-        pass  # every positive entry is selected: nothing to gather or rank
-    elif method == "gather":
-        found, table = _kth_key_gathered(mag, positive, k, counts_pos, comm)
+        # At most k positive entries in all: every one is selected, nothing to gather or rank.
+        found, table = (None, None) if sum(counts_pos) <= k else _kth_key_gathered(mag, positive, k,
+                                                                                    counts_pos, comm)
     else:
         found = _kth_key(keys, k, bits, comm)
     if found is None:

@@ -107,7 +107,7 @@ class TorchCommunicator(Communicator):
         return req
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
-        host = self._host(torch.empty_like(buf)) if self._staged and buf.device.type != "cpu" else buf
+        host = torch.empty_like(buf, device="cpu") if self._staged and buf.device.type != "cpu" else buf
 
         def done() -> None:
             if host is not buf:
