@@ -6,7 +6,8 @@ it as ``sparsecomm.kernels``; modules inside it import each other relatively.
 A checkout that is not installed cannot import it (``import sparsecomm``
 says so). Every operation with fast paths
 (``kth_largest``, ``select_above``, ``ef_select``, ``count_above``,
-``scatter_add``, ``pack_records``/``unpack_records``,
+``scatter_add``, ``pack_records``/``unpack_records``, ``isin_sorted``,
+``union_sorted_runs``, ``take_and_zero``, ``scatter_dense``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
 declared next to its torch reference: backend -> implementation, and the rule
 under which a backend hands a call to the reference. ``dispatch`` picks the
@@ -33,8 +34,8 @@ Imports run one way: backend modules may use the operation modules' helpers,
 operation modules name backends only as strings in their tables.
 """
 
-from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add,
-                  split_by_boundaries, unique_indexes, unpack_records)
+from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add, scatter_dense,
+                  split_by_boundaries, take_and_zero, union_sorted_runs, unique_indexes, unpack_records)
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
 from .estimate import count_above, estimate_threshold
@@ -44,7 +45,8 @@ from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
-           "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "ef_select",
+           "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
+           "take_and_zero", "scatter_dense", "ef_select",
            "estimate_threshold", "count_above",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

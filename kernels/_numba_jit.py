@@ -31,7 +31,8 @@ import_numba()
 from numba import njit  # noqa: E402
 
 __all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "encode_codes_span",
-           "decode_codes_span", "chunk_bounds", "BLOCK"]
+           "decode_codes_span", "merge_runs", "member_mask", "take_and_zero", "is_strictly_increasing",
+           "densify_span", "chunk_bounds", "BLOCK"]
 
 # Block of the fused select: one vectorised pass decides whether the block holds
 # a selection at all. 32 fp32 = 4 AVX2 vectors; at density 1% three blocks in
@@ -218,6 +219,92 @@ def decode_codes_span(packed, bits, g, out, b0, b1):
             i = b * per + j
             if i < n:
                 out[i] = np.float32(((byte >> (bits * j)) & mask) - off) * g
+
+
+@njit(nogil=True, cache=True)
+def merge_runs(src, bounds, dst):
+    """Merge runs 2j and 2j+1 of ``src`` (ascending, cut at ``bounds``) into ``dst``, dropping
+    duplicates; returns the merged runs' bounds. An odd last run is copied as it is."""
+    runs = bounds.size - 1
+    out_bounds = np.empty((runs + 1) // 2 + 1, dtype=np.int64)
+    out_bounds[0] = 0
+    c = 0
+    for j in range(0, runs, 2):
+        i, ie = bounds[j], bounds[j + 1]
+        m, me = ie, ie
+        if j + 1 < runs:
+            m, me = bounds[j + 1], bounds[j + 2]
+        while i < ie and m < me:
+            a, b = src[i], src[m]
+            if a <= b:
+                dst[c] = a
+                i += 1
+                if a == b:
+                    m += 1
+            else:
+                dst[c] = b
+                m += 1
+            c += 1
+        while i < ie:
+            dst[c] = src[i]
+            i += 1
+            c += 1
+        while m < me:
+            dst[c] = src[m]
+            m += 1
+            c += 1
+        out_bounds[j // 2 + 1] = c
+    return out_bounds
+
+
+@njit(nogil=True, cache=True)
+def member_mask(values, sorted_set, out):
+    """out[t] = values[t] in ascending ``sorted_set``: one merge walk while ``values`` ascend,
+    a binary search to restart where they step back."""
+    m = sorted_set.size
+    j = 0
+    prev = values[0] if values.size else 0
+    for t in range(values.size):
+        v = values[t]
+        if v < prev:
+            j = np.searchsorted(sorted_set, v)
+        while j < m and sorted_set[j] < v:
+            j += 1
+        out[t] = j < m and sorted_set[j] == v
+        prev = v
+
+
+@njit(nogil=True, cache=True)
+def take_and_zero(x, idx, out):
+    """out[t] = x[idx[t]], then x[idx[t]] = 0 (``idx`` without duplicates)."""
+    z = x.dtype.type(0)
+    for t in range(idx.size):
+        i = idx[t]
+        out[t] = x[i]
+        x[i] = z
+
+
+@njit(nogil=True, cache=True)
+def is_strictly_increasing(idx, n):
+    """Whether ``idx`` ascends without duplicates and lies in [0, n)."""
+    prev = -1
+    for t in range(idx.size):
+        if not prev < idx[t] < n:
+            return False
+        prev = idx[t]
+    return True
+
+
+@njit(nogil=True, cache=True)
+def densify_span(out, lo, hi, idx, vals, t0, t1):
+    """out[lo:hi] = 0 except out[idx[t]] = vals[t] for t in [t0, t1) (ascending idx in [lo, hi))."""
+    p = lo
+    for t in range(t0, t1):
+        i = idx[t]
+        out[p:i] = 0  # a memset
+        out[i] = vals[t]
+        p = i + 1
+    out[p:hi] = 0
 
 
 def chunk_bounds(n: int, chunks: int, align: int = 64) -> np.ndarray:

@@ -27,7 +27,8 @@ import torch
 
 from .payload import decode_buffers, encode_buffers
 
-__all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes"]
+__all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
+           "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
@@ -319,4 +320,57 @@ def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtyp
     bounds = impl.chunk_bounds(nbytes, _spans(o.size))
     _map(impl.decode_codes_span, [(p, bits, g, o, int(bounds[c]), int(bounds[c + 1]))
                                   for c in range(bounds.size - 1)])
+    return out
+
+
+# ---- O(k) index work: merge walks instead of sorts and random passes over n -------------
+def union_sorted_runs(cat: torch.Tensor, runs: list[int]) -> torch.Tensor:
+    """numba ``kernels.union_sorted_runs``: merge the runs pairwise, log2(runs) linear passes."""
+    impl = _jit()
+    src = cat.to(torch.int64).contiguous().numpy()
+    bounds = np.asarray(runs, dtype=np.int64)
+    if bounds.size <= 2:  # one run: already ascending and unique
+        return torch.from_numpy(src[:int(bounds[-1]) if bounds.size else 0])
+    bufs = (np.empty_like(src), np.empty_like(src))  # never write into the caller's tensor
+    level = 0
+    while bounds.size > 2:
+        dst = bufs[level % 2]
+        bounds = impl.merge_runs(src, bounds, dst)
+        src, level = dst, level + 1
+    return torch.from_numpy(src[:int(bounds[-1])])
+
+
+def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor, mark: torch.Tensor | None) -> torch.Tensor:
+    """numba ``kernels.isin_sorted``: a merge walk (``mark`` is not needed)."""
+    v = values.to(torch.int64).contiguous()
+    out = torch.empty(v.shape, dtype=torch.bool)
+    _jit().member_mask(v.numpy().reshape(-1), sorted_set.to(torch.int64).contiguous().numpy(),
+                       out.numpy().reshape(-1))
+    return out
+
+
+def take_and_zero(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """numba ``kernels.take_and_zero``: one loop reads and clears each entry."""
+    out = torch.empty(idx.numel(), dtype=x.dtype)
+    _jit().take_and_zero(x.numpy(), idx.to(torch.int64).contiguous().numpy(), out.numpy())
+    return out
+
+
+def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """numba ``kernels.scatter_dense``: each span of ``out`` written once, zeros and values together.
+
+    Indexes that do not ascend strictly take the torch reference.
+    """
+    from .coo import scatter_dense_torch
+
+    impl = _jit()
+    i = idx.to(torch.int64).contiguous().numpy()
+    o = out.numpy()
+    if not impl.is_strictly_increasing(i, o.size):
+        return scatter_dense_torch(out, idx, values)
+    v = values.contiguous().numpy()
+    bounds = impl.chunk_bounds(o.size, _spans(o.size))
+    cuts = np.searchsorted(i, bounds)
+    _map(impl.densify_span, [(o, int(bounds[c]), int(bounds[c + 1]), i, v, int(cuts[c]), int(cuts[c + 1]))
+                             for c in range(bounds.size - 1)])
     return out

@@ -292,8 +292,19 @@ def _check_unchecked(call: _Call) -> None:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` has no NaN/Inf: min and max propagate both, in one pass (10x isfinite)."""
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    """Whether ``t`` has no NaN/Inf, in one pass over it.
+
+    A sum is finite only if every term is: for float32/float64 the sum
+    (1.7x faster than ``aminmax`` on one CPU thread at 25M) decides, and
+    only a non-finite sum (NaN/Inf, or finite values whose sum overflows)
+    is confirmed by min and max, which propagate NaN/Inf without overflowing
+    (10x ``isfinite``). 16-bit tensors go straight to min/max: a sum would
+    have to widen them (10x slower).
+    """
+    flat = t.detach().reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64) and bool(torch.isfinite(flat.sum())):
+        return True
+    lo, hi = torch.aminmax(flat)
     return bool(torch.isfinite(torch.stack([lo, hi])).all())  # one host read (a GPU sync), not two
 
 

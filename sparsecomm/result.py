@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from . import kernels
 from .comm.base import Communicator
 from .state import CallStats, PhaseStats
 
@@ -66,20 +67,15 @@ class SparseResult:
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """A dense tensor of n entries holding the result times ``scale``: new, or ``out``.
 
-        ``out`` (flat, contiguous, n elements of ``dtype``) is written once:
-        zeroed, then the result's entries scattered in.
+        ``out`` (flat, contiguous, n elements of ``dtype``) is written once
+        (``kernels.scatter_dense``: zeros and the result's entries together).
         """
         vals = self._scaled(scale)
+        if self.indexes is None:
+            return vals.to(dtype, copy=True) if out is None else out.copy_(vals)
         if out is None:
-            if self.indexes is None:
-                return vals.to(dtype, copy=True)
-            out = torch.zeros(self.n, dtype=dtype, device=self.values.device)
-        elif self.indexes is None:
-            return out.copy_(vals)
-        else:
-            out.zero_()
-        out[self.indexes] = vals.to(dtype)
-        return out
+            out = torch.empty(self.n, dtype=dtype, device=self.values.device)
+        return kernels.scatter_dense(out, self.indexes, vals.to(dtype))
 
 
 class PhaseRecorder:

@@ -106,11 +106,14 @@ class Preselection:
 
     ``indexes`` holds the first ``min(count, capacity)`` of them in index
     order; ``count`` is how many there were in all (more than
-    ``len(indexes)`` when the buffer overflowed).
+    ``len(indexes)`` when the buffer overflowed). ``values``: the
+    accumulated values at ``indexes``, when the pass kept them (saves
+    gathering them again from n entries).
     """
 
     indexes: torch.Tensor
     count: int
+    values: torch.Tensor | None = None
 
 
 @dataclass

@@ -177,3 +177,80 @@ def test_encode_decode_codes_match_torch_bytewise(backend, monkeypatch, bits, n,
         q = run("decode_codes", run("encode_codes", v, bits, float(levels)), bits, 4, float(levels),
                    torch.float32)
         assert q.tolist() == [0.0, 2.0, -2.0, 2.0]
+
+
+# ---- the O(k) index work of a sparse reduction: merges, take-and-zero, densify ------------
+def _runs(gen: torch.Generator, R: int, n: int, m: int) -> tuple[torch.Tensor, list[int]]:
+    """R ascending duplicate-free runs of up to m indexes below n, overlapping each other."""
+    parts = [torch.randperm(n, generator=gen)[:int(torch.randint(0, m + 1, (1,), generator=gen))].sort().values
+             for _ in range(R)]
+    runs = [0]
+    for p in parts:
+        runs.append(runs[-1] + p.numel())
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)), runs
+
+
+@pytest.mark.parametrize("backend", backend_params("union_sorted_runs"))
+@pytest.mark.parametrize("R", [0, 1, 2, 3, 5, 8, 17])
+def test_union_sorted_runs_matches_unique(backend, monkeypatch, R):
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(R)
+    for n, m in ((10, 10), (1000, 300), (50_000, 4000)):  # dense overlaps, sparse ones
+        cat, runs = _runs(gen, R, n, m)
+        before = cat.clone()
+        got = run("union_sorted_runs", cat, runs)
+        assert torch.equal(got, torch.unique(cat)) and got.dtype == torch.int64
+        assert torch.equal(cat, before)  # the input is never a scratch buffer
+    # int32 runs (unpacked records keep int64, but the op takes any integer dtype)
+    cat, runs = _runs(gen, 3, 100, 40)
+    assert torch.equal(run("union_sorted_runs", cat.int(), runs), torch.unique(cat))
+
+
+@pytest.mark.parametrize("backend", backend_params("isin_sorted"))
+def test_isin_sorted_paths_match_isin(backend, monkeypatch):
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    for m, k, ascending in ((0, 5, True), (5, 0, True), (300, 30, True), (3000, 3000, True),
+                            (1000, 200, False)):  # values that step back restart by binary search
+        values = torch.randint(0, 4000, (m,), generator=gen)
+        if ascending:
+            values = torch.unique(values)
+        sorted_set = torch.unique(torch.randint(0, 4000, (k,), generator=gen))
+        mark = torch.zeros(4000, dtype=torch.bool)
+        assert torch.equal(run("isin_sorted", values, sorted_set, mark), torch.isin(values, sorted_set))
+        assert not mark.any()
+
+
+@pytest.mark.parametrize("backend", backend_params("take_and_zero"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_take_and_zero_reads_and_clears(backend, monkeypatch, dtype):
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5000, generator=gen).to(dtype)
+    for idx in (torch.randperm(5000, generator=gen)[:700], torch.empty(0, dtype=torch.int64)):
+        buf = x.clone()
+        got = run("take_and_zero", buf, idx)
+        assert torch.equal(got, x[idx])
+        expect = x.clone()
+        expect[idx] = 0
+        assert torch.equal(buf, expect)
+
+
+@pytest.mark.parametrize("backend", backend_params("scatter_dense"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("case", ["sorted", "unsorted", "empty", "ends", "all"])
+def test_scatter_dense_matches_reference(backend, monkeypatch, dtype, case):
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(len(case))
+    n = 200_003  # several spans, one odd
+    idx = {"sorted": torch.randperm(n, generator=gen)[:3000].sort().values,
+           "unsorted": torch.randperm(n, generator=gen)[:3000],  # the cpu path hands it to torch
+           "empty": torch.empty(0, dtype=torch.int64),
+           "ends": torch.tensor([0, 1, n - 2, n - 1]),
+           "all": torch.arange(n)}[case]
+    vals = torch.randn(idx.numel(), generator=gen).to(dtype)
+    expect = torch.zeros(n, dtype=dtype)
+    expect[idx] = vals
+    out = torch.randn(n, generator=gen).to(dtype)  # every old entry must go
+    assert run("scatter_dense", out, idx, vals) is not None
+    assert torch.equal(out, expect)

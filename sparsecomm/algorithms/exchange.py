@@ -85,7 +85,10 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
         pending = nxt
     for req in all_sends:
         req.wait()
-    rel = torch.unique(torch.cat(touched))  # sorted
-    sums = region[rel]
-    region[rel] = 0  # O(k): the buffer is all zero again for the next call
+    # Every list ascends (cut from a sorted selection): merge them rather than sort.
+    runs = [0]
+    for part_idx in touched:
+        runs.append(runs[-1] + part_idx.numel())
+    rel = kernels.union_sorted_runs(torch.cat(touched), runs)
+    sums = kernels.take_and_zero(region, rel)  # O(k): the buffer is all zero again for the next call
     return rel, sums

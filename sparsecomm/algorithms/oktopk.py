@@ -128,9 +128,10 @@ class OkTopkState(State):
         self.n = flat.numel()
         self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
-        idx, _, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
-                                          zero_selected=False)
-        return Compensated(self.residual, Preselection(idx[:min(count, capacity)], count))
+        idx, val, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
+                                            zero_selected=False)
+        kept = min(count, capacity)
+        return Compensated(self.residual, Preselection(idx[:kept], count, val[:kept]))
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
@@ -171,7 +172,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        local_idx = _local_select(acc, k, state, t, stats, preselected)
+        local_idx, local_val = _local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
@@ -184,7 +185,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
 
     with rec.phase("split_reduce"):
-        local = codec.encode_shared(comm, acc[local_idx])
+        local = codec.encode_shared(comm, local_val)
         sent_local = local.decoded(acc.dtype)
         region = state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)
         red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
@@ -192,7 +193,7 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
-        red_rel, red_val = red_rel[keep], red_val[keep]
+        red_rel, red_val = _masked(keep, red_rel, red_val)
 
     with rec.phase("allgatherv"):
         owned = codec.encode_shared(comm, red_val)
@@ -202,16 +203,24 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
         gval = codec.decode(gwire, owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
 
-    contributed_mask = kernels.isin_sorted(local_idx, gidx, mark=state.scratch("mark", n, torch.bool, acc.device))
-    return SparseResult(n=n, indexes=gidx, values=gval,
-                        contributed=local_idx[contributed_mask], sent=sent_local[contributed_mask],
+    contributed, sent = _masked(kernels.isin_sorted(local_idx, gidx, mark=state.scratch("mark", n, torch.bool,
+                                                                                          acc.device)),
+                                local_idx, sent_local)
+    return SparseResult(n=n, indexes=gidx, values=gval, contributed=contributed, sent=sent,
                         stats=stats, kept_idx=red_rel + starts[me],
                         kept_val=red_val - owned.decoded(acc.dtype))
 
 
+def _masked(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t[mask]`` for each tensor, with one ``nonzero`` (on a GPU one sync) for all of them."""
+    pos = torch.nonzero(mask).flatten()
+    return tuple(t[pos] for t in tensors)
+
+
 # ---- step 1: local selection -------------------------------------------------
 def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: CallStats,
-                  preselected: Preselection | None) -> torch.Tensor:
+                  preselected: Preselection | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted local selection and its values in ``acc``."""
     if not st.reuse_due(t):
         st.local_stale = False
         stats.events["local_recomputed"] = 1
@@ -221,39 +230,43 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
             th = kernels.estimate_threshold(acc, k)
             idx = kernels.select_above(acc, th, use_abs=True)
             if idx.numel() >= st.count_bounds[0] * k:
-                return _checked_select(acc, idx, idx.numel(), th, k, st, stats)
+                return _checked_select(idx, acc[idx], idx.numel(), th, k, st, stats)
             # Too few (ties, or a sample in step with a periodic layout would
             # give the same estimate every time): select exactly instead.
             stats.events["local_estimate_fallback"] = 1
-        idx = kernels.topk_indexes(acc, k, use_abs=True)
-        _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
-        return idx
+        return _exact_local(acc, k, st)
     th = st.local_threshold
     if preselected is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = preselected.indexes, preselected.count
         if count > idx.numel():  # more candidates than the buffer held: select exactly
             # ...which also gives this call's exact k-th largest: a better guide than a tail
             # fitted to whichever candidates the buffer kept (they depend on span timing).
-            idx = kernels.topk_indexes(acc, k, use_abs=True)
-            _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
             stats.events["local_corrected"] = 1
             stats.events["local_overflowed"] = 1
-            return idx
+            return _exact_local(acc, k, st)
+        val = preselected.values if preselected.values is not None else acc[idx]
     else:
         idx = kernels.select_above(acc, th, use_abs=True)
         count = idx.numel()
+        val = acc[idx]
     if count == 0 and bool((acc != 0).any()):
         # The threshold overshot (the top entries of the last call left with its residual):
         # sending nothing would waste the call, so select exactly, as a re-evaluation would.
-        idx = kernels.topk_indexes(acc, k, use_abs=True)
-        _set_local_threshold(st, float(acc[idx].abs().min()) if idx.numel() else None)
         stats.events["local_recomputed"] = 1
-        return idx
-    return _checked_select(acc, idx, count, th, k, st, stats)
+        return _exact_local(acc, k, st)
+    return _checked_select(idx, val, count, th, k, st, stats)
 
 
-def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float, k: int,
-                    st: OkTopkState, stats: CallStats) -> torch.Tensor:
+def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact local top-k (sorted indexes, values); its k-th largest guides the next threshold."""
+    idx = kernels.topk_indexes(acc, k, use_abs=True)
+    val = acc[idx]
+    _set_local_threshold(st, float(val.abs().min()) if idx.numel() else None)
+    return idx, val
+
+
+def _checked_select(idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
+                    st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
 
     1. Above the upper bound: keep the exact top-k of these few candidates.
@@ -264,7 +277,7 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float,
        drifting with error feedback stays inside the bounds without corrections.
     """
     lo, hi = st.count_bounds
-    mag = acc[idx].abs()
+    mag = val.abs()
     if k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
         est = float(torch.kthvalue(mag.float(), count - k + 1).values)
     else:  # fewer than k: extrapolate the tail downwards
@@ -272,7 +285,7 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float,
     if idx.numel() > hi * k:
         # Too many: the exact top-k are among these few candidates.
         keep = kernels.topk_of_candidates(idx, mag, k)
-        idx = idx[keep]
+        idx, val = idx[keep], val[keep]
         stats.events["local_corrected"] = 1
     elif idx.numel() < lo * k:
         stats.events["local_under"] = 1
@@ -280,7 +293,7 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, count: int, th: float,
         st.local_stale = True
     else:  # never above this call's largest magnitude: the next call selects something
         _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None)
-    return idx
+    return idx, val
 
 
 def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None) -> None:
