@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import kernels
 from .comm.base import CommStats
 
 __all__ = ["State", "CallStats", "PhaseStats", "Compensated", "Preselection", "check_density", "topk_count",
@@ -140,6 +141,16 @@ class State:
 
     #: Registry name of the algorithm this state belongs to (set by subclasses).
     algorithm = ""
+    #: Whether the algorithm's local selection is the exact top-k of |acc| (TopkA, gTopk,
+    #: TopkDSA): with error feedback, :meth:`compensate` then also collects every entry above
+    #: ``topk_guide`` and :meth:`exact_topk` finds the top-k among those few candidates.
+    guided_topk = False
+    #: A little below the last call's k-th largest |acc| (None: select over all n next call).
+    topk_guide: float | None = None
+    #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its
+    #: candidates; the fused pass keeps up to GUIDE_CAPACITY k of them.
+    GUIDE_RANK = 2
+    GUIDE_CAPACITY = 4
 
     def __init__(self, density: float = 0.01, error_feedback: bool = False) -> None:
         # Set by the user.
@@ -189,8 +200,61 @@ class State:
         wd = self.work_dtype(flat.dtype)
         if not self.error_feedback:
             return Compensated(flat.to(wd))
+        residual = self.residual_on(flat)
+        if self.guided_topk and self.topk_guide is not None:
+            # One pass: residual += flat, and every entry above the guide collected.
+            capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
+            idx, val, count = kernels.ef_select(flat, residual, self.topk_guide, capacity,
+                                                zero_selected=False)
+            kept = min(count, capacity)
+            return Compensated(residual, Preselection(idx[:kept], count, val[:kept]))
         # In place: a fresh n-element tensor per call costs more in page faults than the add.
-        return Compensated(self.residual_on(flat).add_(flat))
+        return Compensated(residual.add_(flat))
+
+    def exact_topk(self, acc: torch.Tensor, k: int, preselected: Preselection | None,
+                   stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact top-k of |acc| (sorted indexes, their values), ties to the lower index.
+
+        1. When the fused pass's candidates (every entry with |acc| >= the
+           guide) number at least k and all were kept, the top-k are among
+           them: :func:`kernels.topk_of_candidates` over those few.
+        2. Else a selection over all n (``kernels.topk_indexes``); with
+           candidates at hand that is a miss, counted as ``local_recomputed``.
+        3. The next guide: the (2k)-th largest |acc| of this call (among the
+           candidates; linearly extrapolated from ranks k and count when
+           fewer; over all n after a miss).
+           Under error feedback entries pile up just below the threshold (they
+           grow until they cross it), so a fixed fraction of the k-th largest
+           catches anywhere from 2k to 20k entries. A rank instead: the k
+           entries between ranks k and 2k stay, and in a steady state about k
+           more cross from below per call (as many as leave), so about 2k
+           are above the guide next call: room for drift either way.
+        Either way the result is the same: that of ``kernels.topk_indexes``.
+        """
+        n = acc.numel()
+        cand = None
+        if preselected is not None and preselected.values is not None \
+                and k <= preselected.count <= preselected.indexes.numel():
+            cand = preselected.values.abs()
+            keep = kernels.topk_of_candidates(preselected.indexes, cand, k)
+            idx, val = preselected.indexes[keep], preselected.values[keep]
+        else:
+            if preselected is not None:
+                stats.events["local_recomputed"] = 1
+            idx = kernels.topk_indexes(acc, k, use_abs=True)
+            val = acc[idx]
+        if self.guided_topk and self.error_feedback and k < n and idx.numel() == k:
+            rank = min(n, math.ceil(self.GUIDE_RANK * k))
+            if cand is not None and cand.numel() >= rank:
+                guide = kernels.kth_largest(cand, rank)
+            elif cand is not None:  # fewer: extend the line through ranks k and count to 2k
+                kth, low = float(val.abs().min()), float(cand.min())
+                slope = (kth - low) / max(1, cand.numel() - k)
+                guide = max(0.5 * low, low - slope * (rank - cand.numel()))
+            else:  # after a full selection (a miss, or the first call): one more pass over n
+                guide = kernels.kth_largest(acc, rank, use_abs=True)
+            self.topk_guide = guide if guide > 0 else None
+        return idx, val
 
     def residual_on(self, flat: torch.Tensor) -> torch.Tensor:
         """The residual on ``flat``'s device: zeros at first, moved (never reset) when it is

@@ -35,6 +35,8 @@ _TAG_UP, _TAG_DOWN = 0x5C11, 0x5C12
 class GTopkState(State):
     """State of gTopk: density and error feedback (default on)."""
 
+    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
+
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__(density, error_feedback)
 
@@ -57,7 +59,7 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """gTopk sparse allreduce (tree of top-k merges, then delivery to all).
 
-    1. Select the exact local top-k of |acc|.
+    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
     2. Up the binomial tree (:func:`_reduce_up`): receive a child's set, sum,
        keep the top k. Keep, for this rank's own entries and for each
        child's, a mask of the entries still alive (kept by every merge so
@@ -74,8 +76,8 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
     rec = PhaseRecorder(comm, stats)
     layout = _Layout(k, kernels.index_dtype_for(n), codec, acc.dtype, acc.device)
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc, k, use_abs=True)
-        sent = codec.encode_own(acc[idx]).decoded(acc.dtype)
+        idx, val = state.exact_topk(acc, k, preselected, stats)
+        sent = codec.encode_own(val).decoded(acc.dtype)
     stats.local_selected = idx.numel()
     with rec.phase("reduce"):
         up = _reduce_up(idx, sent, comm, layout)

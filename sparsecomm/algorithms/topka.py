@@ -20,6 +20,8 @@ __all__ = ["TopkAState", "topka", "allgather_and_sum"]
 class TopkAState(State):
     """State of TopkA: density and error feedback (default on, as in training)."""
 
+    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
+
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__(density, error_feedback)
 
@@ -29,39 +31,44 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkA sparse allreduce (allgather of local top-k).
 
-    1. Select the exact local top-k of |acc|.
+    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
     2. Allgather the counts, then allgatherv the (index, value) records.
     3. Sum duplicates locally, in rank order (so every rank gets the same bits).
     """
     stats = CallStats(algorithm="topka", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc, k, use_abs=True)
-    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state)
+        idx, val = state.exact_topk(acc, k, preselected, stats)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state, val)
 
 
 def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
                       codec: Compressor, stats: CallStats, rec: PhaseRecorder,
-                      state: State) -> SparseResult:
-    """Steps 2-3 of TopkA for any local selection ``idx`` (shared with Gaussiank).
+                      state: State, val: torch.Tensor | None = None) -> SparseResult:
+    """Steps 2-3 of TopkA for any sorted local selection ``idx`` (shared with Gaussiank).
 
-    The sum goes into the state's all-zero scratch buffer, reset in O(P k) after.
+    ``val``: ``acc[idx]`` when the caller has it. The sum goes into the
+    state's all-zero scratch buffer; the touched indexes are the union of the
+    ranks' sorted lists (merged, not sorted), read out and reset in O(P k).
     """
     n = acc.numel()
     stats.local_selected = idx.numel()
     index_dtype = kernels.index_dtype_for(n)
     with rec.phase("allgatherv"):
-        mine = codec.encode_shared(comm, acc[idx])
-        counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64, device=comm.control_device))
+        mine = codec.encode_shared(comm, acc[idx] if val is None else val)
+        counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64,
+                                             device=comm.control_device)).flatten().tolist()
         records = kernels.pack_records(idx, mine.wire, index_dtype, codec.wire_dtype)
-        gathered = comm.allgatherv(records, counts.flatten().tolist()) if comm.size > 1 else records
+        gathered = comm.allgatherv(records, counts) if comm.size > 1 else records
     with rec.phase("sum"):
         gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
         total = kernels.scatter_add(state.scratch("sum", n, acc.dtype, acc.device), gidx,
                                     codec.decode(gwire, mine.scale, acc.dtype))
-        uniq = kernels.unique_indexes(gidx, n)
-        values = total[uniq]
-        total[uniq] = 0
+        runs = [0]
+        for c in counts:
+            runs.append(runs[-1] + c)
+        uniq = kernels.union_sorted_runs(gidx, runs)
+        values = kernels.take_and_zero(total, uniq)
     stats.global_selected = uniq.numel()
     return SparseResult(n=n, indexes=uniq, values=values, contributed=idx,
                         sent=mine.decoded(acc.dtype), stats=stats)

@@ -26,6 +26,8 @@ __all__ = ["TopkDSAState", "topkdsa"]
 class TopkDSAState(State):
     """State of TopkDSA: density, error feedback (default on) and the reduce-scatter bucket."""
 
+    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
+
     def __init__(self, density: float = 0.01, error_feedback: bool = True, bucket: int = 4) -> None:
         super().__init__(density, error_feedback)
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
@@ -38,7 +40,7 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
             codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
 
-    1. Select the exact local top-k of |acc|.
+    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
     2. Sparse reduce-scatter over P equal regions (rotated, bucketed sends).
     3. Each owner picks its region's representation by the switching rule.
     4. Allgather (count, dense flag) per rank, then allgatherv the payload bytes.
@@ -48,13 +50,13 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     stats = CallStats(algorithm="topkdsa", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        idx = kernels.topk_indexes(acc, k, use_abs=True)
+        idx, val = state.exact_topk(acc, k, preselected, stats)
     stats.local_selected = idx.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
     index_dtype = kernels.index_dtype_for(max(sizes))
     with rec.phase("reduce_scatter"):
-        mine = codec.encode_shared(comm, acc[idx])
+        mine = codec.encode_shared(comm, val)
         region = state.scratch("region", sizes[me], acc.dtype, acc.device)
         rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region)
     with rec.phase("allgatherv"):
