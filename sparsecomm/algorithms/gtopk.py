@@ -47,9 +47,11 @@ _HEADER = 16  # bytes: int64 count, float64 scale
 def _merge(a_idx: torch.Tensor, a_val: torch.Tensor, b_idx: torch.Tensor, b_val: torch.Tensor,
            k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k of the sum of two sparse sets (sorted indexes in, sorted indexes out)."""
-    uniq, inverse = torch.unique(torch.cat([a_idx, b_idx]), return_inverse=True)
+    # Both lists ascend: merge them (a sort cost 25 ms at k = 250k) and find each one's places.
+    uniq = kernels.union_sorted_runs(torch.cat([a_idx, b_idx]), [0, a_idx.numel(), a_idx.numel() + b_idx.numel()])
     sums = torch.zeros(uniq.numel(), dtype=a_val.dtype, device=a_val.device)
-    sums.index_add_(0, inverse, torch.cat([a_val, b_val.to(a_val.dtype)]))
+    sums.index_add_(0, torch.searchsorted(uniq, a_idx), a_val)  # 0 + a, then + b: two terms, any order
+    sums.index_add_(0, torch.searchsorted(uniq, b_idx), b_val.to(a_val.dtype))
     keep = kernels.topk_of_candidates(uniq, sums.abs(), k)
     return uniq[keep], sums[keep]
 
