@@ -7,6 +7,8 @@ returns results that the engine tests compare with the simulated world's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import sparsecomm
@@ -176,3 +178,58 @@ def check_bad_input_messages(msgs: dict[str, str]) -> None:
     assert msgs.keys() == expected.keys(), msgs.keys()
     for name, words in expected.items():
         assert words in msgs[name], (name, msgs[name])
+
+
+def engine_cases(rank: int, size: int, comm=None) -> dict[str, Any]:
+    """Jobs on an asynchronous engine, raced by the caller's own collectives on the same ranks.
+
+    Returns, by name: every job's result, the same calls made synchronously
+    afterwards (they must be equal bit for bit), and what a bad job raised.
+    """
+    from sparsecomm.errors import InputError
+    from sparsecomm.schedules import Engine
+
+    n = 2003
+    engine = Engine(comm=comm)
+    user = sparsecomm.resolve(comm=comm)
+    out: dict[str, Any] = {}
+    plan = [("oktopk", "avg", None), ("topka", "sum", None), ("dense", "sum", "q8"), ("gtopk", "avg", "fp16")]
+    states = {name: sparsecomm.registry.get(name).state_class(0.02, error_feedback=True) for name, _, _ in plan}
+    jobs = []
+    for step in range(3):
+        for name, op, compressor in plan:
+            g = inputs(rank + 7 * step, n, "skewed")
+            jobs.append((f"{name}/{step}", engine.submit(g, state=states[name], op=op, compressor=compressor)))
+        # The caller's own collectives on the user's communicator while the jobs run.
+        out[f"caller/{step}"] = sparsecomm.allreduce(inputs(rank, 501, "gaussian"), 0.1, comm=user)
+    for key, job in jobs:
+        out[f"job/{key}"] = job.wait()
+    # A job bad on one rank fails on every rank; the engine goes on.
+    bad = torch.full((n,), float("nan")) if rank == size - 1 else inputs(rank, n, "gaussian")
+    try:
+        engine.submit(bad, density=0.1).wait()
+        out["bad"] = "no error"
+    except InputError as exc:
+        out["bad"] = str(exc)
+    out["after_bad"] = engine.submit(inputs(rank, n, "gaussian"), density=0.1).wait()
+    engine.close()
+    # The same calls, synchronously and in the same order, for the expected values.
+    states = {name: sparsecomm.registry.get(name).state_class(0.02, error_feedback=True) for name, _, _ in plan}
+    for step in range(3):
+        for name, op, compressor in plan:
+            g = inputs(rank + 7 * step, n, "skewed")
+            out[f"sync/{name}/{step}"] = sparsecomm.allreduce(g, state=states[name], op=op,
+                                                              compressor=compressor, comm=user)
+    out["sync/after_bad"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), 0.1, comm=user)
+    return out
+
+
+def check_engine_cases(results: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(results):
+        for key, value in out.items():
+            if key.startswith("job/"):
+                assert torch.equal(value, out["sync/" + key[4:]]), (rank, key)
+                assert torch.equal(value, results[0][key]), (rank, key)  # every rank the same
+        assert torch.equal(out["after_bad"], out["sync/after_bad"])
+        assert "NaN or Inf on rank(s) [%d]" % (len(results) - 1) in out["bad"], out["bad"]
+        assert torch.equal(out["caller/2"], results[0]["caller/2"])

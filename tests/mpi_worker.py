@@ -29,6 +29,7 @@ def main() -> None:
         "resolve": lambda: sparsecomm.resolve().name,
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
         "matrix_cuda": lambda: test_gpu.matrix(rank, size, "cuda"),
+        "engine": lambda: cases.engine_cases(rank, size),
     }
     save_result(outdir, rank, bodies[case])
 

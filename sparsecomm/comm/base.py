@@ -168,6 +168,15 @@ class Communicator(abc.ABC):
         """
         return contextlib.nullcontext()
 
+    def dup(self) -> "Communicator":
+        """A communicator over the same ranks whose traffic never mixes with this one's.
+
+        Collective: every rank calls it, in the same order relative to its
+        other collectives. An asynchronous engine runs its jobs on one, so they
+        never race the caller's (or DDP's) collectives.
+        """
+        raise NotImplementedError(f"{self.name}: this communicator cannot be duplicated")
+
     # ---- public collectives: accounting around the backend calls ----------
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's equal-size ``t``, stacked in rank order."""

@@ -65,6 +65,10 @@ class MPICommunicator(Communicator):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(self.comm.Get_rank(), self.comm.Get_size(), timeout)
 
+    def dup(self) -> "MPICommunicator":
+        """``MPI_Comm_dup``: the same ranks in a new communication context."""
+        return MPICommunicator(self.comm.Dup(), self.timeout)
+
     def supports_device(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 

@@ -80,9 +80,9 @@ class _World:
         self.network = network
         self.run = threading.Lock()
         self.cond = threading.Condition()
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[tuple, _Slot] = {}  # by (channel, collective sequence number)
         self.inbox = [threading.Condition() for _ in range(size)]
-        self.mailbox: dict[tuple[int, int, int], deque] = defaultdict(deque)
+        self.mailbox: dict[tuple, deque] = defaultdict(deque)  # by (channel, src, dst, tag)
         self.failure: tuple[int, BaseException] | None = None
         self.last_progress = time.monotonic()
         self.run_holder: int | None = None
@@ -179,9 +179,11 @@ class SimCommunicator(Communicator):
 
     name = "sim"
 
-    def __init__(self, rank: int, world: _World) -> None:
+    def __init__(self, rank: int, world: _World, channel: tuple = ()) -> None:
         super().__init__(rank, world.size, world.timeout)
         self._world = world
+        self.channel = channel  # () for the world's own; dup() adds a number per duplicate
+        self._dups = 0
         self._seq = 0
         self.clock = 0.0
         self._cost = (0, 0)
@@ -191,6 +193,11 @@ class SimCommunicator(Communicator):
 
     def idle(self) -> contextlib.AbstractContextManager:
         return self._world.idle(self.rank)
+
+    def dup(self) -> "SimCommunicator":
+        """The same ranks on a channel of their own (messages and collectives never mix)."""
+        self._dups += 1
+        return SimCommunicator(self.rank, self._world, self.channel + (self._dups,))
 
     # ---- accounting hook: remember the cost of the collective being run ----
     def _count(self, nbytes: int, messages: int) -> None:
@@ -211,14 +218,14 @@ class SimCommunicator(Communicator):
         data = buf.detach().clone()
         inbox = self._world.inbox[dst]
         with inbox:
-            self._world.mailbox[(self.rank, dst, tag)].append((data, arrival))
+            self._world.mailbox[(self.channel, self.rank, dst, tag)].append((data, arrival))
             inbox.notify()
         self._world.progress()
         return _SimRequest()
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int = 0) -> Request:
         self._check_peer(src, "irecv")
-        key = (src, self.rank, tag)
+        key = (self.channel, src, self.rank, tag)
 
         def complete() -> None:
             world = self._world
@@ -251,7 +258,7 @@ class SimCommunicator(Communicator):
         world, seq = self._world, self._seq
         self._seq += 1
         with world.cond:
-            slot = world.slots.setdefault(seq, _Slot(self.size))
+            slot = world.slots.setdefault((self.channel, seq), _Slot(self.size))
             slot.items[self.rank], slot.ops[self.rank] = payload, op
             slot.clocks[self.rank] = self.clock
             slot.arrived += 1
@@ -266,7 +273,7 @@ class SimCommunicator(Communicator):
                 slot.combined = combine(slot.items)
             slot.read += 1
             if slot.read == self.size:
-                del world.slots[seq]
+                del world.slots[(self.channel, seq)]
             return list(slot.items), list(slot.ops), max(slot.clocks), slot.combined
 
         def waiting() -> str:

@@ -60,6 +60,12 @@ class TorchCommunicator(Communicator):
         # gloo's point-to-point and all_to_all take CPU tensors only: stage every buffer.
         self._staged = self.backend == "gloo"
 
+    def dup(self) -> "TorchCommunicator":
+        """A new process group over the same ranks (``dist.new_group``: every process of the
+        default group must call it, as torch.distributed requires)."""
+        ranks = self._dist.get_process_group_ranks(self.group)
+        return TorchCommunicator(self._dist.new_group(ranks=ranks, backend=self.backend), self.timeout)
+
     def supports_device(self, device: torch.device) -> bool:
         if self.backend == "gloo":
             return device.type in ("cpu", "cuda")

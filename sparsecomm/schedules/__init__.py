@@ -1,8 +1,11 @@
 """Communication schedules that overlap sparsecomm allreduces with computation (issue 12).
 
+* :mod:`.engine`: an asynchronous engine, jobs in submission order on a
+  communication thread over a duplicate of the caller's communicator.
 * :mod:`.planner`: MG-WFBP's merge plan (exact, and the paper's Algorithm 1).
 """
 
+from .engine import Engine, Job
 from .planner import METHODS, fit_linear, plan_merge, plan_time
 
-__all__ = ["plan_merge", "plan_time", "fit_linear", "METHODS"]
+__all__ = ["Engine", "Job", "plan_merge", "plan_time", "fit_linear", "METHODS"]

@@ -49,12 +49,12 @@ def _check(backward_times: Sequence[float], sizes: Sequence[float], a: float, b:
 
 
 def _ready(backward_times: Sequence[float]) -> list[float]:
-    """ready[l]: when layer l's gradient is ready, from the start of backward."""
+    """ready[j]: when layer j's gradient is ready, from the start of backward."""
     ready = [0.0] * len(backward_times)
     t = 0.0
-    for l in range(len(backward_times) - 1, -1, -1):
-        t += backward_times[l]
-        ready[l] = t
+    for j in range(len(backward_times) - 1, -1, -1):
+        t += backward_times[j]
+        ready[j] = t
     return ready
 
 
@@ -76,7 +76,7 @@ def plan_time(groups: Sequence[Sequence[int]], backward_times: Sequence[float], 
                              f"starting at {expect} (groups go from the last layer down)")
         expect -= len(layers)
         start = max(free, ready[layers[-1]])
-        free = start + a + b * sum(sizes[l] for l in layers)
+        free = start + a + b * sum(sizes[j] for j in layers)
     if expect != -1:
         raise ValueError(f"plan_time: layers 0..{expect} are in no group")
     return free
@@ -86,7 +86,7 @@ def plan_merge(backward_times: Sequence[float], sizes: Sequence[float], a: float
                method: str = "optimal") -> list[list[int]]:
     """Groups of layers (forward numbering 0..L-1) to allreduce together, in start order.
 
-    1. ``ready[l]`` = backward_times[l] + ... + backward_times[L-1].
+    1. ``ready[j]`` = backward_times[j] + ... + backward_times[L-1].
     2. ``optimal``: F(j) = the earliest end of a plan for layers L-1..j;
        F(j) = min over i >= j of max(F(i+1), ready[j]) + a + b * S(j..i),
        F(L) = 0. Back-track the minimising i's.
@@ -133,40 +133,40 @@ def _optimal(backward_times: Sequence[float], sizes: Sequence[float], a: float, 
 
 def _mgwfbp(backward_times: Sequence[float], sizes: Sequence[float], a: float, b: float,
             L: int) -> list[list[int]]:
-    """Algorithm 1 of MG-WFBP, 1-based as printed (layer l here is layer l-1 of the result).
+    """Algorithm 1 of MG-WFBP, 1-based as printed (layer j here is layer j-1 of the result).
 
-    tau_b[L] = 0, tau_b[l] = tau_b[l+1] + t_b[l+1]; t_c[l] = a + b p[l];
-    tau_c[L] = tau_b[L] + t_b[L], tau_c[l] = max(tau_c[l+1] + t_c[l+1], tau_b[l] + t_b[l]).
-    For l = L down to 2: if tau_b[l-1] + t_b[l-1] - tau_c[l] < a, merge layer l into
-    l-1 (t_c[l] = 0, p[l-1] += p[l], t_c[l-1] = a + b p[l-1]) and recompute tau_c.
+    tau_b[L] = 0, tau_b[j] = tau_b[j+1] + t_b[j+1]; t_c[j] = a + b p[j];
+    tau_c[L] = tau_b[L] + t_b[L], tau_c[j] = max(tau_c[j+1] + t_c[j+1], tau_b[j] + t_b[j]).
+    For j = L down to 2: if tau_b[j-1] + t_b[j-1] - tau_c[j] < a, merge layer j into
+    j-1 (t_c[j] = 0, p[j-1] += p[j], t_c[j-1] = a + b p[j-1]) and recompute tau_c.
     """
     tb = [0.0] + [float(t) for t in backward_times]  # 1-based
     p = [0.0] + [float(s) for s in sizes]
     tau_b = [0.0] * (L + 2)
-    for l in range(L - 1, 0, -1):
-        tau_b[l] = tau_b[l + 1] + tb[l + 1]
-    tc = [0.0] + [a + b * p[l] for l in range(1, L + 1)]
-    merged = [False] * (L + 1)  # merged[l]: layer l travels with layer l-1
+    for j in range(L - 1, 0, -1):
+        tau_b[j] = tau_b[j + 1] + tb[j + 1]
+    tc = [0.0] + [a + b * p[j] for j in range(1, L + 1)]
+    merged = [False] * (L + 1)  # merged[j]: layer j travels with layer j-1
 
     def comm_starts() -> list[float]:
         tau_c = [0.0] * (L + 2)
         tau_c[L] = tau_b[L] + tb[L]
-        for l in range(L - 1, 0, -1):
-            tau_c[l] = max(tau_c[l + 1] + tc[l + 1], tau_b[l] + tb[l])
+        for j in range(L - 1, 0, -1):
+            tau_c[j] = max(tau_c[j + 1] + tc[j + 1], tau_b[j] + tb[j])
         return tau_c
 
     tau_c = comm_starts()
-    for l in range(L, 1, -1):
-        if tau_b[l - 1] + tb[l - 1] - tau_c[l] < a:
-            merged[l] = True
-            tc[l] = 0.0
-            p[l - 1] += p[l]
-            tc[l - 1] = a + b * p[l - 1]
+    for j in range(L, 1, -1):
+        if tau_b[j - 1] + tb[j - 1] - tau_c[j] < a:
+            merged[j] = True
+            tc[j] = 0.0
+            p[j - 1] += p[j]
+            tc[j - 1] = a + b * p[j - 1]
             tau_c = comm_starts()
     groups, current = [], []
-    for l in range(L, 0, -1):
-        current.append(l - 1)
-        if not merged[l]:
+    for j in range(L, 0, -1):
+        current.append(j - 1)
+        if not merged[j]:
             groups.append(current)
             current = []
     return groups

@@ -1,0 +1,162 @@
+"""An asynchronous engine: sparsecomm allreduces run on a communication thread, in submission order.
+
+    engine = sparsecomm.schedules.Engine()              # collective: every rank, same order
+    job = engine.submit(grad, state=state, op="avg")     # returns at once
+    ...                                                  # compute meanwhile
+    reduced = job.wait()                                 # the allreduce's result (or its error)
+
+The engine owns a duplicate of the caller's communicator (``Communicator.dup``:
+``dist.new_group`` over the same ranks, ``MPI_Comm_dup``, a channel of its own
+in the simulated world), so its collectives never race the caller's or DDP's.
+Every rank must submit the same jobs in the same order, as for any collective.
+
+Errors raised on the thread (``InputError``, ``CommTimeoutError``, ...) are
+re-raised, the same object, by the job's ``wait()``. An input error is raised
+on every rank alike and the engine goes on; any other error (a timeout, a
+dead peer) leaves the ranks out of step, so the engine refuses every later
+job with that error instead of hanging.
+
+On CPU the thread's local work (selection, packing) competes with the
+caller's computation for cores: torch and numba size their thread pools
+per thread, so give the engine a thread budget (``threads=``) that leaves
+the caller its own.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..api import allreduce
+from ..comm import Communicator, resolve
+from ..errors import CommTimeoutError, InputError
+
+__all__ = ["Engine", "Job"]
+
+
+class Job:
+    """A submitted allreduce: ``wait()`` returns its result or raises its error.
+
+    ``future`` is the same result as a ``torch.futures.Future`` (what a DDP
+    communication hook returns).
+    """
+
+    def __init__(self, name: str, idle: Callable[[], Any], timeout: float) -> None:
+        self.name = name
+        self.future: torch.futures.Future = torch.futures.Future()
+        self._done = threading.Event()
+        self._idle, self._timeout = idle, timeout
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        if error is None:
+            self.future.set_result(result)
+        else:
+            self.future.set_exception(error)
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result; raises what the job raised, or CommTimeoutError after ``timeout`` seconds
+        (default: the communicator's timeout and a margin, so the job's own waits time out first)."""
+        with self._idle():  # the simulated world lets the other ranks run meanwhile
+            finished = self._done.wait(self._timeout if timeout is None else timeout)
+        if not finished:
+            raise CommTimeoutError(f"sparsecomm engine: {self.name} did not finish within "
+                                   f"{self._timeout if timeout is None else timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+_STOP = object()
+
+
+class Engine:
+    """Runs sparsecomm allreduces submitted by this rank on one communication thread.
+
+    1. At construction, duplicate the communicator (collective).
+    2. ``submit`` queues a job and returns a :class:`Job` at once.
+    3. The thread takes jobs in order and runs each as
+       ``sparsecomm.allreduce(tensor, comm=<duplicate>, **options)``; the
+       result (or the exception) completes the job.
+    4. After an error other than ``InputError`` the engine is broken: every
+       queued and later job fails with that error.
+
+    Args:
+        group, comm: the ranks, as for :func:`sparsecomm.allreduce`.
+        threads: torch (and numba) threads the communication thread uses for
+            its local work (default 1).
+        name: the thread's name, for debuggers and error messages.
+    """
+
+    def __init__(self, group: Any = None, comm: Any = None, *, threads: int = 1,
+                 name: str = "sparsecomm-engine") -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        self._user: Communicator = resolve(group, comm)
+        self.comm: Communicator = self._user.dup()
+        self.threads, self.name = threads, name
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._broken: BaseException | None = None
+        self._submitted = 0
+        self._thread = threading.Thread(target=self._serve, name=f"{name}-rank-{self.comm.rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, tensor: torch.Tensor, **options: Any) -> Job:
+        """Queue ``sparsecomm.allreduce(tensor, **options)``; ``tensor`` must stay unchanged until
+        the job is done (``out=`` may name where the result goes)."""
+        if "comm" in options or "group" in options:
+            raise InputError("Engine.submit: the engine runs on its own communicator; "
+                             "pass group=/comm= to Engine() instead")
+        self._submitted += 1
+        job = Job(f"job {self._submitted} (allreduce of {tuple(tensor.shape)} {tensor.dtype})",
+                  self._user.idle, self.comm.timeout + 5.0)
+        if self._broken is not None:
+            job._finish(error=self._broken)
+            return job
+        if not self._thread.is_alive():
+            job._finish(error=RuntimeError("sparsecomm engine: closed"))
+            return job
+        self._queue.put((job, tensor, options))
+        return job
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            with self._user.idle():
+                self._thread.join(self.comm.timeout + 5.0)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        torch.set_num_threads(self.threads)  # per thread: the caller keeps its own budget
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job, tensor, options = item
+            if self._broken is not None:
+                job._finish(error=self._broken)
+                continue
+            try:
+                result = allreduce(tensor, comm=self.comm, **options)
+            except InputError as exc:  # raised alike on every rank: the ranks stay in step
+                job._finish(error=exc)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by Job.wait
+                self._broken = exc
+                job._finish(error=exc)
+            else:
+                job._finish(result)

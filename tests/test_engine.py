@@ -1,0 +1,71 @@
+"""The asynchronous engine: jobs in order on a communication thread, on every backend."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.errors import CommTimeoutError, InputError
+from sparsecomm.schedules import Engine
+
+import cases
+import engines
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_engine_jobs_equal_synchronous_calls(P):
+    cases.check_engine_cases(sparsecomm.simulate(P, lambda r: cases.engine_cases(r, P), timeout=60).results)
+
+
+def test_a_dead_peer_breaks_the_engine_with_a_timeout_not_a_hang():
+    def body(rank: int):
+        engine = Engine()
+        if rank == 1:  # never submits: rank 0's job has no partner
+            return "absent"
+        t0 = time.monotonic()
+        job = engine.submit(torch.randn(1000), density=0.1)
+        with pytest.raises(CommTimeoutError) as first:
+            job.wait()
+        waited = time.monotonic() - t0
+        # Broken: a later job fails at once with the same error instead of hanging.
+        with pytest.raises(CommTimeoutError) as later:
+            engine.submit(torch.randn(1000), density=0.1).wait()
+        assert later.value is first.value
+        return waited
+
+    rank0, rank1 = sparsecomm.simulate(2, body, timeout=2).results
+    assert rank1 == "absent" and 1.5 < rank0 < 10
+
+
+def test_submit_refuses_its_own_communicator_arguments():
+    engine = Engine()
+    with pytest.raises(InputError, match="own communicator"):
+        engine.submit(torch.randn(10), density=0.5, group=object())
+    assert torch.equal(engine.submit(torch.ones(4), density=1.0).future.wait(), torch.ones(4))
+    engine.close()
+    job = engine.submit(torch.ones(4), density=1.0)  # closed: an error, not a hang
+    with pytest.raises(RuntimeError, match="closed"):
+        job.wait()
+    with pytest.raises(ValueError, match="threads"):
+        Engine(threads=0)
+
+
+def _engine_case(rank, size):
+    torch.set_num_threads(1)
+    return cases.engine_cases(rank, size)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_engine_on_gloo():
+    cases.check_engine_cases(engines.run_gloo(3, _engine_case))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
+def test_engine_on_mpi():
+    cases.check_engine_cases(engines.run_mpi(4, "engine"))
