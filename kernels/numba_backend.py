@@ -329,8 +329,8 @@ def union_sorted_runs(cat: torch.Tensor, runs: list[int]) -> torch.Tensor:
     impl = _jit()
     src = cat.to(torch.int64).contiguous().numpy()
     bounds = np.asarray(runs, dtype=np.int64)
-    if bounds.size <= 2:  # one run: already ascending and unique
-        return torch.from_numpy(src[:int(bounds[-1]) if bounds.size else 0])
+    if bounds.size <= 2:  # one run: already ascending and unique (a copy, as torch.unique gives)
+        return torch.from_numpy(src[:int(bounds[-1]) if bounds.size else 0].copy())
     bufs = (np.empty_like(src), np.empty_like(src))  # never write into the caller's tensor
     level = 0
     while bounds.size > 2:

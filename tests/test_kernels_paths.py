@@ -201,6 +201,9 @@ def test_union_sorted_runs_matches_unique(backend, monkeypatch, R):
         got = run("union_sorted_runs", cat, runs)
         assert torch.equal(got, torch.unique(cat)) and got.dtype == torch.int64
         assert torch.equal(cat, before)  # the input is never a scratch buffer
+        if got.numel():  # ...nor shared with the result
+            got[0] = -1
+            assert torch.equal(cat, before)
     # int32 runs (unpacked records keep int64, but the op takes any integer dtype)
     cat, runs = _runs(gen, 3, 100, 40)
     assert torch.equal(run("union_sorted_runs", cat.int(), runs), torch.unique(cat))
