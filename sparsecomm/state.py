@@ -145,7 +145,7 @@ class State:
     #: TopkDSA): with error feedback, :meth:`compensate` then also collects every entry above
     #: ``topk_guide`` and :meth:`exact_topk` finds the top-k among those few candidates.
     guided_topk = False
-    #: A little below the last call's k-th largest |acc| (None: select over all n next call).
+    #: Where the next call starts collecting candidates (None: select over all n next call).
     topk_guide: float | None = None
     #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its
     #: candidates; the fused pass keeps up to GUIDE_CAPACITY k of them.
