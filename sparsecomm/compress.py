@@ -216,7 +216,11 @@ class Quantize(Compressor):
         return local.tolist()
 
     def own_scale(self, values: torch.Tensor) -> float:
-        return float(values.abs().max()) if values.numel() else 0.0
+        if not values.numel():
+            return 0.0
+        # max |v| from min and max: one pass and no |v| temporary of the message's size.
+        lo, hi = torch.aminmax(values.reshape(-1))
+        return float(torch.maximum(hi, -lo))
 
     def _noise(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         gen = torch.Generator().manual_seed(_stream_seed(*self._stream, self._messages))

@@ -33,6 +33,9 @@ class SparseResult:
         kept_idx, kept_val: values this rank must add back to its residual:
             the error of re-encoding sums it reduced for others (region owner,
             tree node), so that results plus residuals keep every gradient.
+        kept_at: with ``kept_idx`` None, ``kept_val`` covers the contiguous
+            positions ``kept_at, kept_at + 1, ...`` (a dense owner's chunk: an
+            index per entry would cost an n-sized ``arange`` per call).
     """
 
     n: int
@@ -43,6 +46,7 @@ class SparseResult:
     stats: CallStats
     kept_idx: torch.Tensor | None = None
     kept_val: torch.Tensor | None = None
+    kept_at: int | None = None
 
     def _scaled(self, scale: float) -> torch.Tensor:
         vals = self.values

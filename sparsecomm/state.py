@@ -282,6 +282,8 @@ class State:
             residual.index_add_(0, result.contributed, result.sent.to(acc.dtype), alpha=-1)
         if result.kept_idx is not None and result.kept_idx.numel():
             residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
+        elif result.kept_at is not None and result.kept_val is not None:
+            residual[result.kept_at:result.kept_at + result.kept_val.numel()] += result.kept_val.to(acc.dtype)
         self.residual = residual
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -100,6 +100,5 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
             s = float(msg[:8].clone().view(torch.float64))
             parts.append(codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype))
         total = torch.cat(parts)
-    kept_idx = torch.arange(starts[me], starts[me + 1], device=acc.device)
     return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats,
-                        kept_idx=kept_idx, kept_val=mine - delivered)
+                        kept_at=starts[me], kept_val=mine - delivered)
