@@ -4,11 +4,13 @@
     ddp_model.register_comm_hook(state, sparsecomm.hooks.sparse_allreduce_hook)
 
 The hook has the shape every DDP hook has, ``hook(state, bucket) ->
-torch.futures.Future[torch.Tensor]``. It runs the allreduce synchronously
-inside the hook and returns a completed future (sparsecomm's communicators
-are blocking, and running them on a side thread would race with DDP's own
-collectives on the same process group); DDP then copies the result into the
-gradients.
+torch.futures.Future[torch.Tensor]``. By default it runs the allreduce
+synchronously inside the hook and returns a completed future; DDP then copies
+the result into the gradients. With ``SparseHookState(..., overlap=True)`` the
+bucket's allreduce is a job on an asynchronous engine
+(:class:`sparsecomm.schedules.Engine`, on its own duplicate of the process
+group, so it never races DDP's collectives) and the hook returns the pending
+future, as DDP's own hooks do: backward goes on while buckets are reduced.
 
 Residuals are kept per *parameter*, not per bucket: DDP rebuilds its buckets
 after the first iteration (and a resumed run starts with the default layout
@@ -53,6 +55,10 @@ class SparseHookState:
         min_bucket_elements: buckets smaller than this always go dense
             (sparsifying a few thousand values saves nothing).
         error_feedback: keep what was not sent in per-parameter residuals.
+        overlap: reduce buckets on a communication thread while backward goes
+            on (an engine made here: collective, every rank must build its state
+            at the same point). Results are bit for bit those of ``overlap=False``.
+        engine_threads: torch threads of that communication thread.
         algorithm_options: extra keyword arguments of the algorithm's State
             (e.g. ``{"tau": 32, "tau_prime": 64}`` for Ok-Topk).
         group, comm: which ranks (default: DDP's default process group).
@@ -64,7 +70,8 @@ class SparseHookState:
     def __init__(self, model: torch.nn.Module, algorithm: str = "oktopk", density: float = 0.01, *,
                  compressor: Any = None, op: str = "avg", warmup_steps: int = 0,
                  min_bucket_elements: int = 16384, error_feedback: bool = True,
-                 algorithm_options: Optional[dict] = None, group: Any = None, comm: Any = None) -> None:
+                 algorithm_options: Optional[dict] = None, group: Any = None, comm: Any = None,
+                 overlap: bool = False, engine_threads: int = 1) -> None:
         # Set by the user.
         self.spec = registry.get(algorithm)
         self.algorithm, self.density = algorithm, check_density(density)
@@ -79,7 +86,15 @@ class SparseHookState:
         self.algorithm_options = dict(algorithm_options or {})
         self.spec.state_class(density, **self._state_kwargs())  # validate the options now
         self.group, self._comm_arg = group, comm
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
         # Internal.
+        self._engine = None
+        if overlap:
+            from .schedules.engine import Engine
+
+            self._engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-ddp")
         self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self._numel = [p.numel() for p in model.parameters()]
         self.step = 0
@@ -180,7 +195,7 @@ class SparseHookState:
     def __getstate__(self) -> dict:  # communicators do not pickle; buffers are rebuilt
         d = dict(self.__dict__)
         d["_canonical"] = {}
-        d["_comm"] = None
+        d["_comm"] = d["_engine"] = None
         d["group"] = d["_comm_arg"] = None
         return d
 
@@ -194,20 +209,32 @@ def sparse_allreduce_hook(state: SparseHookState,
        their parameters).
     2. Warm-up steps and small buckets: dense allreduce. Otherwise the
        state's algorithm, with error feedback and the compressor.
-    3. Return a completed future with the reduced bucket (averaged for "avg"),
-       written into the bucket's own buffer when its layout allows.
+    3. Return a future of the reduced bucket (averaged for "avg"), written into
+       the bucket's own buffer when its layout allows: completed, or with
+       ``overlap=True`` pending on the state's engine (steps 1-3 run there).
     """
     order = [state._param_index[id(p)] for p in bucket.parameters()]
+    flat, index, last = bucket.buffer(), bucket.index(), bucket.is_last()
+    if state._engine is not None:
+        job = state._engine.run(lambda comm: _reduce_bucket(state, flat, order, index, last, comm),
+                                what=f"DDP bucket {index}")
+        return job.future
+    fut = torch.futures.Future()
+    fut.set_result(_reduce_bucket(state, flat, order, index, last, state.comm))
+    return fut
+
+
+def _reduce_bucket(state: SparseHookState, flat: torch.Tensor, order: List[int], index: int, last: bool,
+                   comm: Communicator) -> torch.Tensor:
+    """Steps 1-3 of :func:`sparse_allreduce_hook` for bucket ``index`` on ``comm``."""
     key = tuple(sorted(order))
     # Canonical layout: parameters in model order, so a bucket holding the same
     # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
     # same vector to the algorithm and keeps its thresholds and boundaries.
-    flat = bucket.buffer()
     # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or into a
     # model-order copy kept per layout, so that no step allocates a bucket-sized tensor.
     buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat))
     t0 = time.perf_counter()
-    comm = state.comm
     before = comm.stats.snapshot()
     dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements
     if dense:
@@ -218,21 +245,18 @@ def sparse_allreduce_hook(state: SparseHookState,
         out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm, out=buf)
         selected = st.last.global_selected
     delta = comm.stats - before
-    state.stats[-1].append({"bucket": bucket.index(), "numel": buf.numel(), "dense": dense,
+    state.stats[-1].append({"bucket": index, "numel": buf.numel(), "dense": dense,
                             "selected": selected, "bytes_sent": delta.bytes_sent,
                             "messages": delta.messages_sent, "seconds": time.perf_counter() - t0})
     state.totals["bytes_sent"] += delta.bytes_sent
     state.totals["dense_buckets" if dense else "sparse_buckets"] += 1
-    if bucket.is_last():
+    if last:
         state.step += 1
         state.totals["steps"] += 1
         state.stats.append([])
         if len(state.stats) > 1000:  # keep memory bounded on long runs
             del state.stats[:-1000]
-    out = _reorder(out, list(key), tuple(order), state._numel, out=flat)  # back to the bucket's layout
-    fut = torch.futures.Future()
-    fut.set_result(out)
-    return fut
+    return _reorder(out, list(key), tuple(order), state._numel, out=flat)  # back to the bucket's layout
 
 
 def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], numel: List[int],

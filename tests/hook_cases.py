@@ -134,3 +134,24 @@ def nan_gradient(rank: int, size: int) -> str:
     except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's error
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def overlap_equals_sync(rank: int, size: int, steps: int = 6) -> dict:
+    """Parameters after ``steps`` with the overlapping hook and with the synchronous one.
+
+    Several buckets (rebuilt after step 1), a dense warm-up step, dense small
+    buckets and Ok-Topk ones with error feedback: the engine must change nothing.
+    """
+    out = {}
+    for overlap in (False, True):
+        model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+        state = SparseHookState(model, "oktopk", 0.05, warmup_steps=1, min_bucket_elements=700,
+                                algorithm_options={"tau": 3, "tau_prime": 4}, overlap=overlap)
+        model.register_comm_hook(state, sparse_allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(steps):
+            _step(model, opt, rank, step)
+        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
+                        "residuals": state.residuals(), "totals": dict(state.totals),
+                        "threads": state._engine.comm.name if overlap else None}
+    return out

@@ -46,6 +46,20 @@ def test_residual_conservation_across_bucket_rebuilds():
 
 @pytest.mark.slow
 @pytest.mark.gloo
+def test_overlapping_hook_equals_the_synchronous_one():
+    out = engines.run_gloo(3, hook_cases.overlap_equals_sync)
+    for o in out:
+        sync, ovl = o[False], o[True]
+        assert all(torch.equal(a, b) for a, b in zip(sync["params"], ovl["params"]))
+        assert sync["residuals"].keys() == ovl["residuals"].keys()
+        assert all(torch.equal(sync["residuals"][i], ovl["residuals"][i]) for i in sync["residuals"])
+        assert sync["totals"] == ovl["totals"] and ovl["totals"]["sparse_buckets"] > 0
+        assert ovl["totals"]["dense_buckets"] > 0 and ovl["threads"] == "torch:gloo"
+        assert all(torch.equal(a, b) for a, b in zip(o[True]["params"], out[0][True]["params"]))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_checkpoint_resumes_identically():
     for same in engines.run_gloo(P, hook_cases.save_restore):
         assert same == [True] * 4

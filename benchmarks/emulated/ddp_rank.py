@@ -31,6 +31,8 @@ def _hooks():
         powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                     start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
     for name, kw in (("sparsecomm oktopk 1%", {"algorithm": "oktopk", "density": 0.01}),
+                     ("sparsecomm oktopk 1% overlap", {"algorithm": "oktopk", "density": 0.01,
+                                                       "overlap": True}),
                      ("sparsecomm dense q8", {"algorithm": "dense", "compressor": "q8"})):
         yield name, (lambda kw: lambda m: m.register_comm_hook(
             SparseHookState(m, warmup_steps=0, **kw), sparse_allreduce_hook))(kw)

@@ -3,9 +3,12 @@
 * :mod:`.engine`: an asynchronous engine, jobs in submission order on a
   communication thread over a duplicate of the caller's communicator.
 * :mod:`.planner`: MG-WFBP's merge plan (exact, and the paper's Algorithm 1).
+* :mod:`.wfbp`: WFBP, SyncEASGD and MG-WFBP around a model and any optimizer.
 """
 
 from .engine import Engine, Job
 from .planner import METHODS, fit_linear, plan_merge, plan_time
+from .wfbp import MGWFBP, WFBP, GroupSchedule, SyncEASGD
 
-__all__ = ["Engine", "Job", "plan_merge", "plan_time", "fit_linear", "METHODS"]
+__all__ = ["Engine", "Job", "plan_merge", "plan_time", "fit_linear", "METHODS",
+           "GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]

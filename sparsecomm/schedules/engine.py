@@ -116,16 +116,22 @@ class Engine:
         if "comm" in options or "group" in options:
             raise InputError("Engine.submit: the engine runs on its own communicator; "
                              "pass group=/comm= to Engine() instead")
+        return self.run(lambda comm: allreduce(tensor, comm=comm, **options),
+                        what=f"allreduce of {tuple(tensor.shape)} {tensor.dtype}")
+
+    def run(self, fn: Callable[[Communicator], Any], what: str = "a call") -> Job:
+        """Queue ``fn(comm)`` (any sparsecomm calls on the engine's communicator ``comm``); its
+        return value is the job's result. Every rank must queue the same collectives in the
+        same order."""
         self._submitted += 1
-        job = Job(f"job {self._submitted} (allreduce of {tuple(tensor.shape)} {tensor.dtype})",
-                  self._user.idle, self.comm.timeout + 5.0)
+        job = Job(f"job {self._submitted} ({what})", self._user.idle, self.comm.timeout + 5.0)
         if self._broken is not None:
             job._finish(error=self._broken)
             return job
         if not self._thread.is_alive():
             job._finish(error=RuntimeError("sparsecomm engine: closed"))
             return job
-        self._queue.put((job, tensor, options))
+        self._queue.put((job, fn))
         return job
 
     def close(self) -> None:
@@ -147,12 +153,12 @@ class Engine:
             item = self._queue.get()
             if item is _STOP:
                 return
-            job, tensor, options = item
+            job, fn = item
             if self._broken is not None:
                 job._finish(error=self._broken)
                 continue
             try:
-                result = allreduce(tensor, comm=self.comm, **options)
+                result = fn(self.comm)
             except InputError as exc:  # raised alike on every rank: the ranks stay in step
                 job._finish(error=exc)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by Job.wait

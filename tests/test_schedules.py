@@ -1,0 +1,147 @@
+"""WFBP, SyncEASGD and MG-WFBP around a model and an optimizer: exact, on the simulated world and gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.schedules import MGWFBP, WFBP, SyncEASGD
+
+import engines
+
+STEPS = 5
+
+
+def _model() -> torch.nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                   torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _loss(model, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _reference(rank: int, kind: str, groups, algorithm: str, density: float) -> list[torch.Tensor]:
+    """The same groups reduced synchronously, one sparsecomm.allreduce each, in order."""
+    model = _model()
+    opt = _optimizer(kind, model.parameters())
+    params = list(model.parameters())
+    states = [sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True)
+              if algorithm != "dense" else None for _ in groups]
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        for g, st in zip(groups, states):
+            layers = sorted(g, reverse=True)
+            flat = torch.cat([params[i].grad.reshape(-1) for i in layers])
+            out = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=st, op="avg")
+            offset = 0
+            for i in layers:
+                params[i].grad.copy_(out[offset:offset + params[i].numel()].view_as(params[i]))
+                offset += params[i].numel()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, **kw):
+    model = _model()
+    opt = _optimizer(kind, model.parameters())
+    sched = cls(model, opt, algorithm=algorithm, density=density, **kw)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        sched.step()
+    groups = [list(g) for g in sched.groups]
+    sched.close()
+    return [p.detach().clone() for p in model.parameters()], groups, sched
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("cls", [WFBP, SyncEASGD])
+@pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05), ("topka", 0.1)])
+@pytest.mark.parametrize("P", [1, 3])
+def test_schedule_equals_the_synchronous_calls(P, kind, cls, algorithm, density):
+    def body(rank: int):
+        got, groups, _ = _scheduled(rank, kind, cls, algorithm, density)
+        want = _reference(rank, kind, groups, algorithm, density)
+        return all(torch.equal(a, b) for a, b in zip(got, want)), got
+
+    out = sparsecomm.simulate(P, body, timeout=60).results
+    assert all(same for same, _ in out)
+    for _, params in out:  # every rank the same model
+        assert all(torch.equal(a, b) for a, b in zip(params, out[0][1]))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_dense_schedules_equal_plain_data_parallel(kind):
+    # Plain data parallelism: the averaged gradient of every rank, then the optimizer.
+    P = 4
+
+    def body(rank: int):
+        results = {}
+        for name, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP)):
+            kw = {"profile_steps": 2, "calibration_sizes": (64, 4096), "calibration_rounds": 1} if name == "mgwfbp" else {}
+            results[name] = _scheduled(rank, kind, cls, "dense", 1.0, **kw)
+        model = _model()
+        opt = _optimizer(kind, model.parameters())
+        for step in range(STEPS):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            for p in model.parameters():
+                p.grad.copy_(sparsecomm.allreduce(p.grad, 1.0, algorithm="dense", op="avg"))
+            opt.step()
+        plain = [p.detach().clone() for p in model.parameters()]
+        return {name: r[0] for name, r in results.items()}, plain, results["mgwfbp"][2].plans
+
+    for got, plain, plans in sparsecomm.simulate(P, body, timeout=120).results:
+        assert plans >= 1  # MG-WFBP profiled, calibrated and planned during the run
+        for name, params in got.items():
+            for a, b in zip(params, plain):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6), name
+
+
+def test_mgwfbp_plans_every_rank_alike_and_groups_are_contiguous():
+    def body(rank: int):
+        _, groups, sched = _scheduled(rank, "sgd", MGWFBP, "oktopk", 0.05, profile_steps=2,
+                                      calibration_sizes=(256, 8192), calibration_rounds=1)
+        return groups, sched.a, sched.b, sched.backward_times
+
+    out = sparsecomm.simulate(3, body, timeout=120).results
+    for groups, a, b, times in out:
+        assert groups == out[0][0] and times == out[0][3]
+        assert a is not None and b is not None and a >= 0 and b >= 0
+        assert sorted(i for g in groups for i in g) == list(range(6))
+
+
+def test_bad_groups_are_refused():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = SyncEASGD(model, opt, algorithm="dense", density=1.0)
+    with pytest.raises(ValueError, match="cover"):
+        sched.set_groups([[0, 1]])
+    with pytest.raises(ValueError, match="contiguous"):
+        sched.set_groups([[0, 2], [1, 3, 4, 5]])
+    sched.close()
+
+
+def _gloo_case(rank, size):
+    torch.set_num_threads(1)
+    got, groups, _ = _scheduled(rank, "adam", WFBP, "oktopk", 0.05)
+    return all(torch.equal(a, b) for a, b in zip(got, _reference(rank, "adam", groups, "oktopk", 0.05)))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_wfbp_on_gloo():
+    assert engines.run_gloo(2, _gloo_case) == [True, True]
