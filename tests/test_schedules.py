@@ -11,6 +11,7 @@ from sparsecomm.schedules import MGWFBP, WFBP, SyncEASGD
 import engines
 
 STEPS = 5
+MG_FAST = {"profile_steps": 2, "calibration_sizes": (64, 4096), "calibration_rounds": 1}
 
 
 def _model() -> torch.nn.Module:
@@ -91,7 +92,7 @@ def test_dense_schedules_equal_plain_data_parallel(kind):
     def body(rank: int):
         results = {}
         for name, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP)):
-            kw = {"profile_steps": 2, "calibration_sizes": (64, 4096), "calibration_rounds": 1} if name == "mgwfbp" else {}
+            kw = MG_FAST if name == "mgwfbp" else {}
             results[name] = _scheduled(rank, kind, cls, "dense", 1.0, **kw)
         model = _model()
         opt = _optimizer(kind, model.parameters())
