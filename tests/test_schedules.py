@@ -146,3 +146,54 @@ def _gloo_case(rank, size):
 @pytest.mark.gloo
 def test_wfbp_on_gloo():
     assert engines.run_gloo(2, _gloo_case) == [True, True]
+
+
+def test_mgwfbp_fits_from_its_own_jobs_or_else_calibrates():
+    def body(rank: int):
+        found = {}
+        for name, make in (("jobs", _model),  # layers of several sizes: the fit uses the jobs' times
+                           ("probe", lambda: torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False)
+                                                                   for _ in range(4)]))):
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                model = make()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            sched = MGWFBP(model, opt, algorithm="oktopk", density=0.05, profile_steps=2,
+                           calibration_sizes=(100, 5000), calibration_rounds=1)
+            probed = []
+            real = sched.calibrate
+            sched.calibrate = lambda: probed.append(True) or real()
+            for step in range(4):
+                opt.zero_grad()
+                x = torch.randn(8, 20 if name == "jobs" else 32, generator=torch.Generator().manual_seed(step))
+                model(x).square().mean().backward()
+                sched.step()
+            found[name] = (sched.plans, bool(probed), len(sched._fit_points))
+            sched.close()
+        return found
+
+    for found in sparsecomm.simulate(2, body, timeout=60).results:
+        assert found["jobs"][0] == 1 and not found["jobs"][1] and found["jobs"][2] == 6
+        assert found["probe"][0] == 1 and found["probe"][1]
+
+
+def test_mgwfbp_replans_on_every_rank_when_one_rank_drifts():
+    # Rank 0's backward becomes 20x slower after the first plan: the ranks agree on the
+    # profile first, so both re-plan (a rank deciding alone would strand the other).
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sched = MGWFBP(model, opt, algorithm="dense", density=1.0, profile_steps=2)
+        real = sched._layer_times
+        if rank == 0:
+            sched._layer_times = lambda: [20 * t for t in real()] if sched.plans else real()
+        for step in range(9):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+        out = sched.plans, [list(g) for g in sched.groups], sched.backward_times
+        sched.close()
+        return out
+
+    out = sparsecomm.simulate(2, body, timeout=30).results
+    assert out[0] == out[1] and out[0][0] >= 2

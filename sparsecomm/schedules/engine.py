@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -41,7 +42,8 @@ class Job:
     """A submitted allreduce: ``wait()`` returns its result or raises its error.
 
     ``future`` is the same result as a ``torch.futures.Future`` (what a DDP
-    communication hook returns).
+    communication hook returns). ``seconds``: how long the job ran on the
+    communication thread, once done (queueing excluded).
     """
 
     def __init__(self, name: str, idle: Callable[[], Any], timeout: float) -> None:
@@ -51,6 +53,7 @@ class Job:
         self._idle, self._timeout = idle, timeout
         self._result: Any = None
         self._error: BaseException | None = None
+        self.seconds: float | None = None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -157,12 +160,15 @@ class Engine:
             if self._broken is not None:
                 job._finish(error=self._broken)
                 continue
+            t0 = time.perf_counter()
             try:
                 result = fn(self.comm)
             except InputError as exc:  # raised alike on every rank: the ranks stay in step
+                job.seconds = time.perf_counter() - t0
                 job._finish(error=exc)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by Job.wait
                 self._broken = exc
                 job._finish(error=exc)
             else:
+                job.seconds = time.perf_counter() - t0
                 job._finish(result)

@@ -78,6 +78,7 @@ class GroupSchedule:
         self.set_groups(groups if groups is not None else [list(range(len(self.params) - 1, -1, -1))])
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.stats: dict[str, list] = {"exposed_seconds": []}
+        self.job_timings: list[tuple[int, float]] = []  # (elements, seconds on the thread), last step
 
     # ---- groups --------------------------------------------------------------------
     def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
@@ -144,8 +145,10 @@ class GroupSchedule:
             self._missing[gi] = 0
         self._submit_ready()
         t0 = time.perf_counter()
+        self.job_timings = []
         for gi, job in enumerate(self._jobs):
             out = job.wait()
+            self.job_timings.append((int(out.numel()), float(job.seconds)))
             offset = 0
             for i in self.groups[gi]:
                 g = self.params[i].grad
@@ -187,18 +190,32 @@ class SyncEASGD(GroupSchedule):
 class MGWFBP(GroupSchedule):
     """MG-WFBP: layers merged by the exact plan of :func:`plan_merge`, profiled and fitted online.
 
+    1. The first ``profile_steps`` steps run as WFBP (the first one is warm-up).
+       Each records every layer's backward time (the gap between consecutive
+       gradients becoming ready) and every group's allreduce time on the
+       communication thread, with this algorithm, compressor and state, on the
+       real gradients, competing with backward as it will.
+    2. The ranks average the backward times and take the slowest rank's
+       allreduce times (one allreduce each); a and b of T(M) = a + b M are
+       fitted to those (:func:`fit_linear`). Fewer than two distinct sizes:
+       allreduces of ``calibration_sizes`` are timed instead.
+    3. Rank 0 plans (``method``), broadcasts, every rank switches to the plan.
+    4. Every ``profile_steps`` steps after, the profile is taken and agreed
+       again; a mean backward time that moved by more than ``replan_drift``
+       re-plans (with the allreduce times of the groups in use added to the
+       fit). Decided from the agreed values, so every rank decides alike.
+
     Args:
-        profile_steps: steps run as WFBP while per-layer backward times are
-            recorded (the first is skipped: warm-up).
-        calibration_sizes: element counts of the allreduces timed to fit a and b
-            (each timed ``calibration_rounds`` times after one untimed call).
+        profile_steps: steps per profile (>= 2).
+        calibration_sizes: element counts for the fallback fit (default: the
+            smallest and the median layer, a quarter of the model and all of it).
+        calibration_rounds: timed calls per size in the fallback fit.
         method: ``"optimal"`` or ``"mgwfbp"`` (the paper's Algorithm 1).
-        replan_drift: re-plan when the mean per-layer backward time of the
-            last ``profile_steps`` steps moved by more than this fraction.
+        replan_drift: the relative change of the backward time that re-plans.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 profile_steps: int = 5, calibration_sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20),
+                 profile_steps: int = 5, calibration_sizes: Sequence[int] | None = None,
                  calibration_rounds: int = 3, method: str = "optimal", replan_drift: float = 0.25,
                  **options: Any) -> None:
         n = sum(1 for p in model.parameters() if p.requires_grad)
@@ -206,16 +223,24 @@ class MGWFBP(GroupSchedule):
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2, got {profile_steps}")
         self.profile_steps, self.method, self.replan_drift = profile_steps, method, replan_drift
-        self.calibration_sizes, self.calibration_rounds = list(calibration_sizes), calibration_rounds
         self.sizes = [p.numel() for p in self.params]
+        if calibration_sizes is None:
+            ordered, total = sorted(self.sizes), sum(self.sizes)
+            calibration_sizes = sorted({ordered[0], ordered[len(ordered) // 2], max(1, total // 4), total})
+            if len(calibration_sizes) < 2:
+                calibration_sizes = [max(1, total // 2), total + 1]
+        self.calibration_sizes, self.calibration_rounds = list(calibration_sizes), calibration_rounds
         self._profile: list[list[float]] = []
+        self._jobs_seen: list[list[tuple[int, float]]] = []
+        self._fit_points: list[tuple[int, float]] = []
         self.a: float | None = None
         self.b: float | None = None
         self.backward_times: list[float] | None = None
         self.plans = 0
 
     def _layer_times(self) -> list[float]:
-        """This step's backward time per layer: the gap since the gradient ready just before."""
+        """This step's backward time per layer: the gap since the gradient ready just before
+        (0 for a layer that got no gradient)."""
         order = sorted(self._ready_at, key=self._ready_at.get)
         times = [0.0] * len(self.params)
         prev = self._t0
@@ -225,26 +250,41 @@ class MGWFBP(GroupSchedule):
         return times
 
     def _after_step(self) -> None:
-        if len(self._ready_at) == len(self.params):
-            self._profile.append(self._layer_times())
-        if len(self._profile) <= self.profile_steps:  # the first step is warm-up
+        # Every rank counts the same steps and makes the same collective calls: whether to
+        # plan is decided from the agreed profile, never from this rank's own timings.
+        self._profile.append(self._layer_times())
+        self._jobs_seen.append(list(self.job_timings))
+        if len(self._profile) <= self.profile_steps:  # the first step of a profile is warm-up
             return
-        recent = self._profile[1:]
+        recent, jobs = self._profile[1:], self._jobs_seen[1:]
+        self._profile, self._jobs_seen = [], []
         mean = [sum(t[i] for t in recent) / len(recent) for i in range(len(self.params))]
-        self._profile = self._profile[:1]
+        job_means = [sum(step[g][1] for step in jobs) / len(jobs) for g in range(len(jobs[0]))]
+        backward, job_times = self._agree(mean, job_means)
         if self.backward_times is not None:
-            old, new = sum(self.backward_times), sum(mean)
+            old, new = sum(self.backward_times), sum(backward)
             if abs(new - old) <= self.replan_drift * old:
                 return
-        self._plan(mean)
+        self._plan(backward, [size for size, _ in jobs[0]], job_times)
 
-    def _plan(self, local_times: list[float]) -> None:
+    def _agree(self, local_times: list[float], job_times: list[float]) -> tuple[list[float], list[float]]:
+        """Backward times averaged over ranks, allreduce times at the slowest rank's (collective)."""
+        def agree(c: Communicator) -> torch.Tensor:
+            t = c.allreduce(torch.tensor(local_times, dtype=torch.float64, device=c.control_device), "sum")
+            j = c.allreduce(torch.tensor(job_times, dtype=torch.float64, device=c.control_device), "max")
+            return torch.cat([t / c.size, j])
+
+        agreed = self.engine.run(agree, what="agreeing on the profile").wait().tolist()
+        return agreed[:len(local_times)], agreed[len(local_times):]
+
+    def _plan(self, backward: list[float], job_sizes: list[int], job_times: list[float]) -> None:
         comm = self.engine.comm
-        times = self.engine.run(lambda c: c.allreduce(torch.tensor(local_times, dtype=torch.float64,
-                                                                   device=c.control_device), "sum"),
-                                what="averaging the backward profile").wait()
-        self.backward_times = (times / comm.size).tolist()
-        if self.a is None:
+        self.backward_times = backward
+        self._fit_points += list(zip(job_sizes, job_times))
+        sizes = [s for s, _ in self._fit_points]
+        if len(set(sizes)) >= 2:
+            self.a, self.b = fit_linear(sizes, [t for _, t in self._fit_points])
+        elif self.a is None:
             self.a, self.b = self.calibrate()
         cuts = torch.zeros(len(self.params), dtype=torch.int64, device=comm.control_device)
         if comm.rank == 0:
@@ -258,20 +298,23 @@ class MGWFBP(GroupSchedule):
         self.plans += 1
 
     def calibrate(self) -> tuple[float, float]:
-        """a and b of this algorithm's allreduce (seconds, seconds per element) on the engine's
-        communicator: every rank times the same calls; the slowest rank's medians are fitted."""
+        """a and b of this algorithm's allreduce (seconds, seconds per element) from allreduces
+        of ``calibration_sizes`` on the engine's communicator, a fresh drifting input each call
+        (as gradients drift); the slowest rank's medians are fitted."""
         def measure(comm: Communicator) -> list[float]:
             out = []
             for n in self.calibration_sizes:
-                x = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+                gen = torch.Generator().manual_seed(comm.rank)
+                x = torch.randn(n, generator=gen)
                 state = self.spec.state_class(self.density, **self._state_kwargs)
-                allreduce(x, state=state, compressor=self.compressor, comm=comm)
                 ts = []
-                for _ in range(self.calibration_rounds):
+                for r in range(self.calibration_rounds + 1):
+                    x.mul_(0.9).add_(torch.randn(n, generator=gen), alpha=0.1)
                     comm.barrier()
                     t0 = time.perf_counter()
                     allreduce(x, state=state, compressor=self.compressor, comm=comm)
-                    ts.append(time.perf_counter() - t0)
+                    if r:  # the first call is warm-up
+                        ts.append(time.perf_counter() - t0)
                 out.append(sorted(ts)[len(ts) // 2])
             worst = comm.allreduce(torch.tensor(out, dtype=torch.float64, device=comm.control_device), "max")
             return worst.tolist()
