@@ -197,3 +197,100 @@ def test_mgwfbp_replans_on_every_rank_when_one_rank_drifts():
 
     out = sparsecomm.simulate(2, body, timeout=30).results
     assert out[0] == out[1] and out[0][0] >= 2
+
+
+# ---- Pipe-SGD ---------------------------------------------------------------------------
+def _stale_reference(rank: int, kind: str, algorithm: str, density: float, compressor, warmup: int,
+                     steps: int) -> list[torch.Tensor]:
+    """Hand-written one-step-stale SGD: step t (t >= warmup) applies the sum of step t-1."""
+    model = _model()
+    opt = _optimizer(kind, model.parameters())
+    params = list(model.parameters())
+    st = sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True) \
+        if algorithm != "dense" else sparsecomm.registry.get("dense").state_class(1.0)
+
+    def apply(flat):
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        opt.step()
+
+    previous = None
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        out = sparsecomm.allreduce(flat, state=st, op="avg", compressor=compressor)
+        if step < warmup:
+            apply(out)
+            continue
+        if previous is not None:
+            apply(previous)
+        previous = out
+    if previous is not None:
+        apply(previous)
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("algorithm,density,compressor", [("dense", 1.0, None), ("oktopk", 0.05, None),
+                                                          ("topka", 0.1, "q8"), ("dense", 1.0, "q4")])
+@pytest.mark.parametrize("P,warmup", [(1, 0), (3, 2)])
+def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, density, compressor):
+    from sparsecomm.schedules import PipeSGD
+
+    def body(rank: int):
+        model = _model()
+        opt = _optimizer(kind, model.parameters())
+        sched = PipeSGD(model, opt, warmup_steps=warmup, algorithm=algorithm, density=density,
+                        compressor=compressor)
+        for step in range(STEPS + 1):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+        sched.flush()
+        sched.close()
+        got = [p.detach().clone() for p in model.parameters()]
+        want = _stale_reference(rank, kind, algorithm, density, compressor, warmup, STEPS + 1)
+        return all(torch.equal(a, b) for a, b in zip(got, want))
+
+    assert all(sparsecomm.simulate(P, body, timeout=60).results)
+
+
+def test_pipesgd_checkpoint_keeps_the_gradient_in_flight():
+    import io
+
+    from sparsecomm.schedules import PipeSGD
+
+    def run(rank: int, resume_at: int | None):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = PipeSGD(model, opt, algorithm="oktopk", density=0.05)
+        for step in range(6):
+            if step == resume_at:  # save everything, rebuild from scratch, load
+                blob = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+                           blob)
+                sched.close()
+                blob.seek(0)
+                saved = torch.load(blob, weights_only=False)
+                model = _model()
+                model.load_state_dict(saved["model"])
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                opt.load_state_dict(saved["opt"])
+                sched = PipeSGD(model, opt, algorithm="oktopk", density=0.05)
+                sched.load_state_dict(saved["sched"])
+                assert saved["sched"]["in_flight"] is not None
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+        sched.flush()
+        sched.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    def body(rank: int):
+        straight, resumed = run(rank, None), run(rank, 3)
+        return all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+    assert all(sparsecomm.simulate(2, body, timeout=60).results)

@@ -4,11 +4,13 @@
   communication thread over a duplicate of the caller's communicator.
 * :mod:`.planner`: MG-WFBP's merge plan (exact, and the paper's Algorithm 1).
 * :mod:`.wfbp`: WFBP, SyncEASGD and MG-WFBP around a model and any optimizer.
+* :mod:`.pipesgd`: Pipe-SGD, each step's allreduce overlapping the next step.
 """
 
 from .engine import Engine, Job
+from .pipesgd import PipeSGD
 from .planner import METHODS, fit_linear, plan_merge, plan_time
 from .wfbp import MGWFBP, WFBP, GroupSchedule, SyncEASGD
 
 __all__ = ["Engine", "Job", "plan_merge", "plan_time", "fit_linear", "METHODS",
-           "GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
+           "GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP", "PipeSGD"]

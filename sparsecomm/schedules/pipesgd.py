@@ -1,0 +1,132 @@
+"""Pipe-SGD: each step's allreduce overlaps the next step's computation (iteration width K = 2).
+
+    sched = sparsecomm.schedules.PipeSGD(model, optimizer, algorithm="oktopk", density=0.01)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        sched.step()          # submit this step's gradient, apply the previous step's
+    sched.flush()             # apply the last one (before evaluating or saving)
+
+The update at step t uses the aggregated gradient of step t-1: staleness of
+exactly one step, deterministic (Pipe-SGD paper, section 5 of
+``../shared/papers/README.md``). The first ``warmup_steps`` steps are
+synchronous (each applies its own aggregated gradient); the first pipelined
+step applies nothing (its predecessor was applied synchronously).
+
+Every step's gradient is copied into one of two flat buffers (the job of step
+t-1 may still read the other) and reduced on an engine with one algorithm
+state (error feedback, thresholds) for the whole model. ``state_dict()``
+holds what is in flight: it waits for the pending allreduce and saves its
+result, so a resumed run applies it at its next step, as the uninterrupted
+run would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import registry
+from .engine import Engine, Job
+
+__all__ = ["PipeSGD"]
+
+
+class PipeSGD:
+    """One-step-stale data parallelism with a sparsecomm allreduce per step.
+
+    Args:
+        model: the module whose trainable parameters are reduced.
+        optimizer: any ``torch.optim`` optimizer over them.
+        warmup_steps: synchronous steps first (the paper's warm-up epochs).
+        algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`.
+        error_feedback, algorithm_options: the algorithm state's settings.
+        group, comm: the ranks (the engine duplicates them: collective).
+        engine_threads: torch threads of the communication thread.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, warmup_steps: int = 0,
+                 algorithm: str = "oktopk", density: float = 0.01, compressor: Any = None, op: str = "avg",
+                 error_feedback: bool = True, algorithm_options: dict | None = None, group: Any = None,
+                 comm: Any = None, engine_threads: int = 1) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        kwargs = dict(algorithm_options or {})
+        if algorithm != "dense":
+            kwargs.setdefault("error_feedback", error_feedback)
+        self.state = registry.get(algorithm).state_class(density, **kwargs)
+        self.options = {"state": self.state, "op": op, "compressor": compressor}
+        self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
+        n = sum(p.numel() for p in self.params)
+        like = self.params[0]
+        self._buffers = [torch.empty(n, dtype=like.dtype, device=like.device) for _ in range(2)]
+        self.step_count = 0
+        self._pending: Job | None = None  # the allreduce of the last step's gradient
+        self._ready: torch.Tensor | None = None  # an aggregated gradient restored from a checkpoint
+
+    def _gather(self) -> torch.Tensor:
+        buf = self._buffers[self.step_count % 2]  # the other one may still be in flight
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.reshape(-1) for g in grads], out=buf)
+
+    def _apply(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.optimizer.step()
+
+    def _previous(self) -> torch.Tensor | None:
+        if self._ready is not None:
+            ready, self._ready = self._ready, None
+            return ready
+        if self._pending is not None:
+            job, self._pending = self._pending, None
+            return job.wait()
+        return None
+
+    def step(self) -> None:
+        """After backward: start this step's allreduce, then update with the previous step's result."""
+        buf = self._gather()
+        if self.step_count < self.warmup_steps:
+            out = self.engine.submit(buf, out=buf, **self.options).wait()
+            self.step_count += 1
+            self._apply(out)
+            return
+        job = self.engine.submit(buf, out=buf, **self.options)
+        previous = self._previous()
+        self._pending = job
+        self.step_count += 1
+        if previous is not None:
+            self._apply(previous)
+
+    def flush(self) -> None:
+        """Apply the gradient still in flight (the last step's), if any."""
+        previous = self._previous()
+        if previous is not None:
+            self._apply(previous)
+
+    def state_dict(self) -> dict:
+        """Step count, the algorithm state and the aggregated gradient in flight (waited for)."""
+        pending = self._previous()
+        self._ready = pending
+        return {"step_count": self.step_count, "algorithm_state": self.state,
+                "in_flight": None if pending is None else pending.clone()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        self.step_count = d["step_count"]
+        self.state.__dict__.update(d["algorithm_state"].__dict__)
+        self._ready = None if d["in_flight"] is None else d["in_flight"].clone()
+
+    def close(self) -> None:
+        self.engine.close()
