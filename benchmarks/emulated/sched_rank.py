@@ -5,7 +5,8 @@ classifier, 12.6M parameters in 26 tensors, batch 64: many layers, so there is
 backward computation to overlap with; or ``mlp``, issue 11's 5000 -> 5000 -> 10.
 For each configuration: 6 untimed steps (MG-WFBP profiles over 5 and plans),
 then ``ROUNDS`` timed steps, each after a barrier. Rank 0 prints one JSON line:
-the slowest rank's median seconds per step, and for MG-WFBP the planner's
+the slowest rank's median seconds per step (Pipe-SGD: its step waits for the previous
+step's allreduce and applies it, so "wait" there is what did not overlap), and for MG-WFBP the planner's
 predicted step (forward + the plan's communication end + optimizer step, the
 first and last measured in the no-communication step) and its plan.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.schedules import MGWFBP, WFBP, SyncEASGD, plan_time
+from sparsecomm.schedules import MGWFBP, WFBP, PipeSGD, SyncEASGD, plan_time
 
 
 def _model() -> torch.nn.Module:
@@ -45,7 +46,7 @@ def main() -> None:
     configs = [("none", None, None), ("ddp default", "ddp", None)]
     for algo, kw in (("dense", {"algorithm": "dense", "density": 1.0}),
                      ("oktopk 1%", {"algorithm": "oktopk", "density": 0.01})):
-        for sname, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP)):
+        for sname, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP), ("pipesgd", PipeSGD)):
             configs.append((f"{sname} {algo}", cls, kw))
     res: dict = {}
     phases = {}
@@ -63,10 +64,14 @@ def main() -> None:
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            if sched is not None:
-                sched.synchronize()
-            t3 = time.perf_counter()
-            opt.step()
+            if isinstance(sched, PipeSGD):  # submits this step, waits for and applies the last
+                sched.step()
+                t3 = time.perf_counter()
+            else:
+                if sched is not None:
+                    sched.synchronize()
+                t3 = time.perf_counter()
+                opt.step()
             return {"forward": t1 - t0, "backward": t2 - t1, "wait": t3 - t2, "update": time.perf_counter() - t3}
 
         for _ in range(6):
