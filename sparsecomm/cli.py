@@ -108,7 +108,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"# sparsecomm train: digits MLP, {args.ranks} gloo ranks, {args.epochs} epochs, "
           f"configs {args.configs}", flush=True)
     results = train.run(args.configs, ranks=args.ranks, epochs=args.epochs, lr=args.lr,
-                        batch=args.batch, network=args.network)
+                        batch=args.batch, network=args.network, schedule=args.schedule)
     print(train.format_results(results))
     write_json(results, os.path.join(args.out, "train.json"))
     train.plot(results, os.path.join(args.out, "train.png"))
@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--lr", type=float, default=0.05)
     tr.add_argument("--batch", type=int, default=16, help="per rank")
     tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
+    tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "pipesgd"],
+                    help="reduce with a schedule around the plain model instead of the DDP hook")
     tr.add_argument("--out", default="train", help="output folder")
     args = parser.parse_args(argv)
     if args.command == "train":

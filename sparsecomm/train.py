@@ -11,6 +11,12 @@ communication time: what the step's messages and bytes would take on a
 network profile (alpha-beta), since loopback on one machine says nothing
 about a cluster. The modelled time is a pure function of the traffic, so runs
 compare fairly however loaded the machine was.
+
+``schedule`` (``sparsecomm train --schedule``): instead of the DDP hook, one
+of :mod:`sparsecomm.schedules` (WFBP, SyncEASGD, MG-WFBP, Pipe-SGD) around
+the plain model reduces the gradients with the configuration's algorithm
+("dense": the dense algorithm). The modelled time then adds up every
+allreduce's messages and bytes as if none overlapped (an upper bound).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import torch
 
 from .output import pyplot
 
-__all__ = ["CONFIGS", "train_rank", "run", "format_results", "plot"]
+__all__ = ["CONFIGS", "SCHEDULES", "train_rank", "run", "format_results", "plot"]
+
+#: ``--schedule`` choices (DeAR is not built yet).
+SCHEDULES = ("none", "wfbp", "synceasgd", "mgwfbp", "pipesgd")
 
 #: name -> hook settings (None: DDP's own dense allreduce).
 CONFIGS: dict[str, dict | None] = {
@@ -58,9 +67,22 @@ def _model(seed: int = 0) -> torch.nn.Module:
                                    torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
+def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None):
+    from . import schedules
+
+    cls = {"wfbp": schedules.WFBP, "synceasgd": schedules.SyncEASGD, "mgwfbp": schedules.MGWFBP,
+           "pipesgd": schedules.PipeSGD}[name]
+    settings = settings or {"algorithm": "dense", "density": 1.0}
+    options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
+    return cls(model, opt, algorithm=settings["algorithm"], density=settings.get("density", 1.0),
+               compressor=settings.get("compressor"), algorithm_options=options)
+
+
 def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float = 0.05,
-               network: str = "10gbe", seed: int = 0, progress: bool = False) -> dict:
+               network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none") -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -71,17 +93,18 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     (xtr, ytr), (xte, yte) = _data(seed)
     per_rank = len(xtr) // size
     xs, ys = xtr[rank * per_rank:(rank + 1) * per_rank], ytr[rank * per_rank:(rank + 1) * per_rank]
-    model = DDP(_model(seed))
     settings = CONFIGS[config]
+    model = DDP(_model(seed)) if schedule == "none" else _model(seed)
     steps_per_epoch = per_rank // batch
     state = None
-    if settings is not None:
+    if settings is not None and schedule == "none":
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         state = SparseHookState(model, settings["algorithm"], settings.get("density", 1.0),
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options)
         model.register_comm_hook(state, sparse_allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched_comm = _schedule(schedule, model, opt, settings) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final accuracies compare runs, not noise.
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
     n_params = sum(p.numel() for p in model.parameters())
@@ -97,10 +120,19 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx])
             loss.backward()
-            opt.step()
+            before = sched_comm.engine.comm.stats.snapshot() if sched_comm is not None else None
+            if sched_comm is None:
+                opt.step()
+            else:
+                sched_comm.step()  # waits for this step's allreduces (Pipe-SGD: the last step's)
             sched.step()
             wall = time.perf_counter() - t0
-            if state is None:  # DDP's own ring allreduce: 2n(P-1)/P floats, 2(P-1) messages
+            if sched_comm is not None:  # every allreduce of the step, as if none overlapped
+                delta = sched_comm.engine.comm.stats - before
+                nbytes = delta.bytes_sent
+                comm_s = net.time(delta.messages_sent, delta.bytes_sent)
+                hook_s = 0.0
+            elif state is None:  # DDP's own ring allreduce: 2n(P-1)/P floats, 2(P-1) messages
                 nbytes = 2 * n_params * 4 * (size - 1) / size
                 comm_s = net.time(2 * (size - 1), nbytes)
                 hook_s = 0.0
@@ -113,8 +145,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             compute += max(wall - hook_s, 0.0)
             bytes_steps.append(nbytes)
             total_loss += loss.item()
+        if sched_comm is not None and hasattr(sched_comm, "flush"):
+            sched_comm.flush()  # Pipe-SGD: evaluate with every gradient applied
         with torch.no_grad():
-            acc = float((model.module(xte).argmax(1) == yte).float().mean())
+            acc = float((getattr(model, "module", model)(xte).argmax(1) == yte).float().mean())
         history["loss"].append(total_loss / steps_per_epoch)
         history["accuracy"].append(acc)
         history["modelled_seconds"].append(modelled)
@@ -125,9 +159,12 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                   end="", flush=True, file=sys.stderr)
     if progress and rank == 0:
         print(file=sys.stderr)
+    if sched_comm is not None:
+        sched_comm.close()
     sent = torch.tensor([sum(bytes_steps) / len(bytes_steps)], dtype=torch.float64)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-    return {"config": config, "ranks": size, "epochs": epochs, "params": n_params,
+    return {"config": config if schedule == "none" else f"{config}/{schedule}", "schedule": schedule,
+            "ranks": size, "epochs": epochs, "params": n_params,
             "bytes_per_step": float(sent), "network": net.name, **history}
 
 
@@ -150,7 +187,7 @@ def _train_spawned(rank: int, size: int, name: str, epochs: int, kwargs: dict) -
 
 def format_results(results: list[dict]) -> str:
     """Final table: accuracy, bytes per rank per step and its ratio to dense, times."""
-    dense = next((r for r in results if r["config"] == "dense"), None)
+    dense = next((r for r in results if r["config"].split("/")[0] == "dense"), None)
     net = results[0]["network"]
     lines = [f"{'config':<12} {'final acc':>9} {'best acc':>9} {'bytes/rank/step':>16} "
              f"{'vs dense':>9} {'comm s (' + net + ')':>16} {'compute s':>10}"]

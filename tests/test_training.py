@@ -76,3 +76,18 @@ def test_short_convergence_run(tmp_path):
     train.plot(results, str(tmp_path / "train.png"))
     assert (tmp_path / "train.png").stat().st_size > 10_000
     assert "oktopk" in train.format_results(results)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("schedule", ["pipesgd", "mgwfbp"])
+def test_training_under_a_schedule(schedule):
+    from sparsecomm import train
+
+    results = train.run(["dense", "oktopk"], ranks=2, epochs=4, schedule=schedule)
+    assert [r["config"] for r in results] == [f"dense/{schedule}", f"oktopk/{schedule}"]
+    acc = {r["config"].split("/")[0]: r["accuracy"][-1] for r in results}
+    assert acc["dense"] > 0.85 and acc["oktopk"] > acc["dense"] - 0.1, acc
+    by = {r["config"].split("/")[0]: r["bytes_per_step"] for r in results}
+    assert 0 < by["oktopk"] < 0.2 * by["dense"], by
+    assert "dense/" + schedule in train.format_results(results)
