@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--lr", type=float, default=0.05)
     tr.add_argument("--batch", type=int, default=16, help="per rank")
     tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
-    tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "pipesgd"],
+    tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd"],
                     help="reduce with a schedule around the plain model instead of the DDP hook")
     tr.add_argument("--out", default="train", help="output folder")
     args = parser.parse_args(argv)

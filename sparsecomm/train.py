@@ -32,8 +32,8 @@ from .output import pyplot
 
 __all__ = ["CONFIGS", "SCHEDULES", "train_rank", "run", "format_results", "plot"]
 
-#: ``--schedule`` choices (DeAR is not built yet).
-SCHEDULES = ("none", "wfbp", "synceasgd", "mgwfbp", "pipesgd")
+#: ``--schedule`` choices.
+SCHEDULES = ("none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd")
 
 #: name -> hook settings (None: DDP's own dense allreduce).
 CONFIGS: dict[str, dict | None] = {
@@ -71,7 +71,7 @@ def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, set
     from . import schedules
 
     cls = {"wfbp": schedules.WFBP, "synceasgd": schedules.SyncEASGD, "mgwfbp": schedules.MGWFBP,
-           "pipesgd": schedules.PipeSGD}[name]
+           "dear": schedules.DeAR, "pipesgd": schedules.PipeSGD}[name]
     settings = settings or {"algorithm": "dense", "density": 1.0}
     options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
     return cls(model, opt, algorithm=settings["algorithm"], density=settings.get("density", 1.0),
@@ -88,6 +88,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
 
     from .hooks import SparseHookState, sparse_allreduce_hook
     from .network import resolve_network
+    from .schedules import DeAR
 
     net = resolve_network(network)
     (xtr, ytr), (xte, yte) = _data(seed)
@@ -117,10 +118,11 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
         for s in range(steps_per_epoch):
             idx = perm[s * batch:(s + 1) * batch]
             t0 = time.perf_counter()
+            # Before forward: schedules start allreduces during backward (DeAR also in forward).
+            before = sched_comm.engine.comm.stats.snapshot() if sched_comm is not None else None
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx])
             loss.backward()
-            before = sched_comm.engine.comm.stats.snapshot() if sched_comm is not None else None
             if sched_comm is None:
                 opt.step()
             else:
@@ -147,6 +149,8 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             total_loss += loss.item()
         if sched_comm is not None and hasattr(sched_comm, "flush"):
             sched_comm.flush()  # Pipe-SGD: evaluate with every gradient applied
+        if isinstance(sched_comm, DeAR):
+            sched_comm.synchronize()  # DeAR: the last updates wait for a forward
         with torch.no_grad():
             acc = float((getattr(model, "module", model)(xte).argmax(1) == yte).float().mean())
         history["loss"].append(total_loss / steps_per_epoch)

@@ -33,8 +33,14 @@ def _loss(model, rank: int, step: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def _reference(rank: int, kind: str, groups, algorithm: str, density: float) -> list[torch.Tensor]:
-    """The same groups reduced synchronously, one sparsecomm.allreduce each, in order."""
+def _reference(rank: int, kind: str, groups, algorithm: str, density: float,
+               as_given: bool = False) -> list[torch.Tensor]:
+    """The same groups reduced synchronously, one sparsecomm.allreduce each, in order.
+
+    A group's layers are laid out last first (as GroupSchedule does), or ``as_given``
+    (DeAR: forward order). The layout matters bit for bit: it moves Ok-Topk's regions,
+    so sums are added in another order.
+    """
     model = _model()
     opt = _optimizer(kind, model.parameters())
     params = list(model.parameters())
@@ -44,7 +50,7 @@ def _reference(rank: int, kind: str, groups, algorithm: str, density: float) -> 
         opt.zero_grad()
         _loss(model, rank, step).backward()
         for g, st in zip(groups, states):
-            layers = sorted(g, reverse=True)
+            layers = list(g) if as_given else sorted(g, reverse=True)
             flat = torch.cat([params[i].grad.reshape(-1) for i in layers])
             out = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=st, op="avg")
             offset = 0
@@ -294,3 +300,65 @@ def test_pipesgd_checkpoint_keeps_the_gradient_in_flight():
         return all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
     assert all(sparsecomm.simulate(2, body, timeout=60).results)
+
+
+# ---- DeAR -------------------------------------------------------------------------------
+def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes: int):
+    from sparsecomm.schedules import DeAR
+
+    model = _model()
+    opt = _optimizer(kind, model.parameters())
+    sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=buffer_bytes)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    groups = [[index[id(p)] for p in ps] for ps in reversed(sched.params)]  # reduction order
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        sched.step()
+    sched.synchronize()
+    sched.close()
+    return [p.detach().clone() for p in model.parameters()], groups
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_dear_dense_equals_plain_data_parallel(P, kind):
+    def body(rank: int):
+        got, groups = _dear_run(rank, kind, "dense", 1.0, 5_000)  # a group per layer
+        want = _reference(rank, kind, [list(range(6))], "dense", 1.0)
+        return got, want, len(groups)
+
+    for got, want, n_groups in sparsecomm.simulate(P, body, timeout=60).results:
+        assert n_groups == 3
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("algorithm,density", [("oktopk", 0.05), ("topka", 0.1)])
+def test_dear_sparse_equals_the_synchronous_calls_of_its_groups(kind, algorithm, density):
+    def body(rank: int):
+        got, groups = _dear_run(rank, kind, algorithm, density, 5_000)
+        want = _reference(rank, kind, groups, algorithm, density, as_given=True)
+        return all(torch.equal(a, b) for a, b in zip(got, want))
+
+    assert all(sparsecomm.simulate(3, body, timeout=60).results)
+
+
+def test_dear_updates_wait_for_the_next_forward():
+    from sparsecomm.schedules import DeAR
+
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = DeAR(model, opt, algorithm="dense", buffer_bytes=16_000)
+        before = [p.detach().clone() for p in model.parameters()]
+        _loss(model, rank, 0).backward()
+        sched.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        sched.synchronize()
+        changed = all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        sched.close()
+        return unchanged and changed
+
+    assert all(sparsecomm.simulate(2, body, timeout=30).results)

@@ -80,7 +80,7 @@ def test_short_convergence_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("schedule", ["pipesgd", "mgwfbp"])
+@pytest.mark.parametrize("schedule", ["pipesgd", "mgwfbp", "dear"])
 def test_training_under_a_schedule(schedule):
     from sparsecomm import train
 

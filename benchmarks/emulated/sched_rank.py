@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.schedules import MGWFBP, WFBP, PipeSGD, SyncEASGD, plan_time
+from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
 
 
 def _model() -> torch.nn.Module:
@@ -46,7 +46,8 @@ def main() -> None:
     configs = [("none", None, None), ("ddp default", "ddp", None)]
     for algo, kw in (("dense", {"algorithm": "dense", "density": 1.0}),
                      ("oktopk 1%", {"algorithm": "oktopk", "density": 0.01})):
-        for sname, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP), ("pipesgd", PipeSGD)):
+        for sname, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP), ("dear", DeAR),
+                           ("pipesgd", PipeSGD)):
             configs.append((f"{sname} {algo}", cls, kw))
     res: dict = {}
     phases = {}
@@ -65,6 +66,9 @@ def main() -> None:
             loss.backward()
             t2 = time.perf_counter()
             if isinstance(sched, PipeSGD):  # submits this step, waits for and applies the last
+                sched.step()
+                t3 = time.perf_counter()
+            elif isinstance(sched, DeAR):  # waits for the first phases; updates run in the next forward
                 sched.step()
                 t3 = time.perf_counter()
             else:

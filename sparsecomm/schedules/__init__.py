@@ -5,12 +5,14 @@
 * :mod:`.planner`: MG-WFBP's merge plan (exact, and the paper's Algorithm 1).
 * :mod:`.wfbp`: WFBP, SyncEASGD and MG-WFBP around a model and any optimizer.
 * :mod:`.pipesgd`: Pipe-SGD, each step's allreduce overlapping the next step.
+* :mod:`.dear`: DeAR, the second half of each group's allreduce and its update in the next forward.
 """
 
+from .dear import DeAR
 from .engine import Engine, Job
 from .pipesgd import PipeSGD
 from .planner import METHODS, fit_linear, plan_merge, plan_time
 from .wfbp import MGWFBP, WFBP, GroupSchedule, SyncEASGD
 
 __all__ = ["Engine", "Job", "plan_merge", "plan_time", "fit_linear", "METHODS",
-           "GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP", "PipeSGD"]
+           "GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP", "PipeSGD", "DeAR"]
