@@ -362,3 +362,40 @@ def test_dear_updates_wait_for_the_next_forward():
         return unchanged and changed
 
     assert all(sparsecomm.simulate(2, body, timeout=30).results)
+
+
+def test_dear_tunes_its_fusion_size_and_regrouping_keeps_every_residual():
+    from sparsecomm.schedules import DeAR
+
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = DeAR(model, opt, algorithm="oktopk", density=0.05, buffer_bytes="auto", tune_trials=4,
+                     tune_steps=2, tune_range=(2_000, 40_000))
+        seen = set()
+        for step in range(9):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+            seen.add(len(sched.groups))
+            if step == 4:  # regrouping by hand: every parameter keeps its residual, bit for bit
+                sched.synchronize()
+                before = {id(p): r for ps, st in zip(sched.params, sched.states) if st.residual is not None
+                          for p, r in zip(ps, st.residual.split([q.numel() for q in ps]))}
+                sched.regroup(sched.buffer_bytes)
+                after = {id(p): r for ps, st in zip(sched.params, sched.states) if st.residual is not None
+                         for p, r in zip(ps, st.residual.split([q.numel() for q in ps]))}
+                assert before.keys() == after.keys() and before
+                assert all(torch.equal(before[k], after[k]) for k in before)
+        sched.synchronize()
+        sched.close()
+        return sched.trials, sched.buffer_bytes, sched.tuning, [p.detach().clone() for p in model.parameters()]
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    trials, chosen, still_tuning, params = out[0]
+    assert len(trials) == 4 and not still_tuning
+    assert chosen == min(trials, key=lambda t: t[1])[0]
+    assert all(2_000 <= size <= 40_000 for size, _ in trials)
+    for o in out:  # every rank tried the same sizes, chose the same, holds the same model
+        assert o[0] == trials and o[1] == chosen
+        assert all(torch.equal(a, b) for a, b in zip(o[3], params))

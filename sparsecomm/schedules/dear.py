@@ -25,6 +25,12 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
    the other parameters' gradients are hidden for that call); the group's
    gradients are then set to None, so the coming backward starts afresh.
 
+Fusion size: fixed, or ``buffer_bytes="auto"``: tuned online by Bayesian
+optimisation, as the paper does (10-20 trials of a few steps over 1-100 MB,
+expected improvement): optuna's Gaussian-process sampler on rank 0, each
+trial's time the slowest rank's, the proposal broadcast; regrouping moves
+every parameter's residual to its new group.
+
 Any ``torch.optim`` optimizer that skips parameters without a gradient
 (all of torch's do) works. An LR scheduler stepped after ``sched.step()``
 applies to the deferred updates (they run in the next forward).
@@ -48,7 +54,10 @@ class DeAR:
 
     Args:
         model, optimizer: the model and any ``torch.optim`` optimizer over its parameters.
-        buffer_bytes: fusion size: a group closes once it holds this many gradient bytes.
+        buffer_bytes: fusion size: a group closes once it holds this many gradient
+            bytes; ``"auto"``: tuned online (``tune_trials`` trials of
+            ``tune_steps`` steps, sizes in ``tune_range``, Bayesian optimisation
+            with optuna's Gaussian-process sampler on rank 0; see ``trials``).
         algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`.
         error_feedback, algorithm_options: the algorithm states' settings (one per group).
         group, comm: the ranks (the engine duplicates them: collective).
@@ -56,41 +65,80 @@ class DeAR:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 buffer_bytes: int = 4 << 20, algorithm: str = "dense", density: float = 1.0,
+                 buffer_bytes: int | str = 4 << 20, algorithm: str = "dense", density: float = 1.0,
                  compressor: Any = None, op: str = "avg", error_feedback: bool = True,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None,
-                 engine_threads: int = 1) -> None:
-        if buffer_bytes < 1:
-            raise ValueError(f"buffer_bytes must be >= 1, got {buffer_bytes!r}")
+                 engine_threads: int = 1, tune_trials: int = 12, tune_steps: int = 5,
+                 tune_range: tuple[int, int] = (1 << 20, 100 << 20), tune_seed: int = 0) -> None:
+        self.tuning = buffer_bytes == "auto"
+        if not self.tuning and (isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int)
+                                or buffer_bytes < 1):
+            raise ValueError(f"buffer_bytes must be an integer >= 1 or 'auto', got {buffer_bytes!r}")
+        if tune_trials < 1 or tune_steps < 2 or not 1 <= tune_range[0] < tune_range[1]:
+            raise ValueError("need tune_trials >= 1, tune_steps >= 2 and 1 <= tune_range[0] < tune_range[1]")
         self.model, self.optimizer = model, optimizer
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
-        kwargs = dict(algorithm_options or {})
+        self._kwargs = dict(algorithm_options or {})
         if algorithm != "dense":
-            kwargs.setdefault("error_feedback", error_feedback)
-        spec = registry.get(algorithm)
+            self._kwargs.setdefault("error_feedback", error_feedback)
+        self._spec = registry.get(algorithm)
+        self._spec.state_class(density, **self._kwargs)  # validate now
         self.split = algorithm == "dense" and compressor is None  # reduce-scatter + all-gather
-        modules = [m for m in model.modules()
-                   if any(p.requires_grad for p in m.parameters(recurse=False))]
-        if not modules:
+        self._modules = [m for m in model.modules()
+                         if any(p.requires_grad for p in m.parameters(recurse=False))]
+        if not self._modules:
             raise ValueError("the model has no trainable parameters")
-        self.groups: list[list[torch.nn.Module]] = [[]]
+        self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-dear")
+        self._handles: list[Any] = []
+        self.groups: list[list[torch.nn.Module]] = []
+        self.params: list[list[torch.nn.Parameter]] = []
+        self.states: list[Any] = []
+        self._pending = False  # reduced first phases waiting for their forward
+        self.trials: list[tuple[int, float]] = []  # (buffer bytes, seconds per step) of each trial
+        self._tune = None
+        if self.tuning:
+            self._tune = _Tuner(self, tune_trials, tune_steps, tune_range, tune_seed)
+            buffer_bytes = self._tune.first()
+        self.regroup(int(buffer_bytes))
+
+    def regroup(self, buffer_bytes: int) -> None:
+        """Fuse anew with ``buffer_bytes`` (every rank the same, between steps, nothing pending).
+
+        Residuals move with their parameters (error feedback keeps every bit);
+        thresholds and boundaries restart, as for a state of a new tensor.
+        """
+        if self._pending:
+            raise RuntimeError("DeAR.regroup: updates are pending; call synchronize() first")
+        residuals = {}
+        for ps, st in zip(self.params, self.states):
+            r, offset = getattr(st, "residual", None), 0
+            for p in ps:
+                if r is not None:
+                    residuals[id(p)] = r[offset:offset + p.numel()].clone()
+                offset += p.numel()
+        for h in self._handles:
+            h.remove()
+        self.buffer_bytes = buffer_bytes
+        self.groups = [[]]
         size = 0
-        for m in modules:
+        for m in self._modules:
             if size >= buffer_bytes:
                 self.groups.append([])
                 size = 0
             self.groups[-1].append(m)
             size += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.requires_grad)
         self.params = [[p for m in g for p in m.parameters(recurse=False) if p.requires_grad] for g in self.groups]
-        self.states = [spec.state_class(density, **kwargs) for _ in self.groups]
-        self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-dear")
+        self.states = [self._spec.state_class(self.density, **self._kwargs) for _ in self.groups]
+        for ps, st in zip(self.params, self.states):
+            if any(id(p) in residuals for p in ps):
+                st.residual = torch.cat([residuals.get(id(p), torch.zeros(p.numel(), device=p.device))
+                                         for p in ps])
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.params for p in ps]
         self._handles += [g[0].register_forward_pre_hook(self._before_forward(gi)) for gi, g in enumerate(self.groups)]
         self._first: list[Job | None] = [None] * len(self.groups)  # phase 1 of this step
         self._second: list[Job | None] = [None] * len(self.groups)  # phase 2, started in forward
-        self._pending = False  # reduced first phases waiting for their forward
         self._reset_backward()
 
     # ---- backward: first phases ----------------------------------------------------------
@@ -133,6 +181,8 @@ class DeAR:
             job.wait()
         self._pending = True
         self._reset_backward()
+        if self._tune is not None:
+            self._tune.after_step()
 
     # ---- forward: second phases and updates -------------------------------------------------
     def _start_second(self, gi: int) -> None:
@@ -200,3 +250,70 @@ class DeAR:
         for h in self._handles:
             h.remove()
         self.engine.close()
+
+
+class _Tuner:
+    """DeAR's online choice of the fusion size by Bayesian optimisation (optuna's GP sampler).
+
+    1. Trials of ``steps`` steps each; the first step of a trial is warm-up
+       (new groups, new states), the others are timed from one ``step()`` to
+       the next: forward, backward and every overlap included.
+    2. The ranks agree on a trial's time (the slowest rank's mean, one
+       allreduce); rank 0 tells the study and asks for the next size (log
+       scale over ``tune_range``, expected improvement), broadcast to all.
+    3. After ``trials`` trials, regroup with the best size and stop.
+    """
+
+    def __init__(self, dear: DeAR, trials: int, steps: int, bounds: tuple[int, int], seed: int) -> None:
+        self.dear, self.trials_left, self.steps, self.bounds = dear, trials, steps, bounds
+        self.study = self.trial = None
+        if dear.engine.comm.rank == 0:
+            try:
+                import optuna
+            except ImportError as exc:
+                raise ImportError("DeAR(buffer_bytes='auto') tunes with optuna: pip install optuna "
+                                  "(or pip install 'sparsecomm[tune]')") from exc
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            self.study = optuna.create_study(direction="minimize",
+                                             sampler=optuna.samplers.GPSampler(seed=seed, n_startup_trials=3))
+        self.count, self.last, self.times = 0, None, []
+
+    def _ask(self) -> int:
+        proposal = 0.0
+        if self.study is not None:
+            self.trial = self.study.ask()
+            proposal = self.trial.suggest_float("buffer_bytes", *map(float, self.bounds), log=True)
+        out = self.dear.engine.run(lambda c: c.broadcast(torch.tensor([proposal], dtype=torch.float64,
+                                                                        device=c.control_device), 0),
+                                   what="broadcasting DeAR's next fusion size").wait()
+        return int(float(out[0]))
+
+    def first(self) -> int:
+        return self._ask()
+
+    def after_step(self) -> None:
+        import time
+
+        now = time.perf_counter()
+        if self.count > 0 and self.last is not None:  # the trial's first step is warm-up
+            self.times.append(now - self.last)
+        self.last, self.count = now, self.count + 1
+        if self.count < self.steps:
+            return
+        local = sum(self.times) / max(1, len(self.times))
+        worst = float(self.dear.engine.run(lambda c: c.allreduce(torch.tensor([local], dtype=torch.float64,
+                                                                             device=c.control_device), "max"),
+                                           what="agreeing on a DeAR trial's time").wait()[0])
+        self.dear.trials.append((self.dear.buffer_bytes, worst))
+        if self.study is not None:
+            self.study.tell(self.trial, worst)
+        self.trials_left -= 1
+        self.count, self.last, self.times = 0, None, []
+        self.dear.synchronize()  # regrouping needs nothing pending
+        if self.trials_left > 0:
+            self.dear.regroup(self._ask())
+            return
+        best = min(self.dear.trials, key=lambda t: t[1])[0]
+        self.dear._tune = None
+        self.dear.tuning = False
+        self.dear.regroup(best)
