@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
 
+TRIALS = int(os.environ.get("DEAR_TRIALS", "10"))  # DeAR's fusion tuning: trials of 4 steps
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -49,6 +51,8 @@ def main() -> None:
         for sname, cls in (("wfbp", WFBP), ("synceasgd", SyncEASGD), ("mgwfbp", MGWFBP), ("dear", DeAR),
                            ("pipesgd", PipeSGD)):
             configs.append((f"{sname} {algo}", cls, kw))
+        configs.append((f"dear auto {algo}", DeAR, {**kw, "buffer_bytes": "auto", "tune_trials": TRIALS,
+                                                    "tune_steps": 4}))
     res: dict = {}
     phases = {}
     for name, cls, kw in configs:
@@ -78,7 +82,7 @@ def main() -> None:
                 opt.step()
             return {"forward": t1 - t0, "backward": t2 - t1, "wait": t3 - t2, "update": time.perf_counter() - t3}
 
-        for _ in range(6):
+        for _ in range(6 + (TRIALS * 4 if name.startswith("dear auto") else 0)):  # tuning first
             step()
         ts, parts = [], []
         for _ in range(rounds):
@@ -90,6 +94,8 @@ def main() -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         res[name] = float(t)
         phases[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        if isinstance(sched, DeAR) and sched.trials:
+            res[f"{name} chosen MB"] = sched.buffer_bytes / 2**20
         if isinstance(sched, MGWFBP) and sched.backward_times is not None:
             comm_end = plan_time(sched.groups, sched.backward_times, sched.sizes, sched.a, sched.b)
             none = phases["none"]
