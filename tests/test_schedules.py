@@ -399,3 +399,52 @@ def test_dear_tunes_its_fusion_size_and_regrouping_keeps_every_residual():
     for o in out:  # every rank tried the same sizes, chose the same, holds the same model
         assert o[0] == trials and o[1] == chosen
         assert all(torch.equal(a, b) for a, b in zip(o[3], params))
+
+
+def test_dear_updates_a_group_before_any_of_its_modules_runs():
+    # Modules registered in another order than they run (and one reused): every group is
+    # updated before its first module to run, once, and the result equals plain data parallelism.
+    from sparsecomm.schedules import DeAR
+
+    class Shuffled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last = torch.nn.Linear(64, 10)
+            self.first = torch.nn.Linear(20, 64)
+            self.middle = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = torch.relu(self.middle(torch.relu(self.first(x))))
+            return self.last(torch.relu(self.middle(h)))  # middle twice
+
+    def make():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return Shuffled()
+
+    def body(rank: int):
+        out = {}
+        for name in ("dear", "plain"):
+            model = make()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=20_000) if name == "dear" else None
+            for step in range(4):
+                opt.zero_grad()
+                _loss(model, rank, step).backward()
+                if sched is not None:
+                    sched.step()
+                else:
+                    for p in model.parameters():
+                        p.grad.copy_(sparsecomm.allreduce(p.grad, 1.0, algorithm="dense", op="avg"))
+                    opt.step()
+            if sched is not None:
+                sched.synchronize()
+                out["groups"] = len(sched.groups)
+                sched.close()
+            out[name] = [p.detach().clone() for p in model.parameters()]
+        return out
+
+    for out in sparsecomm.simulate(2, body, timeout=60).results:
+        assert out["groups"] == 2
+        for a, b in zip(out["dear"], out["plain"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -17,8 +17,8 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
    its whole allreduce here (no natural split is implemented yet: Ok-Topk's
    split-and-reduce / balance-and-allgatherv split is still to do).
 2. ``step()`` waits for the first phases (the end of backward).
-3. FeedPipe: a forward pre-hook on each group's first module, in the next
-   forward: start the group's second phase (dense: the all-gather) unless
+3. FeedPipe: a forward pre-hook on each group's modules (the first to run
+   acts), in the next forward: start the group's second phase (dense: the all-gather) unless
    it is running, and the next group's, so that it overlaps this group's
    forward; wait for this one, write the gradients, and step the optimizer
    on this group's parameters only (the wrapped optimizer keeps its state:
@@ -136,7 +136,10 @@ class DeAR:
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.params for p in ps]
-        self._handles += [g[0].register_forward_pre_hook(self._before_forward(gi)) for gi, g in enumerate(self.groups)]
+        # On every module of a group: whichever runs first applies the update (models need not
+        # call their modules in registration order).
+        self._handles += [m.register_forward_pre_hook(self._before_forward(gi))
+                          for gi, g in enumerate(self.groups) for m in g]
         self._first: list[Job | None] = [None] * len(self.groups)  # phase 1 of this step
         self._second: list[Job | None] = [None] * len(self.groups)  # phase 2, started in forward
         self._reset_backward()
@@ -200,14 +203,14 @@ class DeAR:
 
     def _before_forward(self, gi: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._pending:
+            if self._pending and self._first[gi] is not None:  # not yet updated this forward
                 self._update(gi)
         return hook
 
     def _update(self, gi: int) -> None:
         if self._second[gi] is None:
             self._start_second(gi)
-        if gi + 1 < len(self.groups) and self._second[gi + 1] is None:
+        if gi + 1 < len(self.groups) and self._second[gi + 1] is None and self._first[gi + 1] is not None:
             self._start_second(gi + 1)  # overlaps this group's forward
         flat = self._second[gi].wait()
         self._second[gi] = None
