@@ -427,7 +427,7 @@ def test_dear_updates_a_group_before_any_of_its_modules_runs():
         for name in ("dear", "plain"):
             model = make()
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=20_000) if name == "dear" else None
+            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=6_000) if name == "dear" else None
             for step in range(4):
                 opt.zero_grad()
                 _loss(model, rank, step).backward()
