@@ -58,6 +58,9 @@ class SparseHookState:
         overlap: reduce buckets on a communication thread while backward goes
             on (an engine made here: collective, every rank must build its state
             at the same point). Results are bit for bit those of ``overlap=False``.
+            The engine does not pickle: a state unpickled whole runs synchronously
+            (same results); to resume overlapping, build a state with
+            ``overlap=True`` and ``load_state_dict`` the checkpoint into it.
         engine_threads: torch threads of that communication thread.
         algorithm_options: extra keyword arguments of the algorithm's State
             (e.g. ``{"tau": 32, "tau_prime": 64}`` for Ok-Topk).
