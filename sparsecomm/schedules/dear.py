@@ -44,7 +44,7 @@ import torch
 
 from .. import registry
 from ..comm import Communicator
-from .engine import Engine, Job
+from .engine import Engine, Job, write_grads
 
 __all__ = ["DeAR"]
 
@@ -215,12 +215,7 @@ class DeAR:
         flat = self._second[gi].wait()
         self._second[gi] = None
         self._first[gi] = None
-        offset = 0
-        for p in self.params[gi]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        write_grads(self.params[gi], flat)
         self._step_only(self.params[gi])
         for p in self.params[gi]:  # the backward about to run accumulates afresh
             p.grad = None

@@ -35,7 +35,18 @@ from ..api import allreduce
 from ..comm import Communicator, resolve
 from ..errors import CommTimeoutError, InputError
 
-__all__ = ["Engine", "Job"]
+__all__ = ["Engine", "Job", "write_grads"]
+
+
+def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
+    """Copy ``flat`` (the params' gradients one after another) into their ``.grad``
+    (created where None): what every schedule does with a reduced group."""
+    offset = 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 class Job:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from .engine import Engine, Job
+from .engine import Engine, Job, write_grads
 
 __all__ = ["PipeSGD"]
 
@@ -75,12 +75,7 @@ class PipeSGD:
         return torch.cat([g.reshape(-1) for g in grads], out=buf)
 
     def _apply(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        write_grads(self.params, flat)
         self.optimizer.step()
 
     def _previous(self) -> torch.Tensor | None:

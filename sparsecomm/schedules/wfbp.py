@@ -36,7 +36,7 @@ import torch
 from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
-from .engine import Engine, Job
+from .engine import Engine, Job, write_grads
 from .planner import fit_linear, plan_merge
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
@@ -149,11 +149,7 @@ class GroupSchedule:
         for gi, job in enumerate(self._jobs):
             out = job.wait()
             self.job_timings.append((int(out.numel()), float(job.seconds)))
-            offset = 0
-            for i in self.groups[gi]:
-                g = self.params[i].grad
-                g.copy_(out[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            write_grads([self.params[i] for i in self.groups[gi]], out)
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
         self._after_step()
         self._reset()
