@@ -1,25 +1,48 @@
-"""Benchmarks run on real ranks: under torchrun (gloo/NCCL), mpiexec/srun (MPI), or alone.
+"""Benchmark suites on real ranks, the same under every launcher.
 
-    torchrun --nproc-per-node 4 -m pytest benchmarks/            # gloo on a laptop
-    mpiexec -n 4 python -m pytest benchmarks/                    # MPI
-    srun -N 64 --ntasks-per-node 1 python -m pytest benchmarks/  # a cluster
+    python -m pytest benchmarks/                                   # one process
+    torchrun --nproc-per-node 4 -m pytest benchmarks/              # gloo on a laptop (NCCL with GPUs)
+    mpiexec -n 4 python -m pytest benchmarks/                      # MPI
+    srun -N 64 --ntasks-per-node 1 python -m pytest benchmarks/    # Slurm (benchmarks/slurm/)
+    sparsecomm emulate --ranks 4 --rate 1gbit -- python -m pytest benchmarks/test_allreduce.py
+
+Suites: ``test_allreduce.py`` (every algorithm × sizes × densities ×
+compressors), ``test_kernels.py`` (local kernels, one process),
+``test_ddp.py`` (a DDP step with each communication hook),
+``test_schedules.py`` (a training step under each schedule) and
+``test_steady_state.py`` (issue 11's world-size-1 floor).
 
 Every rank runs the same tests in the same order with fixed rounds (pedantic
-mode), so all ranks make the same collective calls. Only rank 0 prints and
-writes ``--benchmark-json``; it also prints an nccl-tests style table
-(``sparsecomm.bench`` columns) at the end. Sizes: ``SPARSECOMM_BENCH_SIZES``
-(comma-separated element counts, default "4000000,25000000"). Under torchrun
-the process group is NCCL where CUDA is available, else gloo;
-``SPARSECOMM_DIST_BACKEND`` chooses (e.g. gloo for several ranks on one GPU).
-Tensors are on the rank's GPU where the communicator takes them.
+mode, a barrier before every round), so all ranks make the same collective
+calls. Only rank 0 prints and writes ``--benchmark-json``; that JSON holds
+pytest-benchmark's own statistics (rank 0's real per-call times), each
+benchmark's row under ``extra_info["row"]`` (with the slowest rank's median),
+and the run's environment under the top-level key ``"sparsecomm"``
+(``sparsecomm.bench.environment``): ``sparsecomm report`` reads it.
+
+Environment: ``SPARSECOMM_BENCH_SIZES`` (elements, default "4000000,25000000"),
+``SPARSECOMM_BENCH_ROUNDS``. Under torchrun the process group is NCCL where
+CUDA is available, else gloo; ``SPARSECOMM_DIST_BACKEND`` chooses. Under an MPI
+launcher the DDP suite starts a torch.distributed group of the same ranks
+(address agreed over MPI).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
 import torch
+
+#: The run's environment (``sparsecomm.bench.environment``), set by the ``comm`` fixture on every rank.
+ENV: dict = {}
+#: Rows of test_allreduce.py (``sparsecomm.bench.Row``), printed as one nccl-tests style table.
+ROWS: list = []
+#: Rows of test_steady_state.py (dicts), printed as one table with ratios to ``add``.
+STEADY: list = []
+#: Rows of the step suites (dicts: suite, config, time_ms, ...), printed with ratios to "none".
+STEPS: list = []
 
 
 def _launched_rank() -> int:
@@ -27,6 +50,10 @@ def _launched_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
 
 @pytest.hookimpl(trylast=True)
@@ -37,28 +64,70 @@ def pytest_configure(config):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter._tw = TerminalWriter(open(os.devnull, "w"))
+        # pytest-benchmark read its options in its own pytest_configure (before this one):
+        # switch saving off on its session, or every rank writes the same JSON file.
+        bs = getattr(config, "_benchmarksession", None)
+        if bs is not None:
+            bs.json, bs.save, bs.autosave = None, None, False
         config.option.benchmark_json = None
         config.option.benchmark_autosave = False
+
+
+def _dist_backend() -> str:
+    return os.environ.get("SPARSECOMM_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 @pytest.fixture(scope="session")
 def comm():
     import sparsecomm
+    from sparsecomm.bench import environment
 
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+    if _under_torchrun():
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            backend = os.environ.get("SPARSECOMM_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+            backend = _dist_backend()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend)
-    return sparsecomm.resolve()
+    c = sparsecomm.resolve()
+    ENV.update(environment(c))
+    return c
 
 
-ROWS: list = []
-#: Rows of test_steady_state.py (dicts), printed as one table with ratios to ``add``.
-STEADY: list = []
+@pytest.fixture(scope="session")
+def torch_group(comm):
+    """torch.distributed's default group over the same ranks (DDP needs it), started if need be.
+
+    Under MPI (mpiexec, srun) rank 0 picks a port and the ranks agree on its
+    address over MPI; alone, a group of one on loopback.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        host, port = "127.0.0.1", 0
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            if comm.size > 1:  # MASTER_ADDR where the host name does not resolve to a reachable address
+                host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        addr = [int(b) for b in socket.inet_aton(host)] + [port]
+        addr = [int(v) for v in comm.broadcast(torch.tensor(addr, dtype=torch.float64,
+                                                            device=comm.control_device), 0).tolist()]
+        host, port = ".".join(map(str, addr[:4])), addr[4]
+        backend = _dist_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank,
+                                world_size=comm.size, timeout=datetime.timedelta(seconds=300))
+    return dist.group.WORLD
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["sparsecomm"] = dict(ENV)
 
 
 def _steady_table() -> str:
@@ -83,17 +152,25 @@ def _steady_table() -> str:
 
 
 def pytest_terminal_summary(terminalreporter):
-    if STEADY and _launched_rank() == 0:
+    if _launched_rank() != 0:
+        return
+    if ENV:
+        terminalreporter.write_sep("=", "environment")
+        terminalreporter.write_line(", ".join(f"{k}={v}" for k, v in ENV.items() if k != "versions"))
+        terminalreporter.write_line(", ".join(f"{k} {v}" for k, v in ENV.get("versions", {}).items()))
+    if STEADY:
         terminalreporter.write_sep("=", "steady-state call at world size 1, one thread (ratios to add)")
         terminalreporter.write_line(_steady_table())
-    if ROWS and _launched_rank() == 0:
-        from sparsecomm.bench import format_table
+    if ROWS:
+        from sparsecomm.bench import add_ratios, format_table
 
-        dense = {(r.n,): r for r in ROWS if r.algorithm == "dense"}
-        for r in ROWS:
-            d = dense.get((r.n,))
-            if d is not None and r.algorithm != "memcpy":
-                r.bytes_ratio = r.sent_per_rank / d.sent_per_rank if d.sent_per_rank else float("nan")
-                r.time_ratio = r.time_ms / d.time_ms
         terminalreporter.write_sep("=", "sparsecomm allreduce (nccl-tests columns; ratios to dense)")
-        terminalreporter.write_line(format_table(ROWS))
+        terminalreporter.write_line(format_table(add_ratios(ROWS)))
+    for suite in dict.fromkeys(r["suite"] for r in STEPS):
+        rows = [r for r in STEPS if r["suite"] == suite]
+        none = next((r["time_ms"] for r in rows if r["config"] == "none"), float("nan"))
+        terminalreporter.write_sep("=", f"{suite}: time per training step (slowest rank's median)")
+        terminalreporter.write_line(f"{'config':<28} {'ranks':>5} {'step ms':>9} {'/none':>7}")
+        for r in rows:
+            terminalreporter.write_line(f"{r['config']:<28} {r['ranks']:>5} {r['time_ms']:>9.2f} "
+                                        f"{r['time_ms'] / none:>7.2f}")

@@ -1,86 +1,72 @@
-"""pytest-benchmark suite: Ok-Topk vs Dense (and a memory copy of the same bytes) on real ranks."""
+"""The allreduce suite: every algorithm × sizes × densities × compressors, and a memory copy.
+
+Each test times a :class:`sparsecomm.bench.Workload` (the driver ``sparsecomm
+bench`` uses) through ``benchmark.pedantic``: fixed rounds, a barrier and an
+untimed check that all ranks agree before each, so pytest-benchmark's
+statistics are the real per-call times. The row (slowest rank's median,
+bytes, selected/k, phase breakdown) goes to ``extra_info["row"]``.
+
+Environment (comma-separated): ``SPARSECOMM_BENCH_ALGORITHMS`` (default: all
+registered), ``SPARSECOMM_BENCH_SIZES`` (default "4000000,25000000"),
+``SPARSECOMM_BENCH_DENSITIES`` (default "0.01"), ``SPARSECOMM_BENCH_COMPRESSORS``
+(default "none"; e.g. "none,fp16,q8"), ``SPARSECOMM_BENCH_KIND`` (synthetic
+gradient, default "model"), ``SPARSECOMM_BENCH_ROUNDS`` (default 8, after 2
+warm-up rounds).
+"""
 
 from __future__ import annotations
 
 import os
-import statistics
+from dataclasses import asdict
 
 import pytest
 import torch
 
 import sparsecomm
-from sparsecomm.bench import Row, _check_identical
-from sparsecomm.state import topk_count
-from sparsecomm.synthetic import gradient
+from sparsecomm.bench import Case, Row, Workload, bench_device
 
 from conftest import ROWS
 
-SIZES = [int(s) for s in os.environ.get("SPARSECOMM_BENCH_SIZES", "4000000,25000000").split(",")]
-DENSITY = 0.01
+
+def _list(var: str, default: str) -> list[str]:
+    return [s for s in os.environ.get(var, default).split(",") if s]
+
+
+ALGORITHMS = _list("SPARSECOMM_BENCH_ALGORITHMS", ",".join(sparsecomm.algorithms()))
+SIZES = [int(s) for s in _list("SPARSECOMM_BENCH_SIZES", "4000000,25000000")]
+DENSITIES = [float(d) for d in _list("SPARSECOMM_BENCH_DENSITIES", "0.01")]
+COMPRESSORS = _list("SPARSECOMM_BENCH_COMPRESSORS", "none")
+KIND = os.environ.get("SPARSECOMM_BENCH_KIND", "model")
 ROUNDS, WARMUP = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "8")), 2
 
 
-def _device(comm) -> torch.device:
-    """CUDA where this rank has a GPU the communicator takes (NCCL; gloo and MPI stage it)."""
-    cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
-    return cuda if torch.cuda.is_available() and comm.supports_device(cuda) else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
-@pytest.mark.parametrize("algorithm", ["oktopk", "dense"])
-def test_allreduce(benchmark, comm, algorithm, n):
-    device = _device(comm)
-    grads = [gradient(comm.rank, s, n).to(device) for s in range(4)]
-    state = sparsecomm.registry.get(algorithm).state_class(DENSITY)
-    calls = {"i": 0, "sent": [], "selected": []}
-
-    def setup():
-        comm.barrier()  # every round starts together; not timed
-        g = grads[calls["i"] % len(grads)]
-        calls["i"] += 1
-        calls["before"] = comm.stats.bytes_sent
-        return (g,), {}
-
-    def run(g):
-        out = sparsecomm.allreduce(g, state=state, comm=comm)
-        _sync(device)
-        calls["sent"].append(comm.stats.bytes_sent - calls["before"])
-        calls["selected"].append(state.last.global_selected)
-        return out
-
-    out = benchmark.pedantic(run, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
-    _check_identical(comm, out)
-    # The slowest rank's median time is the collective's time.
-    t = float(comm.allreduce(torch.tensor([benchmark.stats.stats.median], dtype=torch.float64,
-                                          device=comm.control_device), "max"))
-    sent = statistics.mean(calls["sent"][WARMUP:])
-    size = n * 4
-    algbw = size / t / 1e9
-    P = comm.size
-    benchmark.extra_info.update(bytes_sent_per_rank=sent, ranks=P, backend=comm.name,
-                                selected_over_k=statistics.mean(calls["selected"]) / topk_count(DENSITY, n))
-    ROWS.append(Row(algorithm, comm.name, P, n, DENSITY, size, t * 1e3, algbw,
-                    algbw * 2 * (P - 1) / P if P > 1 else algbw, sent,
-                    selected_over_k=benchmark.extra_info["selected_over_k"] if algorithm != "dense" else 1.0))
+@pytest.mark.parametrize("density", DENSITIES, ids=lambda d: f"d={d}")
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce(benchmark, comm, algorithm, compressor, density, n):
+    work = Workload(comm, Case(algorithm, n, density, compressor, kind=KIND))
+    benchmark.pedantic(work, setup=work.setup, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    row = work.row(benchmark.stats.stats.data)
+    benchmark.extra_info["row"] = asdict(row)
+    ROWS.append(row)
 
 
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n={n}")
 def test_memory_copy(benchmark, comm, n):
     """The yardstick: copying the gradient's bytes once on this rank."""
-    device = _device(comm)
-    g = gradient(comm.rank, 0, n).to(device)
-    dst = torch.empty_like(g)
+    device = bench_device(comm)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
 
     def copy():
-        dst.copy_(g)
-        _sync(device)
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-    benchmark.pedantic(copy, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    benchmark.pedantic(copy, setup=comm.barrier, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     t = benchmark.stats.stats.median
-    ROWS.append(Row("memcpy", "local", comm.size, n, 1.0, n * 4, t * 1e3, n * 4 / t / 1e9,
-                    float("nan"), 0.0))
+    row = Row("memcpy", "local", comm.size, n, 1.0, n * 4, t * 1e3, n * 4 / t / 1e9, float("nan"), 0.0,
+              calls=ROUNDS, times_s=list(benchmark.stats.stats.data))
+    benchmark.extra_info["row"] = asdict(row)
+    ROWS.append(row)

@@ -12,15 +12,14 @@ ratios (measured in this run) is printed at the end, with the fused select's
 bytes over the device's measured copy bandwidth (a copy of the same size,
 bytes read plus written). Density 0.01; ``SPARSECOMM_BENCH_DTYPES`` picks the
 gradient's dtypes (default float32; the residual is float32, as in a state).
-On CUDA each time is the median of ``SPARSECOMM_BENCH_ROUNDS`` runs between
-device events.
+Each time is pytest-benchmark's own measurement (pedantic, ``SPARSECOMM_BENCH_ROUNDS``
+rounds, setup untimed, a device synchronisation inside the timed function): the
+best round on CPU, the median on CUDA.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import numpy as np
 import pytest
@@ -44,28 +43,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, setup=None) -> float:
-    """Best (CPU) or median between device events (CUDA) of ROUNDS after one warm-up;
-    ``setup`` runs untimed before each call."""
-    times = []
-    for i in range(ROUNDS + 1):
+def _time(benchmark, fn, setup=None) -> float:
+    """Time ``fn`` through ``benchmark.pedantic`` (ROUNDS rounds after one warm-up) and return
+    the best (CPU) or median (CUDA) seconds; ``setup`` runs untimed before each round.
+
+    The timed function ends with a device synchronisation, so pytest-benchmark's
+    statistics (and its JSON) are the kernels' real times.
+    """
+    def timed():
+        fn()
+        _sync()
+
+    def untimed():
         if setup is not None:
             setup()
         _sync()
-        if DEV.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - t0
-        if i:
-            times.append(elapsed)
-    return statistics.median(times) if DEV.type == "cuda" else min(times)
+
+    benchmark.pedantic(timed, setup=untimed, rounds=ROUNDS, warmup_rounds=1, iterations=1)
+    stats = benchmark.stats.stats
+    return stats.median if DEV.type == "cuda" else stats.min
 
 
 def _backend(backend: str, op: str, *args) -> str:
@@ -84,7 +80,9 @@ def _record(benchmark, n: int, dtype: torch.dtype, name: str, seconds: float, nb
     RESULTS[(n, str(dtype).removeprefix("torch."), name)] = (seconds, nbytes)
     benchmark.extra_info.update(n=n, dtype=str(dtype), operation=name, seconds=seconds,
                                 elements_per_s=n / seconds, gb_per_s=nbytes / seconds / 1e9)
-    benchmark.pedantic(lambda: None, rounds=1)  # timing is ours (setup must stay untimed)
+    benchmark.extra_info["row"] = {"suite": "kernels", "operation": name, "n": n,
+                                   "dtype": str(dtype).removeprefix("torch."), "time_ms": 1e3 * seconds,
+                                   "gb_per_s": nbytes / seconds / 1e9, "device": str(DEV)}
 
 
 def _data(n: int, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -110,7 +108,7 @@ def test_yardstick_copy(benchmark, n, dtype):
     """The device's copy bandwidth at this size: bytes read plus written, the floor's unit."""
     src = torch.empty(3 * n, dtype=torch.float32, device=DEV).uniform_()
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src))
+    t = _time(benchmark, lambda: dst.copy_(src))
     _record(benchmark, n, dtype, "yardstick copy of 12n bytes", t, 2 * src.numel() * 4)
 
 
@@ -127,7 +125,7 @@ def test_fused_select(benchmark, n, dtype, backend):
     oi = torch.empty(cap, dtype=torch.int64, device=DEV)
     ov = torch.empty(cap, dtype=torch.float32, device=DEV)
     restore = lambda: r.copy_(r0)  # noqa: E731  untimed: every call sees the same input
-    t = _time(lambda: kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov, **_kw(backend)), restore)
+    t = _time(benchmark, lambda: kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov, **_kw(backend)), restore)
     # Check against the reference while we are here.
     restore()
     _, _, c = kernels.ef_select(g, r, th, cap, out_idx=oi, out_val=ov, **_kw(backend))
@@ -142,7 +140,7 @@ def test_fused_select(benchmark, n, dtype, backend):
 @dtypes
 def test_yardstick_add(benchmark, n, dtype):
     r, g = _data(n, dtype)
-    t = _time(lambda: r.add_(g))
+    t = _time(benchmark, lambda: r.add_(g))
     _record(benchmark, n, dtype, "yardstick r.add_(g)", t, n * (g.element_size() + 8))
 
 
@@ -161,7 +159,7 @@ def test_unfused_chain(benchmark, n, dtype):
         r.index_fill_(0, idx, 0)
         return idx, val
 
-    t = _time(chain, lambda: r.copy_(r0))
+    t = _time(benchmark, chain, lambda: r.copy_(r0))
     _record(benchmark, n, dtype, "unfused torch chain", t, n * (g.element_size() + 8))
 
 
@@ -173,7 +171,7 @@ def test_exact_threshold(benchmark, n, dtype, backend):
     mag = x.to(dtype).abs()
     k = max(1, int(DENSITY * n))
     path = _backend(backend, "kth_largest", mag, k, False)
-    t = _time(lambda: kernels.kth_largest(mag, k, **_kw(backend)))
+    t = _time(benchmark, lambda: kernels.kth_largest(mag, k, **_kw(backend)))
     assert kernels.kth_largest(mag, k, **_kw(backend)) == float(torch.topk(mag, k).values.min())
     _record(benchmark, n, dtype, f"exact threshold ({path})", t, n * mag.element_size())
 
@@ -185,7 +183,7 @@ def test_numpy_partition(benchmark, n):
     x, _ = _data(n, seed=1)
     k = max(1, int(DENSITY * n))
     mag = x.abs()
-    t = _time(lambda: kernels.kth_largest(mag, k, backend="torch"))
+    t = _time(benchmark, lambda: kernels.kth_largest(mag, k, backend="torch"))
     _record(benchmark, n, torch.float32, "exact threshold (torch path: numpy.partition)", t, 4 * n)
 
 
@@ -196,7 +194,7 @@ def test_topk_indexes(benchmark, n, dtype):
     x, _ = _data(n, seed=1)
     x = x.to(dtype)
     k = max(1, int(DENSITY * n))
-    t = _time(lambda: kernels.topk_indexes(x, k, use_abs=True))
+    t = _time(benchmark, lambda: kernels.topk_indexes(x, k, use_abs=True))
     idx = kernels.topk_indexes(x, k, use_abs=True)
     ref = torch.topk(x.abs(), k).indices.sort().values
     assert torch.equal(idx, ref) or torch.equal(x.abs()[idx].sort().values, x.abs()[ref].sort().values)
@@ -209,7 +207,7 @@ def test_topk(benchmark, n, dtype):
     x, _ = _data(n, seed=1)
     x = x.to(dtype)
     k = max(1, int(DENSITY * n))
-    t = _time(lambda: torch.topk(x.abs(), k))
+    t = _time(benchmark, lambda: torch.topk(x.abs(), k))
     _record(benchmark, n, dtype, "torch.topk(abs(x), k)", t, n * x.element_size())
 
 
@@ -230,7 +228,7 @@ def test_estimated_threshold(benchmark, n, dtype, backend, kind):
     x = x.to(dtype)
     k = max(1, int(DENSITY * n))
     path = _backend(backend, "count_above", x, np.array([1.0]), 1)
-    t = _time(lambda: kernels.estimate_threshold(x, k, **_kw(backend)))
+    t = _time(benchmark, lambda: kernels.estimate_threshold(x, k, **_kw(backend)))
     th = kernels.estimate_threshold(x, k, **_kw(backend))
     err = int((x.abs() >= th).sum()) / k - 1
     benchmark.extra_info["count_error"] = err
@@ -267,7 +265,7 @@ def pytest_terminal_summary_table() -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _table():
+def _table(comm):  # comm: the run's environment goes into the JSON
     yield
     if RESULTS:
         name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"

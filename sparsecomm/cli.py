@@ -7,6 +7,9 @@ cluster network profiles.
 ``sparsecomm train``: the convergence comparison (DDP with sparsecomm's hooks
 on scikit-learn's bundled digits), a final table and a plot.
 
+``sparsecomm report RESULTS...``: tables and plots from benchmark JSON files
+of any machines (time, bytes and speed-up over dense vs P, phase breakdown).
+
 ``sparsecomm bench``: start local ranks (torch.multiprocessing + gloo, or the
 simulated world), run Ok-Topk and Dense on a realistic synthetic gradient, and
 print one table. Works on a fresh machine with no GPU and no MPI. Under an
@@ -24,36 +27,44 @@ from .output import write_json
 __all__ = ["main"]
 
 
-def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> list:
-    from .bench import measure
+def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> tuple[list, dict]:
+    from .bench import environment, measure
     from .comm import resolve
 
-    return measure(resolve(), args.algorithms, args.n, args.density, args.steps, args.warmup, args.kind)
+    comm = resolve()
+    rows = measure(comm, args.algorithms, args.n, args.density, args.steps, args.warmup, args.kind,
+                   compressors=args.compressors)
+    return rows, environment(comm)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import format_table
+    import os
+
+    from .bench import format_table, write_results
 
     if args.launcher == "spawn":
         from .launch import spawn
 
-        rows = spawn(args.ranks, _bench_rank, args)[0]
+        os.environ.setdefault("SPARSECOMM_LAUNCHER", "spawn")  # the spawned ranks inherit it
+        rows, env = spawn(args.ranks, _bench_rank, args)[0]
     elif args.launcher == "sim":
         from .comm import simulate
 
-        rows = simulate(args.ranks, lambda r: _bench_rank(r, args.ranks, args)).results[0]
+        os.environ.setdefault("SPARSECOMM_LAUNCHER", "sim")
+        rows, env = simulate(args.ranks, lambda r: _bench_rank(r, args.ranks, args)).results[0]
     else:
         from .comm import resolve
 
         comm = resolve()
-        rows = _bench_rank(comm.rank, comm.size, args)
+        rows, env = _bench_rank(comm.rank, comm.size, args)
         if comm.rank != 0:
             return 0
     print(f"# sparsecomm bench: n={args.n} density={args.density} kind={args.kind} "
-          f"steps={args.steps} (+{args.warmup} warm-up)")
+          f"steps={args.steps} (+{args.warmup} warm-up); {env['launcher']}, {env['backend']}, "
+          f"P={env['ranks']} on {env['nodes']} node(s), network {env['network']}")
     print(format_table(rows))
     if args.json:
-        write_json(rows, args.json)
+        write_results(rows, env, args.json)
         print(f"# wrote {args.json}")
     return 0
 
@@ -150,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--kind", choices=KINDS, default="model", help="synthetic gradient")
     b.add_argument("--algorithms", type=lambda s: s.split(","), default=["oktopk", "dense"],
                    help=f"comma-separated, from {algorithms()}")
+    b.add_argument("--compressors", type=lambda s: [None if c == "none" else c for c in s.split(",")],
+                   default=[None], help="comma-separated: none, fp16, bf16, trunc16, q8, q4, ...")
     b.add_argument("--launcher", choices=["spawn", "sim", "external"], default="spawn",
                    help="spawn gloo processes, simulate in-process, or use ranks "
                         "started by torchrun/mpiexec/srun")
@@ -168,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="profiles (or alpha:beta) for the projection")
     st.add_argument("--target-n", type=int, default=133_547_324)
     st.add_argument("--out", default="study", help="output folder")
+    rp = sub.add_parser("report", help="tables and plots from benchmark JSON files (any machines)")
+    rp.add_argument("results", nargs="+", help="pytest-benchmark JSON of benchmarks/ or sparsecomm bench --json")
+    rp.add_argument("--out", default=None, help="folder for report.md, rows.csv and the plots")
     tr = sub.add_parser("train", help="convergence comparison on scikit-learn's digits (4 gloo ranks)")
     tr.add_argument("--configs", type=lambda s: s.split(","),
                     default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
@@ -181,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="reduce with a schedule around the plain model instead of the DDP hook")
     tr.add_argument("--out", default="train", help="output folder")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from . import report
+
+        return report.main(args.results, args.out)
     if args.command == "train":
         return _train(args)
     if args.command == "study":

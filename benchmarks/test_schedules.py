@@ -1,0 +1,70 @@
+"""The schedules suite: one training step under each communication schedule.
+
+Configurations: "none" (no communication), DDP's default, and each schedule
+(WFBP, SyncEASGD, MG-WFBP, DeAR, Pipe-SGD) with dense and with Ok-Topk 1%.
+A step is forward, backward and the schedule's step (Pipe-SGD: wait for and
+apply the previous step's gradient; DeAR: wait for the first phases, updates
+run in the next forward; the others: wait for every group, then the
+optimizer). Warm-up rounds cover MG-WFBP's profiling and plan. The schedules
+run over sparsecomm's communicator (MPI, torch.distributed or the default);
+only "ddp default" needs a torch.distributed group. Model:
+``SPARSECOMM_BENCH_MODEL`` (default deep); ``SPARSECOMM_BENCH_SCHEDULES``
+narrows the schedules (comma-separated).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sparsecomm.bench import bench_device
+from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
+
+from steps import batch, model, time_steps
+
+SCHEDULES = {"wfbp": WFBP, "synceasgd": SyncEASGD, "mgwfbp": MGWFBP, "dear": DeAR, "pipesgd": PipeSGD}
+CHOSEN = [s for s in os.environ.get("SPARSECOMM_BENCH_SCHEDULES", ",".join(SCHEDULES)).split(",") if s]
+ALGORITHMS = {"dense": {"algorithm": "dense", "density": 1.0}, "oktopk 1%": {"algorithm": "oktopk", "density": 0.01}}
+CONFIGS = ["none", "ddp default"] + [f"{s} {a}" for a in ALGORITHMS for s in CHOSEN]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_schedule_step(benchmark, comm, request, config):
+    device = bench_device(comm)
+    net = model("deep").to(device)
+    if config == "ddp default":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(net, process_group=request.getfixturevalue("torch_group"),
+                  device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    sched = None
+    if config not in ("none", "ddp default"):
+        name, algo = config.split(" ", 1)
+        sched = SCHEDULES[name](net, opt, comm=comm, **ALGORITHMS[algo])
+    x, y = batch(net, comm.rank, device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        if isinstance(sched, (PipeSGD, DeAR)):
+            sched.step()
+        else:
+            if sched is not None:
+                sched.synchronize()
+            opt.step()
+
+    try:
+        extra = {}
+        row = time_steps(benchmark, comm, "schedules", config, step, warmup=6, device=device)
+        if isinstance(sched, MGWFBP) and sched.backward_times is not None:
+            extra = {"groups": len(sched.groups), "a": sched.a, "b": sched.b,
+                     "planned_comm_ms": 1e3 * plan_time(sched.groups, sched.backward_times, sched.sizes,
+                                                        sched.a, sched.b)}
+        row.update(extra)
+        benchmark.extra_info["row"] = row
+    finally:
+        if sched is not None:
+            sched.close()
