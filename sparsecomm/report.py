@@ -130,7 +130,8 @@ def tables(records: list[Record]) -> str:
                     cell(byP[p], dense.get(p)) if p in byP else "" for p in Ps) + " |")
             lines.append("")
         p = Ps[-1]
-        lines += [f"**Per-phase breakdown at P={p}** (ms per call, rank 0's mean; 'other' is the rest of the median call)", "",
+        lines += [f"**Per-phase breakdown at P={p}** (ms per call, rank 0's mean; "
+                  "'other' is the rest of the median call)", "",
                   "| algorithm | selection | communication | other | total |", "|---|---|---|---|---|"]
         for label, byP in sorted(series.items()):
             row = byP.get(p)
