@@ -297,7 +297,7 @@ def environment(comm: Communicator) -> dict[str, Any]:
     device = bench_device(comm)
     return {"launcher": _launcher(), "backend": comm.name, "ranks": comm.size, "nodes": nodes,
             "host": host, "network": os.environ.get("SPARSECOMM_NETWORK", "unknown"),
-            "device": _device_name(device), "device_type": device.type,
+            "device": _device_name(device), "device_type": device.type, "cpus": os.cpu_count() or 1,
             "threads": torch.get_num_threads(), "versions": _versions(comm),
             "git_revision": _git_revision(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -10,6 +10,10 @@ on scikit-learn's bundled digits), a final table and a plot.
 ``sparsecomm report RESULTS...``: tables and plots from benchmark JSON files
 of any machines (time, bytes and speed-up over dense vs P, phase breakdown).
 
+``sparsecomm calibrate RESULTS...``: fit the simulation's network model
+(alpha, beta, local cost per element) to measured runs, report modelled vs
+measured per algorithm, save named profiles and project to P = 1024.
+
 ``sparsecomm bench``: start local ranks (torch.multiprocessing + gloo, or the
 simulated world), run Ok-Topk and Dense on a realistic synthetic gradient, and
 print one table. Works on a fresh machine with no GPU and no MPI. Under an
@@ -184,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("report", help="tables and plots from benchmark JSON files (any machines)")
     rp.add_argument("results", nargs="+", help="pytest-benchmark JSON of benchmarks/ or sparsecomm bench --json")
     rp.add_argument("--out", default=None, help="folder for report.md, rows.csv and the plots")
+    ca = sub.add_parser("calibrate", help="fit the network model's alpha, beta (and local costs) to measured runs")
+    ca.add_argument("results", nargs="+", help="allreduce suite or sparsecomm bench JSON at P > 1")
+    ca.add_argument("--names", type=lambda s: s.split(","), default=None,
+                    help="profile names, one per machine found (comma-separated, in sorted machine order)")
+    ca.add_argument("--save", action="store_true", help="save the profiles where resolve_network finds them")
+    ca.add_argument("--project", type=int, default=1024, help="project to this many ranks (0: no projection)")
+    ca.add_argument("--project-n", type=int, default=None, help="elements for the projection (default: measured)")
+    ca.add_argument("--n-sim", type=int, default=1 << 18, help="largest n simulated to count traffic")
+    ca.add_argument("--out", default=None, help="folder for calibration.md/.json/.png")
     tr = sub.add_parser("train", help="convergence comparison on scikit-learn's digits (4 gloo ranks)")
     tr.add_argument("--configs", type=lambda s: s.split(","),
                     default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
@@ -201,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         from . import report
 
         return report.main(args.results, args.out)
+    if args.command == "calibrate":
+        from . import calibrate
+
+        return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
+                              args.n_sim)
     if args.command == "train":
         return _train(args)
     if args.command == "study":

@@ -2,7 +2,8 @@
 
 A message of ``m`` bytes costs ``alpha + beta * m`` seconds. The profiles are the
 approximate public figures of the papers README (section 6); pass your own
-``(alpha, beta)`` pair for another network.
+``(alpha, beta)`` pair for another network, or fit one to measurements with
+``sparsecomm calibrate --save`` and use it by name.
 """
 
 from __future__ import annotations
@@ -37,18 +38,36 @@ PROFILES: dict[str, Network] = {
 }
 
 
+def _saved_profile(name: str) -> Network | None:
+    """A profile written by ``sparsecomm calibrate --save``: a .json path or a name in its folder."""
+    import json
+    import os
+
+    from .calibrate import profile_dir
+
+    path = name if name.endswith(".json") else os.path.join(profile_dir(), f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        d = json.load(f)
+    return Network(float(d["alpha"]), float(d["beta"]), d.get("name", name))
+
+
 def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:
-    """Turn a profile name, "alpha:beta", an (alpha, beta) pair or a Network into a Network (or None)."""
+    """A Network from a profile name (built in, or saved by ``sparsecomm calibrate --save``), a
+    profile's .json path, "alpha:beta", an (alpha, beta) pair or a Network; None stays None."""
     if network is None or isinstance(network, Network):
         return network
     if isinstance(network, str) and ":" in network:  # "alpha:beta" from a command line
         alpha, beta = network.split(":", 1)
         return Network(float(alpha), float(beta), network)
     if isinstance(network, str):
-        try:
+        if network.lower() in PROFILES:
             return PROFILES[network.lower()]
-        except KeyError:
-            raise ValueError(f"unknown network profile {network!r}; known: {sorted(PROFILES)} "
-                             "or a custom (alpha, beta) pair") from None
+        saved = _saved_profile(network)
+        if saved is not None:
+            return saved
+        raise ValueError(f"unknown network profile {network!r}; known: {sorted(PROFILES)}, a profile saved "
+                         "by `sparsecomm calibrate --save` (or its .json path), or a custom (alpha, beta) pair")
     alpha, beta = network
     return Network(float(alpha), float(beta))
