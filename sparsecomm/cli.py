@@ -14,6 +14,9 @@ of any machines (time, bytes and speed-up over dense vs P, phase breakdown).
 (alpha, beta, local cost per element) to measured runs, report modelled vs
 measured per algorithm, save named profiles and project to P = 1024.
 
+``sparsecomm emulate --ranks P --rate 1gbit -- COMMAND``: P network
+namespaces joined by a shaped bridge, one rank of COMMAND in each (root).
+
 ``sparsecomm bench``: start local ranks (torch.multiprocessing + gloo, or the
 simulated world), run Ok-Topk and Dense on a realistic synthetic gradient, and
 print one table. Works on a fresh machine with no GPU and no MPI. Under an
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from .synthetic import KINDS
 
     parser = argparse.ArgumentParser(prog="sparsecomm", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="subcommand", required=True)
     b = sub.add_parser("bench", help="time sparse and dense allreduces on local or launched ranks")
     b.add_argument("--ranks", type=int, default=4, help="local ranks to start (spawn/sim)")
     b.add_argument("--n", type=int, default=4_000_000, help="gradient elements per rank")
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--target-n", type=int, default=133_547_324)
     st.add_argument("--out", default="study", help="output folder")
     rp = sub.add_parser("report", help="tables and plots from benchmark JSON files (any machines)")
-    rp.add_argument("results", nargs="+", help="pytest-benchmark JSON of benchmarks/ or sparsecomm bench --json")
+    rp.add_argument("results", nargs="+",
+                    help="pytest-benchmark JSON of benchmarks/, sparsecomm bench --json, or folders of them")
     rp.add_argument("--out", default=None, help="folder for report.md, rows.csv and the plots")
     ca = sub.add_parser("calibrate", help="fit the network model's alpha, beta (and local costs) to measured runs")
     ca.add_argument("results", nargs="+", help="allreduce suite or sparsecomm bench JSON at P > 1")
@@ -197,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("--project-n", type=int, default=None, help="elements for the projection (default: measured)")
     ca.add_argument("--n-sim", type=int, default=1 << 18, help="largest n simulated to count traffic")
     ca.add_argument("--out", default=None, help="folder for calibration.md/.json/.png")
+    em = sub.add_parser("emulate", help="run a command on P ranks of an emulated slow-link cluster (root)")
+    from .emulate import add_arguments as _emulate_arguments
+
+    _emulate_arguments(em)
     tr = sub.add_parser("train", help="convergence comparison on scikit-learn's digits (4 gloo ranks)")
     tr.add_argument("--configs", type=lambda s: s.split(","),
                     default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
@@ -210,18 +218,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="reduce with a schedule around the plain model instead of the DDP hook")
     tr.add_argument("--out", default="train", help="output folder")
     args = parser.parse_args(argv)
-    if args.command == "report":
+    if args.subcommand == "report":
         from . import report
 
         return report.main(args.results, args.out)
-    if args.command == "calibrate":
+    if args.subcommand == "emulate":
+        from . import emulate
+
+        return emulate.main(args)
+    if args.subcommand == "calibrate":
         from . import calibrate
 
         return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
                               args.n_sim)
-    if args.command == "train":
+    if args.subcommand == "train":
         return _train(args)
-    if args.command == "study":
+    if args.subcommand == "study":
         from .study import ALGORITHMS
 
         args.algorithms = args.algorithms or ALGORITHMS
@@ -234,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in args.algorithms if a not in algorithms()]
     if unknown:
         parser.error(f"unknown algorithm(s) {unknown}; registered: {algorithms()}")
-    if args.command == "study":
+    if args.subcommand == "study":
         return _study(args)
     if args.launcher == "external":
         _init_external()

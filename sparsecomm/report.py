@@ -58,9 +58,15 @@ def machine_label(env: dict[str, Any]) -> str:
 
 
 def load(paths: Iterable[str]) -> list[Record]:
-    """Every row of every file (pytest-benchmark or ``sparsecomm bench`` JSON)."""
+    """Every row of every file (pytest-benchmark or ``sparsecomm bench`` JSON); a folder means its *.json."""
     records: list[Record] = []
+    files: list[str] = []
     for path in paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".json"))
+        else:
+            files.append(path)
+    for path in files:
         with open(path) as f:
             data = json.load(f)
         if isinstance(data, list):  # sparsecomm bench before environments were written

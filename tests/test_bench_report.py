@@ -95,6 +95,7 @@ def test_report_reads_bench_files_of_several_machines_and_plots(tmp_path, capsys
     data = json.load(open(files[0]))
     assert data["sparsecomm"]["ranks"] == 2 and data["rows"][0]["algorithm"] == "oktopk"
     records = report.load(files)
+    assert len(report.load([str(tmp_path)])) == len(records)  # a folder: its JSON files
     assert len({r.machine for r in records}) == 2  # the two networks stay apart
     assert {int(r.row["ranks"]) for r in records} == {2, 4}
     out = tmp_path / "report"
