@@ -1,4 +1,12 @@
-"""One rank of benchmarks/emulated/run.sh: per-call wall clock, sparse vs dense, drifting gradient.
+"""Issue 11's per-call workload on the emulated cluster: sparse vs dense, a drifting gradient.
+
+    sparsecomm emulate --ranks 2 --rate 1gbit -- python benchmarks/emulated/rank.py
+
+Kept for comparing with issue 11's earlier numbers (its gradient drifts as
+``x = 0.9 x + 0.1 randn``; the allreduce suite's synthetic gradient differs).
+The suites under ``benchmarks/`` (``sparsecomm emulate ... -- python -m pytest
+benchmarks/test_allreduce.py``, ``test_ddp.py``, ``test_schedules.py``) are the
+benchmarks; the DDP and schedule scripts that lived here are now those suites.
 
 Each configuration gets 20 untimed warm-up calls (thresholds and residuals
 settle), then ``ROUNDS`` timed calls, each after a barrier; the slowest rank's
