@@ -25,6 +25,7 @@ least squares on relative errors, over every measured row at P > 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -84,6 +85,8 @@ class Point:
     bytes: float
     sharing: float
     device: str
+    #: Critical bytes the real run counted (rank 0's mean), against which the simulated ``bytes`` is checked.
+    measured_bytes: float = float("nan")
 
 
 def _label(row: dict) -> str:
@@ -91,6 +94,7 @@ def _label(row: dict) -> str:
     return row["algorithm"] + ("" if comp == "none" else f"+{comp}")
 
 
+@functools.lru_cache(maxsize=None)  # the projection asks again for every profile
 def traffic(algorithm: str, compressor: str | None, P: int, n: int, density: float = 0.01,
             kind: str = "model", n_sim: int = 1 << 18, calls: int = 3) -> tuple[float, float]:
     """Critical-path (messages, bytes) per call of the busiest rank, extrapolated from small simulations.
@@ -145,7 +149,8 @@ def points(records: Iterable, n_sim: int = 1 << 18) -> list[Point]:
         nodes = max(1, int(env.get("nodes", 1)))
         sharing = max(1.0, int(row["ranks"]) / nodes / max(1, int(env.get("cpus", 1))))
         out.append(Point(rec.machine, _label(row), int(row["ranks"]), int(row["n"]), float(row["density"]),
-                         row["time_ms"] / 1e3, M, B, sharing, str(env.get("device", "?"))))
+                         row["time_ms"] / 1e3, M, B, sharing, str(env.get("device", "?")),
+                         float(row.get("critical_bytes", float("nan")))))
     return out
 
 
@@ -194,7 +199,8 @@ def compare(pts: list[Point], profiles: dict[str, Profile]) -> list[dict]:
                      "measured_ms": 1e3 * p.measured_s, "modelled_ms": 1e3 * t,
                      "network_ms": 1e3 * (prof.alpha * p.messages + prof.beta * p.bytes),
                      "local_ms": 1e3 * (t - prof.alpha * p.messages - prof.beta * p.bytes),
-                     "error_pct": 100 * (t / p.measured_s - 1)})
+                     "error_pct": 100 * (t / p.measured_s - 1),
+                     "bytes_run_over_sim": p.measured_bytes / p.bytes if p.bytes else float("nan")})
     return rows
 
 
@@ -251,7 +257,8 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
                        [("algorithm", "algorithm|{}"), ("P", "P|{}"), ("n", "n|{:,}"),
                         ("measured ms", "measured_ms|{:.1f}"), ("modelled ms", "modelled_ms|{:.1f}"),
                         ("network ms", "network_ms|{:.1f}"), ("local ms", "local_ms|{:.1f}"),
-                        ("error", "error_pct|{:+.0f}%")]), ""]
+                        ("error", "error_pct|{:+.0f}%"), ("bytes run/sim", "bytes_run_over_sim|{:.2f}")]),
+                ""]
         if save:
             out.append(f"saved profile {prof.name!r}: {prof.save()}")
     worst = max(abs(r["error_pct"]) for r in cmp_rows)

@@ -92,7 +92,10 @@ def load(paths: Iterable[str]) -> list[Record]:
 
 
 def _fmt(x: float, digits: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+    """Three significant digits, without exponents for the large numbers tables hold."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:,.0f}" if abs(x) >= 10 ** (digits - 1) else f"{x:.{digits}g}"
 
 
 def _allreduce_groups(records: list[Record]) -> dict[tuple, list[Record]]:
