@@ -3,7 +3,7 @@
 The model of one allreduce call on rank r (the one the study uses, section 6
 of the papers README, plus the local work):
 
-    T = alpha * M + beta * B + gamma_a * n * c
+    T = alpha * M + beta * B + (gamma_a * n + delta_a) * c
 
 * M, B: critical-path messages and bytes of the busiest rank (sum over the
   call's phases of max(sent, received)), counted by running the same
@@ -11,12 +11,16 @@ of the papers README, plus the local work):
   B grows with n (k = density * n), so the simulation runs at a smaller n and
   B is scaled; M does not depend on n.
 * gamma_a: seconds of local work per element for algorithm a (selection,
-  error feedback, packing, the output), a property of the machine's cores.
+  error feedback, packing, the output), a property of the machine's cores;
+  delta_a: its fixed seconds per call (Python, launches, small buffers).
+  Measure a small size next to the large one: with one n, delta and alpha
+  cannot be told apart from the local costs, and alpha, which dominates the
+  projection at large P, comes out as whatever makes P = 2 and 4 fit.
 * c: core sharing, max(1, ranks per node / cores): on a laptop, or the
   emulated cluster, four ranks on two cores do their local work at half speed.
 
 ``fit`` finds alpha and beta per network (one pair per machine label) and
-gamma per algorithm (shared by the networks of one device) by non-negative
+gamma, delta per algorithm (shared by the networks of one device) by non-negative
 least squares on relative errors, over every measured row at P > 1.
 ``Profile`` saves a network's fit under a name; ``resolve_network`` (and so
 ``simulate(..., network=name)`` and ``sparsecomm study``) accepts that name.
@@ -51,6 +55,7 @@ class Profile:
     alpha: float
     beta: float
     local_s_per_element: dict[str, float] = field(default_factory=dict)
+    local_s_per_call: dict[str, float] = field(default_factory=dict)
     machine: str = ""
     sources: list[str] = field(default_factory=list)
     cpus: int = 1
@@ -132,6 +137,23 @@ def traffic(algorithm: str, compressor: str | None, P: int, n: int, density: flo
     return msgs, b2 + (b2 - b1) * (n - m2) / (m2 - m1)
 
 
+def reuse_traffic(path: str) -> int:
+    """Seed :func:`traffic` with the projection of an earlier ``calibration.json`` (same code, same
+    workload: the simulation is deterministic), so a re-fit does not simulate P = 1024 again.
+    Returns how many entries were loaded."""
+    with open(path) as f:
+        rows = json.load(f).get("projection", [])
+    for r in rows:
+        algorithm, _, comp = r["algorithm"].partition("+")
+        _TRAFFIC_SEEN[(algorithm, comp or None, r["P"], r["n"], r.get("density", 0.01), "model")] = (
+            r["messages"], r["bytes"])
+    return len(rows)
+
+
+#: Traffic loaded by :func:`reuse_traffic`, consulted by :func:`project` before simulating.
+_TRAFFIC_SEEN: dict[tuple, tuple[float, float]] = {}
+
+
 def points(records: Iterable, n_sim: int = 1 << 18) -> list[Point]:
     """The allreduce rows at P > 1 of ``records`` (``sparsecomm.report.load``), with simulated traffic."""
     out, cache = [], {}
@@ -155,7 +177,7 @@ def points(records: Iterable, n_sim: int = 1 << 18) -> list[Point]:
 
 
 def fit(pts: list[Point], names: dict[str, str] | None = None) -> dict[str, Profile]:
-    """alpha, beta per machine and gamma per (device, algorithm): NNLS on relative errors.
+    """alpha, beta per machine and gamma, delta per (device, algorithm): NNLS on relative errors.
 
     Returns one Profile per machine label (named by ``names`` or "calibrated-i").
     """
@@ -164,13 +186,14 @@ def fit(pts: list[Point], names: dict[str, str] | None = None) -> dict[str, Prof
 
     machines = sorted({p.machine for p in pts})
     locals_ = sorted({(p.device, p.label) for p in pts})
-    cols = 2 * len(machines) + len(locals_)
+    cols = 2 * len(machines) + 2 * len(locals_)
     A, y = np.zeros((len(pts), cols)), np.ones(len(pts))
     # Columns in natural units would differ by 1e9 (bytes against messages): scale them.
     for i, p in enumerate(pts):
         j, g = machines.index(p.machine), locals_.index((p.device, p.label))
         A[i, 2 * j], A[i, 2 * j + 1] = p.messages * 1e-6, p.bytes * 1e-9
         A[i, 2 * len(machines) + g] = p.n * p.sharing * 1e-9
+        A[i, 2 * len(machines) + len(locals_) + g] = p.sharing * 1e-3
         A[i] /= p.measured_s  # relative errors: every row counts the same
     x, _ = nnls(A, y)
     profiles = {}
@@ -178,15 +201,17 @@ def fit(pts: list[Point], names: dict[str, str] | None = None) -> dict[str, Prof
         sub = [p for p in pts if p.machine == mach]
         gammas = {label: float(x[2 * len(machines) + locals_.index((dev, label))]) * 1e-9
                   for dev, label in locals_ if dev == sub[0].device}
+        deltas = {label: float(x[2 * len(machines) + len(locals_) + locals_.index((dev, label))]) * 1e-3
+                  for dev, label in locals_ if dev == sub[0].device}
         name = (names or {}).get(mach, f"calibrated-{j}")
-        profiles[mach] = Profile(name, float(x[2 * j]) * 1e-6, float(x[2 * j + 1]) * 1e-9, gammas, mach)
+        profiles[mach] = Profile(name, float(x[2 * j]) * 1e-6, float(x[2 * j + 1]) * 1e-9, gammas, deltas, mach)
     return profiles
 
 
 def model(profile: Profile, label: str, messages: float, nbytes: float, n: int, sharing: float = 1.0) -> float:
     """Modelled seconds of one call (see the module docstring)."""
     return (profile.alpha * messages + profile.beta * nbytes
-            + profile.local_s_per_element.get(label, 0.0) * n * sharing)
+            + (profile.local_s_per_element.get(label, 0.0) * n + profile.local_s_per_call.get(label, 0.0)) * sharing)
 
 
 def compare(pts: list[Point], profiles: dict[str, Profile]) -> list[dict]:
@@ -211,9 +236,11 @@ def project(profile: Profile, labels: Iterable[str], world_sizes: Iterable[int],
     for P in world_sizes:
         for label in labels:
             algorithm, _, comp = label.partition("+")
-            M, B = traffic(algorithm, comp or None, P, n, density, kind, n_sim=n_sim, calls=2)
+            key = (algorithm, comp or None, P, n, density, kind)
+            M, B = _TRAFFIC_SEEN.get(key) or traffic(*key, n_sim=n_sim, calls=2)
             t = model(profile, label, M, B, n)
-            rows.append({"profile": profile.name, "algorithm": label, "P": P, "n": n, "messages": M, "bytes": B,
+            rows.append({"profile": profile.name, "algorithm": label, "P": P, "n": n, "density": density,
+                         "messages": M, "bytes": B,
                          "time_ms": 1e3 * t, "network_ms": 1e3 * (profile.alpha * M + profile.beta * B)})
     dense = {r["P"]: r["time_ms"] for r in rows if r["algorithm"] == "dense"}
     for r in rows:
@@ -230,9 +257,12 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 
 
 def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bool,
-         project_to: int, project_n: int | None, n_sim: int) -> int:
+         project_to: int, project_n: int | None, n_sim: int, traffic_from: str | None = None) -> int:
     """``sparsecomm calibrate``: fit, print modelled vs measured, save profiles, project to ``project_to``."""
     from .report import load
+
+    if traffic_from:
+        reuse_traffic(traffic_from)
 
     records = load(paths)
     pts = points(records, n_sim=n_sim)
@@ -252,7 +282,9 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
         out += [f"## {prof.name}: {mach}", "",
                 f"alpha = {prof.alpha * 1e6:.1f} us per message, beta = {prof.beta * 1e9:.3f} ns per byte "
                 f"({8 / prof.beta / 1e9 if prof.beta else math.inf:.2f} Gbit/s); local cost per element: "
-                + ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in sorted(prof.local_s_per_element.items())), "",
+                + ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in sorted(prof.local_s_per_element.items()))
+                + "; per call: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(prof.local_s_per_call.items())),
+                "",
                 _table([r for r in cmp_rows if r["machine"] == mach],
                        [("algorithm", "algorithm|{}"), ("P", "P|{}"), ("n", "n|{:,}"),
                         ("measured ms", "measured_ms|{:.1f}"), ("modelled ms", "modelled_ms|{:.1f}"),
@@ -270,7 +302,8 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
         for prof in profiles.values():
             labels = sorted(prof.local_s_per_element)
             n = project_n or max(p.n for p in pts if p.machine == prof.machine)
-            proj += project(prof, labels, sizes, n, n_sim=min(n_sim, 1 << 16))
+            density = max(p.density for p in pts if p.machine == prof.machine and p.n == n)
+            proj += project(prof, labels, sizes, n, density, n_sim=min(n_sim, 1 << 16))
             sub = [r for r in proj if r["profile"] == prof.name]
             out += [f"\n## projection with {prof.name}: n = {n:,}, one rank per node", "",
                     _table(sub,
@@ -314,9 +347,13 @@ def _plot(cmp_rows: list[dict], proj: list[dict], outdir: str) -> None:
     ax.legend(fontsize=8)
     if proj:
         ax = axes[0][1]
-        for (prof, label) in sorted({(r["profile"], r["algorithm"]) for r in proj}):
+        profs = sorted({r["profile"] for r in proj})
+        labels = sorted({r["algorithm"] for r in proj})
+        for prof, label in sorted({(r["profile"], r["algorithm"]) for r in proj}):
             sub = sorted((r for r in proj if r["profile"] == prof and r["algorithm"] == label), key=lambda r: r["P"])
-            ax.plot([r["P"] for r in sub], [r["time_ms"] for r in sub], "o-", ms=3, label=f"{label} ({prof})")
+            # colour: the algorithm; line style: the profile
+            ax.plot([r["P"] for r in sub], [r["time_ms"] for r in sub], ["o-", "s--", "^:"][profs.index(prof) % 3],
+                    ms=3, color=f"C{labels.index(label) % 10}", label=f"{label} ({prof})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks P (one per node)")

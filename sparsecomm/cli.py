@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("--project", type=int, default=1024, help="project to this many ranks (0: no projection)")
     ca.add_argument("--project-n", type=int, default=None, help="elements for the projection (default: measured)")
     ca.add_argument("--n-sim", type=int, default=1 << 18, help="largest n simulated to count traffic")
+    ca.add_argument("--traffic-from", default=None,
+                    help="an earlier calibration.json whose projection traffic is reused (no re-simulation)")
     ca.add_argument("--out", default=None, help="folder for calibration.md/.json/.png")
     em = sub.add_parser("emulate", help="run a command on P ranks of an emulated slow-link cluster (root)")
     from .emulate import add_arguments as _emulate_arguments
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import calibrate
 
         return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
-                              args.n_sim)
+                              args.n_sim, args.traffic_from)
     if args.subcommand == "train":
         return _train(args)
     if args.subcommand == "study":

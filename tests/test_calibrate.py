@@ -31,7 +31,7 @@ def _synthetic_points(truth: dict[str, Profile]) -> list[Point]:
     for machine, prof in truth.items():
         for label in ("dense", "oktopk", "topka"):
             for P, sharing in ((2, 1.0), (4, 2.0)):
-                for n in (N, 2 * N):
+                for n in (N // 8, N, 2 * N):
                     M, B = traffic(label, None, P, n, n_sim=N)
                     t = model(prof, label, M, B, n, sharing)
                     pts.append(Point(machine, label, P, n, 0.01, t, M, B, sharing, "cpu"))
@@ -40,7 +40,9 @@ def _synthetic_points(truth: dict[str, Profile]) -> list[Point]:
 
 def test_fit_recovers_known_alpha_beta_and_local_costs():
     local = {"dense": 1e-9, "oktopk": 6e-9, "topka": 4e-9}
-    truth = {"net 1g": Profile("a", 50e-6, 8 / 1e9, local), "net 10g": Profile("b", 20e-6, 0.8 / 1e9, local)}
+    call = {"dense": 0.2e-3, "oktopk": 2e-3, "topka": 1e-3}
+    truth = {"net 1g": Profile("a", 50e-6, 8 / 1e9, local, call),
+             "net 10g": Profile("b", 20e-6, 0.8 / 1e9, local, call)}
     pts = _synthetic_points(truth)
     got = fit(pts, {"net 1g": "one", "net 10g": "ten"})
     for machine, prof in truth.items():
@@ -49,6 +51,7 @@ def test_fit_recovers_known_alpha_beta_and_local_costs():
         assert g.alpha == pytest.approx(prof.alpha, rel=0.05, abs=1e-6)
         for label, gamma in local.items():
             assert g.local_s_per_element[label] == pytest.approx(gamma, rel=1e-2)
+            assert g.local_s_per_call[label] == pytest.approx(call[label], rel=0.05)
     assert got["net 1g"].name == "one"
     assert max(abs(r["error_pct"]) for r in compare(pts, got)) < 1
 
@@ -85,3 +88,9 @@ def test_calibrate_command_on_bench_files(tmp_path, monkeypatch, capsys):
     assert (out / "calibration.png").stat().st_size > 10_000
     assert resolve_network("simnet").name == "simnet"
     assert calibrate.Profile.load(str(tmp_path / "profiles" / "simnet.json")).sources == sorted(files)
+    # A re-fit reuses the projection's traffic instead of simulating again.
+    calibrate.traffic.cache_clear()
+    assert calibrate.reuse_traffic(str(out / "calibration.json")) == len(data["projection"])
+    assert main(["calibrate", *files, "--project", "8", "--n-sim", "20000",
+                 "--traffic-from", str(out / "calibration.json")]) == 0
+    assert calibrate.traffic.cache_info().currsize == 4  # the fit's points only: 2 algorithms x P = 2, 3
