@@ -17,12 +17,14 @@ import torch
 from conftest import STEPS
 
 ROUNDS = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "8"))
+#: The name of the model the last ``model()`` built (recorded in each row).
+_BUILT = {"name": ""}
 
 
 def model(default: str) -> torch.nn.Module:
     """The suite's model, the same initial weights on every rank."""
     torch.manual_seed(0)
-    name = os.environ.get("SPARSECOMM_BENCH_MODEL", default)
+    name = _BUILT["name"] = os.environ.get("SPARSECOMM_BENCH_MODEL", default)
     if name == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(5000, 5000), torch.nn.ReLU(), torch.nn.Linear(5000, 10))
     if name != "deep":
@@ -53,7 +55,7 @@ def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None
     t = float(comm.allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64,
                                           device=comm.control_device), "max"))
     row = {"suite": suite, "config": config, "ranks": comm.size, "backend": comm.name,
-           "model": os.environ.get("SPARSECOMM_BENCH_MODEL", ""), "time_ms": 1e3 * t, "calls": len(times),
+           "model": _BUILT["name"], "time_ms": 1e3 * t, "calls": len(times),
            "times_s": times, **extra}
     benchmark.extra_info["row"] = row
     STEPS.append(row)
