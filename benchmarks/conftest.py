@@ -88,7 +88,9 @@ def comm():
         if not dist.is_initialized():
             backend = _dist_backend()
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                from sparsecomm.bench import local_rank
+
+                torch.cuda.set_device(local_rank() % torch.cuda.device_count())
             dist.init_process_group(backend)
     c = sparsecomm.resolve()
     ENV.update(environment(c))
@@ -107,20 +109,32 @@ def torch_group(comm):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        host, port = "127.0.0.1", 0
+        from sparsecomm.bench import local_rank
+
+        # Rank 0 resolves its address; every rank learns whether that worked, so a failure
+        # raises everywhere instead of leaving the others waiting in the broadcast.
+        msg = [0.0] * 6
         if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            if comm.size > 1:  # MASTER_ADDR where the host name does not resolve to a reachable address
-                host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        addr = [int(b) for b in socket.inet_aton(host)] + [port]
-        addr = [int(v) for v in comm.broadcast(torch.tensor(addr, dtype=torch.float64,
-                                                            device=comm.control_device), 0).tolist()]
-        host, port = ".".join(map(str, addr[:4])), addr[4]
+            try:
+                host = "127.0.0.1"
+                if comm.size > 1:  # MASTER_ADDR where the host name does not resolve to a reachable address
+                    host = socket.gethostbyname(os.environ.get("MASTER_ADDR") or socket.gethostname())
+                    if host.startswith("127.") and ENV.get("nodes", 1) > 1:
+                        raise OSError(f"{socket.gethostname()} resolves to {host}; set MASTER_ADDR")
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    port = s.getsockname()[1]
+                msg = [1.0] + [float(b) for b in socket.inet_aton(host)] + [float(port)]
+            except OSError as exc:
+                print(f"torch_group: rank 0 cannot offer an address: {exc}", flush=True)
+        msg = comm.broadcast(torch.tensor(msg, dtype=torch.float64, device=comm.control_device), 0).tolist()
+        if not msg[0]:
+            raise RuntimeError("torch_group: rank 0 could not pick an address for torch.distributed "
+                               "(set MASTER_ADDR to this node's reachable address)")
+        host, port = ".".join(str(int(b)) for b in msg[1:5]), int(msg[5])
         backend = _dist_backend()
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(local_rank() % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank,
                                 world_size=comm.size, timeout=datetime.timedelta(seconds=300))
     return dist.group.WORLD

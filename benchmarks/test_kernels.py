@@ -264,6 +264,15 @@ def pytest_terminal_summary_table() -> str:
     return "\n".join(lines)
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process(comm):
+    """Time on one process only: ranks running these at once on shared cores (or one GPU)
+    would time each other. Every rank skips alike (the world size is the same everywhere)."""
+    if comm.size > 1:
+        pytest.skip(f"local kernels: run with one process (this world has {comm.size} ranks)")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _table(comm):  # comm: the run's environment goes into the JSON
     yield

@@ -77,6 +77,15 @@ def _profile_call(fn) -> dict:
             "sync_sites": dict(sites)}
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process(comm):
+    """Time on one process only: ranks running these at once on shared cores (or one GPU)
+    would time each other. Every rank skips alike (the world size is the same everywhere)."""
+    if comm.size > 1:
+        pytest.skip(f"the world-size-1 floor: run with one process (this world has {comm.size} ranks)")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     threads = torch.get_num_threads()

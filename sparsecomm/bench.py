@@ -14,7 +14,7 @@ the real timings); ``measure`` times it with its own loop. Columns:
   median taken (a collective is as slow as its slowest rank);
 * algbw = dense size / time; busbw = algbw * 2(P-1)/P (allreduce convention),
   so a sparse allreduce shows the dense bandwidth it is worth;
-* sent/rank: mean bytes sent per rank per call, from the communicator's counters;
+* sent/rank: bytes sent per call, from the communicator's counters, averaged over ranks;
 * selected/k: globally selected entries over k (1.0 for dense);
 * select/comm/other (ms): the call's phases: selection (phases named
   ``*select*``), communication (other phases that sent or received messages)
@@ -48,7 +48,7 @@ from .state import topk_count
 from .synthetic import gradient
 
 __all__ = ["Case", "Row", "Workload", "measure", "add_ratios", "format_table", "environment",
-           "bench_device", "write_results"]
+           "bench_device", "local_rank", "write_results"]
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,19 @@ class Row:
     suite: str = "allreduce"
 
 
+def local_rank() -> int:
+    """This rank's index on its node, from whichever launcher started it (0 if none says)."""
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
 def bench_device(comm: Communicator) -> torch.device:
     """CUDA where this rank has a GPU the communicator takes (NCCL; gloo and MPI stage it), else CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    cuda = torch.device("cuda", local_rank() % torch.cuda.device_count())
     return cuda if comm.supports_device(cuda) else torch.device("cpu")
 
 
@@ -132,6 +140,7 @@ class Workload:
         self._checked = 0
 
     def setup(self) -> tuple[tuple, dict]:
+        """Untimed, before every call: check the last result across ranks, barrier, next gradient."""
         if self._checked < len(self.calls):
             _check_identical(self.comm, self.out)
             self._checked = len(self.calls)
@@ -140,6 +149,7 @@ class Workload:
         return (), {}
 
     def __call__(self) -> torch.Tensor:
+        """The timed call: one allreduce into the output buffer (device synchronised); records its stats."""
         before = self.comm.stats.bytes_sent
         allreduce(self._g, state=self.state, comm=self.comm, compressor=self.compressor, out=self.out)
         if self.device.type == "cuda":
@@ -155,7 +165,14 @@ class Workload:
         return self.out
 
     def row(self, times: Sequence[float]) -> Row:
-        """The row of the last ``len(times)`` calls, ``times`` in seconds (this rank's)."""
+        """The row of the last ``len(times)`` calls, ``times`` in seconds (this rank's); collective.
+
+        Time: the slowest rank's median. Bytes sent and selected/k: means over
+        the ranks; critical bytes and messages: the busiest rank's; the phase
+        breakdown: this rank's.
+        """
+        if not times:
+            raise ValueError("Workload.row: no timed calls (steps must be >= 1)")
         comm, case = self.comm, self.case
         if self._checked < len(self.calls):
             _check_identical(comm, self.out)
@@ -170,13 +187,18 @@ class Workload:
         def mean(key: str) -> float:
             return statistics.mean(c[key] for c in calls)
 
+        # Traffic over every rank: sent bytes averaged, the critical path of the busiest rank.
+        sums = comm.allreduce(torch.tensor([mean("sent"), mean("selected")], dtype=torch.float64,
+                                           device=comm.control_device), "sum").tolist()
+        crit = comm.allreduce(torch.tensor([mean("critical_bytes"), mean("critical_messages")],
+                                           dtype=torch.float64, device=comm.control_device), "max").tolist()
         select_ms, comm_ms = 1e3 * mean("select"), 1e3 * mean("comm")
         return Row(case.algorithm, comm.name, P, case.n, case.density, size, t * 1e3, algbw,
-                   algbw * 2 * (P - 1) / P if P > 1 else algbw, mean("sent"),
-                   selected_over_k=mean("selected") / topk_count(case.density, case.n)
+                   algbw * 2 * (P - 1) / P if P > 1 else algbw, sums[0] / P,
+                   selected_over_k=sums[1] / P / topk_count(case.density, case.n)
                    if case.algorithm != "dense" else 1.0,
                    compressor=self.compressor or "none", dtype=case.dtype, kind=case.kind,
-                   critical_bytes=mean("critical_bytes"), critical_messages=mean("critical_messages"),
+                   critical_bytes=crit[0], critical_messages=crit[1],
                    select_ms=select_ms, comm_ms=comm_ms,
                    other_ms=max(0.0, 1e3 * statistics.median(times) - select_ms - comm_ms),
                    calls=len(times), times_s=[float(x) for x in times])
@@ -185,7 +207,19 @@ class Workload:
 def measure(comm: Communicator, algorithms: list[str], n: int, density: float = 0.01,
             steps: int = 10, warmup: int = 3, kind: str = "model",
             dtype: torch.dtype = torch.float32, compressors: Sequence[str | None] = (None,)) -> list[Row]:
-    """Time each algorithm (× compressor) with a :class:`Workload`; ratios are to "dense" if run."""
+    """Time each algorithm (× compressor) with a :class:`Workload`; ratios are to "dense" if run.
+
+    Args:
+        comm: the ranks (every rank calls this with the same arguments).
+        algorithms, compressors: what to time (None or "none": no compressor).
+        n, density, kind, dtype: the synthetic gradient and the selected fraction.
+        steps, warmup: timed calls after untimed ones, per case.
+
+    Returns:
+        One :class:`Row` per case, identical on every rank but the phase breakdown.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"measure: need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
     rows = []
     for name in algorithms:
         for compressor in compressors:
@@ -243,8 +277,8 @@ def _git_revision() -> str:
     try:
         rev = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "--no-optional-locks", "-C", here, "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
@@ -299,7 +333,8 @@ def environment(comm: Communicator) -> dict[str, Any]:
             "host": host, "network": os.environ.get("SPARSECOMM_NETWORK", "unknown"),
             "device": _device_name(device), "device_type": device.type, "cpus": os.cpu_count() or 1,
             "threads": torch.get_num_threads(), "versions": _versions(comm),
-            "git_revision": _git_revision(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+            # Only rank 0's environment is written; git on every rank of a big job is a metadata storm.
+            "git_revision": _git_revision() if comm.rank == 0 else "", "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -38,7 +38,8 @@ from typing import Iterable
 
 from .network import Network
 
-__all__ = ["Profile", "Point", "traffic", "fit", "compare", "project", "profile_dir", "main"]
+__all__ = ["Profile", "Point", "traffic", "points", "fit", "model", "compare", "project", "reuse_traffic",
+           "profile_dir", "main"]
 
 
 def profile_dir() -> str:
@@ -302,7 +303,7 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
         for prof in profiles.values():
             labels = sorted(prof.local_s_per_element)
             n = project_n or max(p.n for p in pts if p.machine == prof.machine)
-            density = max(p.density for p in pts if p.machine == prof.machine and p.n == n)
+            density = max(p.density for p in pts if p.machine == prof.machine)
             proj += project(prof, labels, sizes, n, density, n_sim=min(n_sim, 1 << 16))
             sub = [r for r in proj if r["profile"] == prof.name]
             out += [f"\n## projection with {prof.name}: n = {n:,}, one rank per node", "",

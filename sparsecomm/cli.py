@@ -263,6 +263,12 @@ def _init_external() -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            if _cuda():
+                import torch
+
+                from .bench import local_rank
+
+                torch.cuda.set_device(local_rank() % torch.cuda.device_count())
             dist.init_process_group("nccl" if _cuda() else "gloo")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -45,33 +46,39 @@ class Record:
 
 
 def machine_label(env: dict[str, Any]) -> str:
-    """A short, stable name for where a run happened: "mpiexec/mpi, emulated 1gbit tbf, Xeon, 1 node"."""
+    """A short, stable name for where a run happened: "mpiexec/mpi, emulated 1gbit tbf, Xeon".
+
+    The node count is left out: a sweep over P on a cluster (one rank per node)
+    is one machine whose rows differ in P.
+    """
     if not env:
         return "unknown machine"
     device = str(env.get("device", "?"))
     for noise in ("(R)", "(TM)", " Processor", " CPU"):
         device = device.replace(noise, "")
     network = str(env.get("network", "unknown")).split(",")[0]
-    nodes = env.get("nodes", 1)
-    return (f"{env.get('launcher', '?')}/{env.get('backend', '?')}, {network}, {' '.join(device.split())}, "
-            f"{nodes} node{'s' if nodes != 1 else ''}")
+    return f"{env.get('launcher', '?')}/{env.get('backend', '?')}, {network}, {' '.join(device.split())}"
+
+
+_ROW_KEYS = {"algorithm", "n", "ranks", "time_ms"}
 
 
 def load(paths: Iterable[str]) -> list[Record]:
     """Every row of every file (pytest-benchmark or ``sparsecomm bench`` JSON); a folder means its *.json."""
     records: list[Record] = []
-    files: list[str] = []
+    files: list[tuple[str, bool]] = []
     for path in paths:
         if os.path.isdir(path):
-            files += sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".json"))
+            files += [(f, True) for f in sorted(os.path.join(d, f) for d, _, fs in os.walk(path)
+                                                 for f in fs if f.endswith(".json"))]
         else:
-            files.append(path)
-    for path in files:
+            files.append((path, False))
+    for path, found in files:
         with open(path) as f:
             data = json.load(f)
-        if isinstance(data, list):  # sparsecomm bench before environments were written
-            env, rows = {}, data
-        elif "benchmarks" in data:  # pytest-benchmark
+        if isinstance(data, list) and all(isinstance(r, dict) and _ROW_KEYS <= set(r) for r in data):
+            env, rows = {}, data  # sparsecomm bench before environments were written
+        elif isinstance(data, dict) and "benchmarks" in data:  # pytest-benchmark
             env = data.get("sparsecomm") or {}
             rows = []
             for b in data["benchmarks"]:
@@ -81,8 +88,11 @@ def load(paths: Iterable[str]) -> list[Record]:
                 stats = b.get("stats") or {}
                 rows.append({**row, "_pytest_median_ms": 1e3 * stats.get("median", float("nan")),
                              "_name": b.get("name", "")})
-        elif "rows" in data:
+        elif isinstance(data, dict) and "rows" in data:
             env, rows = data.get("sparsecomm") or {}, data["rows"]
+        elif found:  # a folder may hold other JSON (a calibration, a study): say so and go on
+            print(f"sparsecomm report: skipping {path}: not a benchmark file", file=sys.stderr)
+            continue
         else:
             raise ValueError(f"{path}: not a sparsecomm benchmark file (no 'benchmarks' or 'rows')")
         label = machine_label(env)

@@ -34,10 +34,19 @@ def test_rows_count_the_bytes_and_keep_the_slowest_ranks_median():
             work.setup()
             work()
         fixed = work.row([rank + 1.0] * 3)
-        return rows, fixed
+        # gTopk's ranks send different amounts (tree): the row must average them.
+        tree = Workload(comm, Case("gtopk", n))
+        for _ in range(2):
+            tree.setup()
+            tree()
+        mine = sum(c["sent"] for c in tree.calls) / 2
+        return rows, fixed, mine, tree.row([1.0, 1.0]).sent_per_rank
 
     out = simulate(P, body).results
-    rows, fixed = out[0]
+    rows, fixed, _, _ = out[0]
+    assert len({o[2] for o in out}) > 1  # the ranks' own means differ...
+    assert out[0][3] == pytest.approx(sum(o[2] for o in out) / P)  # ...and the row holds their mean
+
     assert fixed.time_ms == pytest.approx(1e3 * P)  # on every rank
     assert all(o[1].time_ms == pytest.approx(1e3 * P) for o in out)
     by = {(r.algorithm, r.compressor): r for r in rows}
@@ -76,7 +85,8 @@ def test_environment_names_launcher_nodes_network_and_versions(monkeypatch):
     assert env["launcher"] == "test-launcher" and env["ranks"] == 3 and env["nodes"] == 1
     assert env["network"].startswith("emulated 1gbit") and env["backend"] == "sim"
     assert env["versions"]["torch"] == torch.__version__
-    assert env["git_revision"]  # a checkout's commit, or "unknown" for an installed package
+    rev = env["git_revision"]  # a checkout's commit (+dirty), or "unknown" for an installed package
+    assert rev == "unknown" or len(rev.split("+")[0]) == 40
 
 
 def _bench_file(tmp_path: Path, P: int, network: str) -> str:
@@ -94,15 +104,23 @@ def test_report_reads_bench_files_of_several_machines_and_plots(tmp_path, capsys
     files = [_bench_file(tmp_path, P, net) for net in ("net A", "net B") for P in (2, 4)]
     data = json.load(open(files[0]))
     assert data["sparsecomm"]["ranks"] == 2 and data["rows"][0]["algorithm"] == "oktopk"
+    # Another rank count on another node count is the same machine (a sweep on a cluster).
+    more = json.load(open(files[0]))
+    more["sparsecomm"].update(nodes=8, ranks=8)
+    for r in more["rows"]:
+        r["ranks"] = 8
+    files.append(str(tmp_path / "bench_P8_net_A.json"))
+    json.dump(more, open(files[-1], "w"))
     records = report.load(files)
-    assert len(report.load([str(tmp_path)])) == len(records)  # a folder: its JSON files
+    (tmp_path / "calibration.json").write_text(json.dumps({"profiles": []}))  # not a benchmark file
+    assert len(report.load([str(tmp_path)])) == len(records)  # a folder: its benchmark files
     assert len({r.machine for r in records}) == 2  # the two networks stay apart
-    assert {int(r.row["ranks"]) for r in records} == {2, 4}
+    assert {int(r.row["ranks"]) for r in records} == {2, 4, 8}
     out = tmp_path / "report"
     assert main(["report", *files, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.count("## allreduce:") == 2 and "| oktopk |" in text and "P=4" in text
-    assert "speed-up over dense" in text and "Per-phase breakdown at P=4" in text
+    assert "speed-up over dense" in text and "Per-phase breakdown at P=8" in text and "| P=2 | P=4 | P=8 |" in text
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert len(pngs) == 2 and all((out / p).stat().st_size > 10_000 for p in pngs)
     rows = (out / "rows.csv").read_text().splitlines()
