@@ -52,10 +52,6 @@ def _launched_rank() -> int:
     return 0
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     if _launched_rank() != 0:  # one readable report: every rank but 0 runs silently
@@ -81,17 +77,9 @@ def _dist_backend() -> str:
 def comm():
     import sparsecomm
     from sparsecomm.bench import environment
+    from sparsecomm.launch import join_launched_group
 
-    if _under_torchrun():
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            backend = _dist_backend()
-            if backend == "nccl":
-                from sparsecomm.bench import local_rank
-
-                torch.cuda.set_device(local_rank() % torch.cuda.device_count())
-            dist.init_process_group(backend)
+    join_launched_group()
     c = sparsecomm.resolve()
     ENV.update(environment(c))
     return c

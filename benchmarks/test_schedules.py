@@ -57,14 +57,11 @@ def test_schedule_step(benchmark, comm, request, config):
             opt.step()
 
     try:
-        extra = {}
         row = time_steps(benchmark, comm, "schedules", config, step, warmup=6, device=device)
-        if isinstance(sched, MGWFBP) and sched.backward_times is not None:
-            extra = {"groups": len(sched.groups), "a": sched.a, "b": sched.b,
-                     "planned_comm_ms": 1e3 * plan_time(sched.groups, sched.backward_times, sched.sizes,
-                                                        sched.a, sched.b)}
-        row.update(extra)
-        benchmark.extra_info["row"] = row
+        if isinstance(sched, MGWFBP) and sched.backward_times is not None:  # the plan it made
+            row.update(groups=len(sched.groups), a=sched.a, b=sched.b,
+                       planned_comm_ms=1e3 * plan_time(sched.groups, sched.backward_times, sched.sizes,
+                                                       sched.a, sched.b))
     finally:
         if sched is not None:
             sched.close()

@@ -83,7 +83,7 @@ class Row:
     compressor: str = "none"
     dtype: str = "float32"
     kind: str = "model"
-    #: Busiest phase-by-phase traffic of this rank: sum of max(sent, received) bytes and messages.
+    #: The busiest rank's critical path: sum over phases of max(sent, received) bytes and messages.
     critical_bytes: float = 0.0
     critical_messages: float = 0.0
     select_ms: float = 0.0

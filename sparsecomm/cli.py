@@ -251,31 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.subcommand == "study":
         return _study(args)
     if args.launcher == "external":
-        _init_external()
+        from .launch import join_launched_group
+
+        join_launched_group()  # torchrun; under mpiexec/srun resolve() finds MPI
     return _bench(args)
-
-
-def _init_external() -> None:
-    """Under torchrun, join its process group; under mpiexec/srun, MPI is found by resolve()."""
-    import os
-
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            if _cuda():
-                import torch
-
-                from .bench import local_rank
-
-                torch.cuda.set_device(local_rank() % torch.cuda.device_count())
-            dist.init_process_group("nccl" if _cuda() else "gloo")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["spawn", "save_result", "collect"]
+__all__ = ["spawn", "save_result", "collect", "join_launched_group"]
 
 
 def _free_port() -> int:
@@ -117,3 +117,25 @@ def collect(outdir: str, nprocs: int, missing_ok: bool = False) -> list[Any]:
             raise RuntimeError(f"rank {rank} failed:\n{data['error']}")
         results.append(data["ok"])
     return results
+
+
+def join_launched_group() -> bool:
+    """Under torchrun (or RANK/MASTER_ADDR set), initialise torch.distributed's default group.
+
+    The backend is ``$SPARSECOMM_DIST_BACKEND``, else NCCL where CUDA is
+    available (this rank's GPU chosen by its local rank), else gloo. Returns
+    whether a torchrun-style launch was found; under mpiexec/srun there is none
+    and ``sparsecomm.resolve()`` finds MPI by itself.
+    """
+    import torch.distributed as dist
+
+    if not ("TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)):
+        return False
+    if not dist.is_initialized():
+        backend = os.environ.get("SPARSECOMM_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            from .bench import local_rank
+
+            torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+        dist.init_process_group(backend)
+    return True
