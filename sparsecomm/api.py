@@ -312,11 +312,13 @@ def _all_finite(t: torch.Tensor) -> bool:
 _stateless_calls = itertools.count()
 
 
-def _run(call: _Call, out_dtype: torch.dtype | None, scale: float) -> SparseResult:
+def _run(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool = False) -> SparseResult:
     """Compensate, run the algorithm, refuse a non-finite result, keep the residual.
 
     ``out_dtype``/``scale``: what the caller will turn the result into (the
     overflow check covers that conversion); None for the sparse result itself.
+    ``private``: the result goes to the user, so none of its tensors may be
+    the state's buffers (which the state updates in place, or reuses next call).
     """
     spec = registry.get(call.algorithm)
     state = call.state if call.state is not None else spec.state_class.exact(call.density)
@@ -349,7 +351,14 @@ def _run(call: _Call, out_dtype: torch.dtype | None, scale: float) -> SparseResu
             f"{'average' if call.op == 'avg' else 'sum'} is not); use op='avg', a wider input "
             "dtype or compressor='bf16'"
             + ("; this call's input stays in the residual" if state.error_feedback else ""))
-    state.update(acc, result)
+    if private:
+        for name in ("values", "sent"):
+            value = getattr(result, name)
+            if value is not None and (value is acc or any(value is buf for buf in state.buffers())):
+                setattr(result, name, value.clone())
+    # A cast to the work dtype re-encodes exactly: the kept errors are all zero, and their
+    # scatter into the residual (O(k) random writes, ~3 ms at k = 250k on CPU) is skipped.
+    state.update(acc, result, keep_errors=not codec.exact_for(acc.dtype))
     state.record(result.stats)
     return result
 
@@ -369,7 +378,7 @@ def sparse_allreduce(tensor: torch.Tensor, density: float | None = None, *,
         _check_collectively(call)
     else:
         _check_unchecked(call)
-    return _run(call, None, 1.0)
+    return _run(call, None, 1.0, private=True)
 
 
 @_eager_under_compile

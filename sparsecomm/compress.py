@@ -93,6 +93,11 @@ class Compressor:
         """This compressor bound to one call of one rank (only stochastic rounding cares)."""
         return self
 
+    def exact_for(self, dtype: torch.dtype) -> bool:
+        """Whether values of ``dtype`` come back bit for bit (a cast to their own dtype):
+        re-encoding errors are then zero and need not be kept."""
+        return self.wire_dtype == dtype
+
     # ---- scales ------------------------------------------------------------------
     def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
         """One scale per part, the same on every rank (collective when scales are needed)."""
@@ -269,6 +274,9 @@ class Divided(Compressor):
     @property
     def sums_on_wire(self) -> bool:
         return self.inner.sums_on_wire  # a sum of divided values is the divided sum
+
+    def exact_for(self, dtype: torch.dtype) -> bool:
+        return False  # (v / P) * P need not be v
 
     def for_call(self, rank: int, step: int) -> "Divided":
         inner = self.inner.for_call(rank, step)

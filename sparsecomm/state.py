@@ -265,9 +265,10 @@ class State:
             self.residual = self.residual.to(flat.device)
         return self.residual
 
-    def update(self, acc: torch.Tensor, result: Any) -> None:
+    def update(self, acc: torch.Tensor, result: Any, keep_errors: bool = True) -> None:
         """Residual <- acc minus what this rank contributed, as received (so rounding stays),
-        plus the re-encoding error of sums it reduced for others (``result.kept_*``).
+        plus the re-encoding error of sums it reduced for others (``result.kept_*``; skipped
+        with ``keep_errors=False``, when the caller knows them to be zero).
 
         ``result.contributed`` None means every entry was contributed
         (``result.sent`` then holds all n values).
@@ -280,9 +281,9 @@ class State:
         else:
             # contributed indexes are unique: one in-place pass, bitwise r - v
             residual.index_add_(0, result.contributed, result.sent.to(acc.dtype), alpha=-1)
-        if result.kept_idx is not None and result.kept_idx.numel():
+        if keep_errors and result.kept_idx is not None and result.kept_idx.numel():
             residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
-        elif result.kept_at is not None and result.kept_val is not None:
+        elif keep_errors and result.kept_at is not None and result.kept_val is not None:
             residual[result.kept_at:result.kept_at + result.kept_val.numel()] += result.kept_val.to(acc.dtype)
         self.residual = residual
 
@@ -299,8 +300,20 @@ class State:
             buf = bufs[name] = torch.zeros(numel, dtype=dtype, device=device)
         return buf
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent buffers (scratch and workspace) this state holds."""
+        return [*self.__dict__.get("_scratch", {}).values(), *self.__dict__.get("_workspace", {}).values()]
+
+    def workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A persistent buffer whose contents are undefined between uses (not saved in checkpoints)."""
+        bufs = self.__dict__.setdefault("_workspace", {})
+        buf = bufs.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_scratch"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_workspace")}
 
     def keep_all(self, acc: torch.Tensor) -> None:
         """After a call that delivered nothing: the whole accumulated input stays in the residual."""

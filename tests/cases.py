@@ -36,6 +36,11 @@ def check_comm(comm: Communicator) -> dict:
         assert comm.allreduce(x, "max").tolist() == [P, 0, 2 * (P - 1)]
         assert comm.allreduce(x, "min").tolist() == [1, -(P - 1), 0]
         assert x.tolist() == [r + 1, -r, 2 * r]  # input untouched
+        into = torch.full_like(x, 99)  # out=: written there, input untouched
+        assert comm.allreduce(x, "max", out=into) is into and into.tolist() == [P, 0, 2 * (P - 1)]
+        assert x.tolist() == [r + 1, -r, 2 * r]
+        assert comm.allreduce(x, "sum", out=x) is x  # in place
+        assert x.tolist() == [P * (P + 1) // 2, -P * (P - 1) // 2, P * (P - 1)]
 
     rs = comm.reduce_scatter(torch.arange(2 * P, dtype=torch.float32) + r)
     assert rs.tolist() == [P * (2 * r + j) + P * (P - 1) / 2 for j in range(2)], rs

@@ -24,6 +24,21 @@ def test_cast_and_truncation_bounds():
     assert (t.abs() <= x.abs()).all()  # truncation goes toward zero
 
 
+@pytest.mark.parametrize("name", [None, "fp16", "bf16", "trunc16", "q8", "q8s"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("divisor", [1, 3])
+def test_exact_for_says_whether_values_come_back_bit_for_bit(name, dtype, divisor):
+    # exact_for lets a call skip keeping re-encoding errors: it must never claim exactness
+    # for a compressor that changes a value.
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    c = get_compressor(name, dtype, divisor=divisor)
+    x = (torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 7).to(work)
+    back = c.roundtrip(x, float(x.abs().max()) if c.needs_scale else 1.0)
+    if c.exact_for(work):
+        assert torch.equal(back, x)
+    assert c.exact_for(work) == (name is None and work == dtype)  # Divided wraps float16 wires only
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quantization_bound_and_unbiased_stochastic_rounding(bits):
     x = torch.randn(20_000, generator=torch.Generator().manual_seed(bits))

@@ -79,6 +79,38 @@ def test_scratch_buffers_are_left_all_zero_and_stay_out_of_checkpoints(algorithm
         assert same
 
 
+@pytest.mark.parametrize("P", [1, 3])
+def test_dense_reuses_its_sum_buffer_and_hands_users_their_own_tensors(P):
+    # A steady-state dense call reduces into a buffer its state keeps (no n-sized allocation);
+    # what sparse_allreduce returns must still be the caller's: not that buffer (rewritten next
+    # call) nor the residual (zeroed by the update), and checkpoints leave the buffer out.
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        sums, sents, bufs = [], [], []
+        for step in range(3):
+            g = grad(rank, step)
+            res = sparsecomm.sparse_allreduce(g, state=st)
+            sums.append(res.values)
+            sents.append(res.sent)
+            bufs.append(st.buffers())
+            assert float(st.residual.abs().max()) == 0.0  # everything was sent
+        out = torch.empty(3000)
+        first = sparsecomm.allreduce(grad(rank, 5), state=st, out=out)
+        buf = io.BytesIO()
+        torch.save(st, buf)
+        buf.seek(0)
+        return sums, sents, bufs, first is out, "_workspace" in torch.load(buf).__dict__
+
+    for rank, (sums, sents, bufs, into_out, saved) in enumerate(sparsecomm.simulate(P, body).results):
+        for step in range(3):
+            want = sum(grad(r, step) for r in range(P))
+            torch.testing.assert_close(sums[step], want)  # unchanged by the later calls
+            assert torch.equal(sents[step], grad(rank, step))
+        if P > 1:
+            assert bufs[1] and all(a is b for a, b in zip(bufs[1], bufs[2]))  # the same buffer
+        assert into_out and not saved  # the buffer is not in the checkpoint
+
+
 def test_reused_threshold_follows_drift_without_corrections():
     """The issue's workload: x = 0.9 x + 0.1 randn each step, error feedback on."""
     n, density, tau, steps, warmup = 200_000, 0.01, 32, 30, 15

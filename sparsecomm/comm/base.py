@@ -92,8 +92,9 @@ def _log2ceil(p: int) -> int:
 class Communicator(abc.ABC):
     """A group of ``size`` ranks seen from rank ``rank``.
 
-    Buffers are torch tensors. Collectives return new tensors and never modify
-    their inputs. Every wait is bounded by ``timeout`` seconds.
+    Buffers are torch tensors. Collectives return new tensors (``allreduce``
+    may write into ``out=`` instead) and never modify their inputs otherwise.
+    Every wait is bounded by ``timeout`` seconds.
     """
 
     #: Backend name, e.g. "sim", "torch:gloo", "mpi".
@@ -127,8 +128,9 @@ class Communicator(abc.ABC):
         """Exchange equal chunks: row r of the input goes to rank r."""
 
     @abc.abstractmethod
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """Elementwise reduction (``"sum"``, ``"max"`` or ``"min"``) over ranks."""
+    def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elementwise reduction (``"sum"``, ``"max"`` or ``"min"``) over ranks, into ``out``
+        when given (contiguous, like ``t``; may be ``t`` itself)."""
 
     @abc.abstractmethod
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -200,13 +202,23 @@ class Communicator(abc.ABC):
         self._count(_nbytes(t) // self.size * (self.size - 1), self.size - 1)
         return self._alltoall(t.contiguous())
 
-    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Elementwise ``op`` ("sum", "max", "min") of ``t`` over all ranks."""
+    def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elementwise ``op`` ("sum", "max", "min") of ``t`` over all ranks.
+
+        With ``out`` (contiguous, ``t``'s shape, dtype and device; ``t`` itself
+        reduces in place) the result is written there and ``out`` returned: a
+        large allreduce then allocates nothing (a fresh 100 MB buffer costs
+        more in page faults than the copy into it).
+        """
         if op not in ("sum", "max", "min"):
             raise ValueError(f"allreduce: unknown op {op!r}")
+        if out is not None and (out.shape != t.shape or out.dtype != t.dtype or out.device != t.device
+                                or not out.is_contiguous()):
+            raise ValueError(f"allreduce: out= must be contiguous with the input's shape, dtype and "
+                             f"device ({tuple(t.shape)}, {t.dtype}, {t.device})")
         p = self.size
         self._count(2 * _nbytes(t) * (p - 1) // p, 2 * _log2ceil(p))
-        return self._allreduce(t.contiguous(), op)
+        return self._allreduce(t.contiguous(), op, out)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of 1-D ``t`` (length divisible by size); rank r gets chunk r."""

@@ -141,11 +141,16 @@ class MPICommunicator(Communicator):
             src = src.clone()
         return src, torch.empty_like(src)
 
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        src, out = self._reduce_buffers(t)
+    def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         mop = {"sum": self._MPI.SUM, "max": self._MPI.MAX, "min": self._MPI.MIN}[op]
-        self._run(f"allreduce/{op}", self.comm.Iallreduce(src.numpy(), out.numpy(), op=mop))
-        return out.to(t.device, t.dtype)
+        if out is not None and out.device.type == "cpu" and out.dtype not in (torch.float16, torch.bfloat16):
+            # Straight into the caller's buffer (MPI_IN_PLACE when it is the input).
+            src = self._MPI.IN_PLACE if out is t else t.detach().numpy()
+            self._run(f"allreduce/{op}", self.comm.Iallreduce(src, out.numpy(), op=mop))
+            return out
+        src, res = self._reduce_buffers(t)
+        self._run(f"allreduce/{op}", self.comm.Iallreduce(src.numpy(), res.numpy(), op=mop))
+        return res.to(t.device, t.dtype) if out is None else out.copy_(res)
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         src, _ = self._reduce_buffers(t)

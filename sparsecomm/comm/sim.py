@@ -312,9 +312,10 @@ class SimCommunicator(Communicator):
         parts = self._exchange("alltoall", t)
         return torch.stack([p[self.rank] for p in parts])
 
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         fn = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-        return self._exchange(f"allreduce/{op}", t, lambda parts: _fold(fn, parts)).clone()
+        total = self._exchange(f"allreduce/{op}", t, lambda parts: _fold(fn, parts))
+        return total.clone() if out is None else out.copy_(total)
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         total = self._exchange("reduce_scatter", t, lambda parts: _fold(torch.add, parts))

@@ -160,12 +160,17 @@ class TorchCommunicator(Communicator):
         host = self._host(t)
         return host.clone() if host is t else host
 
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        out = self._copy_on_host(t)
+    def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX,
                "min": self._dist.ReduceOp.MIN}[op]
-        self._run(f"allreduce/{op}", self._dist.all_reduce, out, op=red)
-        return out.to(t.device)
+        if out is not None and self._host(out) is out:  # reduce in the caller's buffer
+            if out is not t:
+                out.copy_(t)
+            self._run(f"allreduce/{op}", self._dist.all_reduce, out, op=red)
+            return out
+        res = self._copy_on_host(t)
+        self._run(f"allreduce/{op}", self._dist.all_reduce, res, op=red)
+        return res.to(t.device) if out is None else out.copy_(res)
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         device, t = t.device, self._host(t)
