@@ -150,8 +150,9 @@ def select_span(x, th, offset, out_idx, use_abs):
     """Indexes (+ ``offset``) of x >= th (|x| >= th with ``use_abs``) over one span; the count.
 
     ``th`` > 0. ``out_idx`` must hold the whole span. Same two-level loop as
-    :func:`ef_select_span`: a vectorised bit mask per block, then its set bits. The two variants are compiled separately so the
-    inner loop has no branch on ``use_abs``.
+    :func:`ef_select_span`: a vectorised bit mask per block, then its set
+    bits. The two variants are compiled separately so the inner loop has no
+    branch on ``use_abs``.
     """
     if use_abs:
         return _select_blocks(x, th, offset, out_idx, True)
