@@ -9,6 +9,8 @@ re-encoding.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import dispatch
@@ -51,7 +53,8 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
 
     Paths (``kernels.dispatch``): ``torch`` writes the two columns with
     strided copies; ``triton``/``cupy`` (CUDA) write each record's bytes in
-    one kernel from the int64 index and the value's bit pattern.
+    one kernel from the int64 index and the value's bit pattern; ``cpu``
+    copies the two fields through a packed numpy record view.
     """
     count = rel_idx.numel()
     if values.numel() != count:
@@ -102,14 +105,18 @@ def record_buffers(records: torch.Tensor, value_dtype: torch.dtype) -> tuple[tor
             torch.empty(count, dtype=_BITS[vb], device=records.device))
 
 
-# An empty pack is the torch path's (the kernels need a record to launch).
+# An empty pack is the torch path's (the kernels need a record to launch). The cpu path's
+# records are little-endian numpy records, the byte order of every host torch runs on.
+_LITTLE = sys.byteorder == "little"
 _PACK_RECORDS = dispatch.KernelOp(
     "pack_records", pack_records_torch, on=1, triton="triton_backend:pack_records",
-    cupy="cupy_backend:pack_records",
-    accepts={("triton", "cupy"): lambda rel_idx, *_: rel_idx.numel() > 0})
+    cupy="cupy_backend:pack_records", cpu="numba_backend:pack_records",
+    accepts={("triton", "cupy"): lambda rel_idx, *_: rel_idx.numel() > 0,
+             "cpu": lambda rel_idx, *_: _LITTLE and rel_idx.numel() > 0})
 _UNPACK_RECORDS = dispatch.KernelOp(
     "unpack_records", unpack_records_torch, triton="triton_backend:unpack_records",
-    cupy="cupy_backend:unpack_records")
+    cupy="cupy_backend:unpack_records", cpu="numba_backend:unpack_records",
+    accepts={"cpu": lambda *_: _LITTLE})
 
 
 def _column(records: torch.Tensor, lo: int, hi: int | None, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch
 from .payload import decode_buffers, encode_buffers
 
 __all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
-           "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense"]
+           "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
+           "unpack_records"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
@@ -374,3 +375,34 @@ def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) ->
     _map(impl.densify_span, [(o, int(bounds[c]), int(bounds[c + 1]), i, v, int(cuts[c]), int(cuts[c + 1]))
                              for c in range(bounds.size - 1)])
     return out
+
+
+def _record_dtype(index_dtype: torch.dtype, bits: torch.Tensor) -> np.dtype:
+    """A packed numpy record (no padding, little-endian): the index, then the value's bit pattern."""
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    return np.dtype([("i", f"<i{ib}"), ("v", f"<i{bits.element_size()}")])
+
+
+def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                 value_dtype: torch.dtype, out: torch.Tensor) -> None:
+    """cpu ``kernels.pack_records``: two field copies through a packed numpy record view
+    (0.3 ms against torch's 1.1 ms of strided byte-column copies for 250k records)."""
+    from .coo import record_fields
+
+    idx, bits = record_fields(rel_idx, values, value_dtype)
+    rec = out.numpy().view(_record_dtype(index_dtype, bits)).reshape(-1)
+    rec["i"] = idx.numpy()  # a value cast: indexes fit the index dtype
+    rec["v"] = bits.numpy()
+
+
+def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu ``kernels.unpack_records``: the two fields copied out of a packed record view
+    (0.26 ms against 2.5 ms for 250k records)."""
+    from .coo import record_buffers
+
+    idx, bits = record_buffers(records, value_dtype)
+    rec = records.contiguous().numpy().view(_record_dtype(index_dtype, bits)).reshape(-1)
+    idx.numpy()[:] = rec["i"]
+    bits.numpy()[:] = rec["v"]
+    return idx, bits.view(value_dtype)

@@ -82,7 +82,7 @@ def test_public_ops_raise_for_an_unavailable_backend():
     with pytest.raises(dispatch.BackendUnavailable, match="cannot run on a cpu tensor"):
         kernels.kth_largest(x, 3, backend="triton")
     with pytest.raises(dispatch.BackendUnavailable, match="no 'cpu' path"):
-        kernels.pack_records(torch.arange(3), x[:3], torch.int32, torch.float32, backend="cpu")
+        kernels.scatter_add(torch.zeros(5), torch.arange(3), x[:3], backend="cpu")
 
 
 # (operation, backend asked for, arguments, backend that runs): every table's fallback rule.

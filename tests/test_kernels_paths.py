@@ -257,3 +257,28 @@ def test_scatter_dense_matches_reference(backend, monkeypatch, dtype, case):
     out = torch.randn(n, generator=gen).to(dtype)  # every old entry must go
     assert run("scatter_dense", out, idx, vals) is not None
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("backend", backend_params("pack_records"))
+@pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                         torch.int8])
+@pytest.mark.parametrize("count", [0, 1, 4097])
+def test_records_pack_and_unpack_like_the_reference(backend, monkeypatch, index_dtype, value_dtype, count):
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(count)
+    top = torch.iinfo(index_dtype).max
+    idx = torch.randint(0, top, (count,), generator=gen)
+    if count:
+        idx[0] = top  # the largest index the dtype holds
+    val = (torch.randn(count, generator=gen) * 50).to(value_dtype)
+    rb = kernels.record_bytes(index_dtype, value_dtype)
+    out = torch.full((count, rb), 0xAB, dtype=torch.uint8)  # every byte must be written
+    want = torch.empty_like(out)
+    kernels.coo.pack_records_torch(idx, val, index_dtype, value_dtype, want)
+    run("pack_records", idx, val, index_dtype, value_dtype, out)
+    assert torch.equal(out, want)
+    if count:  # unpack takes non-empty records (kernels.unpack_records returns empties itself)
+        back_idx, back_val = run("unpack_records", want, index_dtype, value_dtype)
+        assert back_idx.dtype == torch.int64 and torch.equal(back_idx, idx)
+        assert torch.equal(back_val.view(torch.uint8), val.view(torch.uint8))

@@ -57,7 +57,7 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
             # cost more in page faults than the allreduce on a 10 Gbit/s link).
             sent = codec.roundtrip(acc)
             if comm.size == 1:
-                total = sent.clone() if sent is acc else sent
+                total = state.workspace("sum", n, acc.dtype, acc.device).copy_(acc) if sent is acc else sent
             elif sent is acc:
                 total = comm.allreduce(acc, "sum", out=state.workspace("sum", n, acc.dtype, acc.device))
             else:
