@@ -92,9 +92,12 @@ __device__ __forceinline__ void ef_select_tile(
     int cnt = 0;
 #pragma unroll
     for (int j = 0; j < SELECT_ITEMS; ++j) {
-        // Past n both loads gave 0, so acc is 0 and never selected.
+        // Past n both loads gave 0, so acc is 0 and never selected. A non-finite acc (NaN,
+        // Inf, an overflowing sum) is always selected (NaN fails every comparison) and
+        // leaves r as it was, so the caller sees it in the output and can undo the call
+        // (kernels.ef_select).
         const R a = acc[j] + scale * widen<R>(gv[j]);
-        const bool s = (a != (R)0) && (fabs(a) >= th);
+        const bool s = (a != (R)0) && !(fabs(a) < th);
         sel |= (unsigned int)s << j;
         cnt += s;
         acc[j] = a;
@@ -141,11 +144,13 @@ __device__ __forceinline__ void ef_select_tile(
 #pragma unroll
     for (int j = 0; j < SELECT_ITEMS; ++j) {
         if ((sel >> j) & 1u) {
+            const bool f = isfinite(acc[j]);
             if (pos < capacity) {
                 out_idx[pos] = base + j;
                 out_val[pos] = acc[j];
-                if (zero) acc[j] = (R)0;
+                if (zero && f) acc[j] = (R)0;
             }
+            if (!f) acc[j] = r[base + j];  // rare: the old residual, not yet overwritten in memory
             ++pos;
         }
     }

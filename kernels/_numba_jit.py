@@ -54,35 +54,42 @@ def _lowest_bit(m):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _compact_bits(r, b0, m, capacity, zero, offset, out_idx, out_val, cnt):
-    """Append the entries of block ``b0`` whose bits are set in ``m``; returns the new count."""
+def _compact_bits(g, r, scale, b0, m, bad, capacity, zero, offset, out_idx, out_val, cnt):
+    """Append the entries of block ``b0`` whose bits are set in ``m``; returns the new count.
+
+    Entries whose bit is set in ``bad`` kept their old residual: their non-finite
+    acc is recomputed for the output (the same operation, so the same bits).
+    """
     z = r.dtype.type(0)
     while m:
         j, low = _lowest_bit(m)
         i = b0 + j
         if cnt < capacity:
             out_idx[cnt] = offset + i
-            out_val[cnt] = r[i]
-            if zero:
-                r[i] = z
+            if bad & low:
+                out_val[cnt] = r[i] + scale * g[i]
+            else:
+                out_val[cnt] = r[i]
+                if zero:
+                    r[i] = z
         cnt += 1
         m ^= low
     return cnt
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _compact(r, b0, b1, th, capacity, zero, offset, out_idx, out_val, cnt):
-    z = r.dtype.type(0)
-    for i in range(b0, b1):
-        a = r[i]
-        if abs(a) >= th:
-            if cnt < capacity:
-                out_idx[cnt] = offset + i
-                out_val[cnt] = a
-                if zero:
-                    r[i] = z
-            cnt += 1
-    return cnt
+def _accumulate_block(g, r, scale, th, top, b0, width):
+    """r[b0:b0+width] += scale * g where the sum is finite; (selection mask, non-finite mask)."""
+    m = np.uint32(0)
+    bad = np.uint32(0)
+    for j in range(width):
+        old = r[b0 + j]
+        a = old + scale * g[b0 + j]
+        finite = abs(a) <= top  # False for NaN and +-Inf
+        r[b0 + j] = a if finite else old
+        m |= np.uint32(not (abs(a) < th)) << np.uint32(j)  # NaN compares False: selected
+        bad |= np.uint32(not finite) << np.uint32(j)
+    return m, bad
 
 
 @njit(nogil=True, cache=True)
@@ -90,35 +97,34 @@ def ef_select_span(g, r, scale, th, capacity, zero, offset, out_idx, out_val):
     """Fused error-feedback select over one span; returns the TRUE count.
 
     ``th`` must be > 0 (``ef_select``'s table sends "every nonzero", th <= 0,
-    to the torch reference), so |acc| >= th alone decides and excludes zeros and NaN.
+    to the torch reference), so |acc| >= th alone decides and excludes zeros.
 
-    1. For each block of BLOCK entries: acc = r + scale * g is written to r,
-       and bit j of a 32-bit mask says whether entry j is selected. This loop
-       has no data-dependent branch and a fixed trip count, so LLVM
-       vectorises it: memory speed.
+    1. For each block of BLOCK entries: acc = r + scale * g is written to r
+       where it is finite (a non-finite acc leaves r as it was), and bit j of
+       a 32-bit mask says whether entry j is selected: |acc| >= th, or acc
+       not finite. This loop has no data-dependent branch and a fixed trip
+       count, so LLVM vectorises it: memory speed.
     2. Only the set bits are visited (lowest bit first, so in index order):
        those entries go to ``out_idx``/``out_val`` (index + ``offset``) while
        fewer than ``capacity`` have been written, and become 0 in r when
-       ``zero``. Entries past the capacity are counted and keep acc in r.
+       ``zero`` (non-finite ones keep their old residual). Entries past the
+       capacity are counted and keep acc in r.
        At density 1% a third of the blocks hold a selection; walking all 32
        entries of each of them (and mispredicting a branch per selection)
        made the pass 1.3x slower than visiting its one or two bits.
     """
     n = r.size
     cnt = 0
+    top = r.dtype.type(np.finfo(r.dtype).max)
     nb = n // BLOCK
     for b in range(nb):
-        b0 = b * BLOCK
-        m = np.uint32(0)
-        for j in range(BLOCK):
-            a = r[b0 + j] + scale * g[b0 + j]
-            r[b0 + j] = a
-            m |= np.uint32(abs(a) >= th) << np.uint32(j)
+        m, bad = _accumulate_block(g, r, scale, th, top, b * BLOCK, BLOCK)
         if m:
-            cnt = _compact_bits(r, b0, m, capacity, zero, offset, out_idx, out_val, cnt)
-    for i in range(nb * BLOCK, n):
-        r[i] = r[i] + scale * g[i]
-    return _compact(r, nb * BLOCK, n, th, capacity, zero, offset, out_idx, out_val, cnt)
+            cnt = _compact_bits(g, r, scale, b * BLOCK, m, bad, capacity, zero, offset, out_idx, out_val, cnt)
+    m, bad = _accumulate_block(g, r, scale, th, top, nb * BLOCK, n - nb * BLOCK)
+    if m:
+        cnt = _compact_bits(g, r, scale, nb * BLOCK, m, bad, capacity, zero, offset, out_idx, out_val, cnt)
+    return cnt
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -21,13 +21,14 @@ __all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
 @triton.jit
 def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_ptr,
                      n, scale, th, capacity,
-                     ZERO: tl.constexpr, BLOCK: tl.constexpr):
+                     ZERO: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr):
     """One tile of the fused error-feedback select, compacted by a single-pass scan.
 
     1. Draw a tile number from an atomic ticket, not ``program_id``: a tile
        then only ever waits for tiles whose programs already started, so the
        look-back below cannot deadlock whatever order the GPU schedules in.
-    2. acc = r + scale * g; sel = acc != 0 and |acc| >= th; the tile count.
+    2. acc = r + scale * g; sel = (acc != 0 and |acc| >= th) or acc not
+       finite (FMAX: the residual dtype's largest finite value); the tile count.
     3. Decoupled look-back: publish the tile count (flag 1), then walk back
        over earlier tiles summing counts until one with an inclusive prefix
        (flag 2); publish our inclusive prefix. Status words pack
@@ -41,7 +42,10 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     r = tl.load(r_ptr + offs, mask=m, other=0.0)
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(r.dtype)
     acc = r + scale * g
-    sel = m & (acc != 0) & (tl.abs(acc) >= th)
+    # A non-finite acc (NaN, Inf, an overflowing sum) is always selected and leaves r as it
+    # was: the caller sees it in the output and can undo the call (kernels.ef_select).
+    finite = tl.abs(acc) <= FMAX
+    sel = m & ((acc != 0) & (tl.abs(acc) >= th) | ~finite)
     # In-tile counts and offsets in int32 (a tile holds < 2**31 entries): an
     # int64 cumsum over the tile doubled the registers and halved occupancy.
     s = sel.to(tl.int32)
@@ -66,7 +70,7 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     tl.store(out_val_ptr + pos, acc, mask=write)
     if ZERO:
         acc = tl.where(write, 0.0, acc)
-    tl.store(r_ptr + offs, acc, mask=m)
+    tl.store(r_ptr + offs, tl.where(finite, acc, r), mask=m)
 
 
 @triton.jit

@@ -45,16 +45,17 @@ def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float
                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
                     out_val: torch.Tensor) -> int:
     """The reference: the unfused torch chain with the same contract as :func:`ef_select`."""
-    acc = residual.add_(grad.to(residual.dtype), alpha=scale)
-    mag = acc.abs()
-    mask = (mag >= threshold) & (acc != 0)  # NaN is never selected, as on every path
+    acc = residual.add(grad.to(residual.dtype), alpha=scale)
+    finite = torch.isfinite(acc)
+    mask = ~finite | ((acc.abs() >= threshold) & (acc != 0))
+    residual.copy_(torch.where(finite, acc, residual))
     idx = torch.nonzero(mask).flatten()
     count = idx.numel()
     w = min(count, capacity)
     out_idx[:w] = idx[:w]
     out_val[:w] = acc[idx[:w]]
     if zero_selected and w:
-        residual.index_fill_(0, idx[:w], 0)
+        residual.index_fill_(0, idx[:w][finite[idx[:w]]], 0)
     return count
 
 
@@ -65,14 +66,22 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     """Error-feedback accumulate and select in one pass over memory.
 
     1. acc = residual + scale * grad, computed in the residual's dtype and
-       written back into ``residual``.
+       written back into ``residual`` where it is finite.
     2. Selected: acc != 0 and |acc| >= threshold (threshold <= 0 selects
-       every nonzero entry; NaN is never selected).
+       every nonzero entry), and every entry whose acc is not finite (NaN,
+       Inf, or a sum that overflows): those keep their old residual.
     3. The first ``capacity`` selected entries, by ascending index, are
        written as (int64 index, value) into ``out_idx``/``out_val``; later
        ones are counted but not written.
-    4. If ``zero_selected``, the written entries become 0 in ``residual``
-       (they were sent); overflowing entries keep acc, so nothing is lost.
+    4. If ``zero_selected``, the written finite entries become 0 in
+       ``residual`` (they were sent); overflowing entries keep acc, so
+       nothing is lost.
+
+    Step 2's rule is the finite check of the input, folded into this pass:
+    when ``count <= capacity`` the output alone (O(k)) says whether the
+    gradient was finite, and since a non-finite sum never reaches
+    ``residual``, a caller that must reject the call can subtract the
+    gradient back out (``State.rollback``) without having lost any entry.
 
     Args:
         grad: gradient, any float dtype (fp16/bf16/fp32/fp64), any shape with
@@ -103,7 +112,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
 
 
 def _positive_threshold(grad, residual, threshold, *_) -> bool:
-    # The numba loop decides by |acc| >= th alone, right only for th > 0 in
+    # The numba loop decides by not |acc| < th alone, right only for th > 0 in
     # the residual's dtype (a float32 threshold below 7e-46 rounds to 0).
     # "Every nonzero entry" is the reference's acc != 0 test: comparing |acc|
     # with the smallest subnormal instead would select zeros under

@@ -75,7 +75,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     impl.ef_select_kernel[(tiles,)](grad, residual, out_idx, out_val, status, ticket, n, scale,
                                     threshold if threshold > 0 else 0.0, capacity,
                                     ZERO=zero_selected, BLOCK=SELECT_BLOCK,
-                                    num_warps=SELECT_WARPS)
+                                    FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
     return int(status[tiles - 1]) >> 2
 
 

@@ -126,8 +126,20 @@ class Compensated:
     state selected while accumulating, else None.
     """
 
+    @classmethod
+    def fused(cls, acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int,
+              capacity: int) -> "Compensated":
+        """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
+        kept = min(count, capacity)
+        val = val[:kept]
+        finite = bool(torch.isfinite(val).all()) if count <= capacity else None  # O(k)
+        return cls(acc, Preselection(idx[:kept], count, val), finite)
+
     acc: torch.Tensor
     preselected: Preselection | None = None
+    #: Whether every accumulated entry is finite, when the fused pass can tell (it selects
+    #: every non-finite one): True/False, or None when it did not run or its buffer overflowed.
+    finite: bool | None = None
 
 
 class State:
@@ -206,10 +218,25 @@ class State:
             capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
             idx, val, count = kernels.ef_select(flat, residual, self.topk_guide, capacity,
                                                 zero_selected=False)
-            kept = min(count, capacity)
-            return Compensated(residual, Preselection(idx[:kept], count, val[:kept]))
+            return Compensated.fused(residual, idx, val, count, capacity)
         # In place: a fresh n-element tensor per call costs more in page faults than the add.
         return Compensated(residual.add_(flat))
+
+    def fuses_next(self) -> bool:
+        """Whether the next :meth:`compensate` is the fused accumulate-and-select pass
+        (``kernels.ef_select``), which also tells whether the input was finite."""
+        return self.error_feedback and self.guided_topk and self.topk_guide is not None
+
+    def rollback(self, flat: torch.Tensor) -> None:
+        """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).
+
+        The pass wrote residual + flat only where that sum was finite; there it
+        is subtracted back (exact up to the one rounding of the sum), elsewhere
+        the residual never changed. So no entry's residual is lost.
+        """
+        r = self.residual
+        g = flat.to(r.dtype)
+        r.sub_(torch.where(torch.isfinite(r + g), g, torch.zeros((), dtype=r.dtype, device=r.device)))
 
     def exact_topk(self, acc: torch.Tensor, k: int, preselected: Preselection | None,
                    stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,50 @@ def test_nonfinite_gradient_on_one_rank(value):
     every_rank_raises(call, match="NaN or Inf on rank(s) [1]")
 
 
+@pytest.mark.parametrize("algorithm", ["oktopk", "topka", "gtopk"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "overflowing sum"])
+def test_rejected_call_leaves_the_residual_and_the_next_call_goes_on(algorithm, bad):
+    # In steady state the finite check comes from the fused accumulate-and-select pass, which
+    # runs before the ranks agree to reject the call: the rejected gradient must come back
+    # out of the residual (up to the rounding of one add), and no entry may be lost.
+    n, steps = 3000, 4
+
+    def grad(rank, step):
+        return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + step))
+
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.05, error_feedback=True)
+        for step in range(steps):
+            sparsecomm.allreduce(grad(rank, step), state=st)
+        assert st.fuses_next(), "the next call should be the fused pass"
+        before, it = st.residual.clone(), st.iteration
+        g = grad(rank, 99)
+        if rank == 1:
+            if bad == "overflowing sum":
+                st.residual[7] = torch.finfo(torch.float32).max
+                before = st.residual.clone()
+                g[7] = torch.finfo(torch.float32).max
+            else:
+                g[7] = float(bad)
+        try:
+            sparsecomm.allreduce(g, state=st)
+        except InputError as exc:
+            err = str(exc)
+        else:
+            err = None
+        after = st.residual.clone()
+        out = sparsecomm.allreduce(grad(rank, 5), state=st)  # goes on
+        return rank, err, before, after, it == st.iteration - 1, bool(torch.isfinite(out).all())
+
+    words = "overflows on rank(s) [1]" if bad == "overflowing sum" else "NaN or Inf on rank(s) [1]"
+    for rank, err, before, after, counted_once, finite in sparsecomm.simulate(P, body).results:
+        assert err is not None and words in err, err
+        if rank == 1:
+            assert after[7] == before[7]  # the non-finite sum never reached the residual
+        torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+        assert counted_once and finite
+
+
 def test_shape_differs_across_ranks():
     every_rank_raises(lambda r: sparsecomm.allreduce(torch.randn(100 + (r == 3)), 0.1),
                       match="element count differs")

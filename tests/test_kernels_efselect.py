@@ -61,6 +61,41 @@ def test_ef_select_matches_reference(backend, monkeypatch, case, zero):
     torch.testing.assert_close(back, r0 + 0.5 * g)
 
 
+@pytest.mark.parametrize("backend", backend_params("ef_select"))
+@pytest.mark.parametrize("rdtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("zero", [True, False])
+@pytest.mark.parametrize("overflowed", [False, True])
+def test_ef_select_selects_every_nonfinite_sum_and_leaves_its_residual(backend, monkeypatch, rdtype, zero,
+                                                                       overflowed):
+    # The finite check folded into the pass: NaN, +-Inf and a sum that overflows are all
+    # selected with their non-finite acc, while the residual keeps its old value there.
+    run = runner(backend, monkeypatch)
+    n = 70_001  # several spans and tiles, a ragged tail
+    gen = torch.Generator().manual_seed(5)
+    g, r0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(rdtype)
+    big = torch.finfo(rdtype).max
+    bad = {17: float("nan"), 4_096: float("inf"), 40_000: -float("inf"), n - 1: float("nan")}
+    for i, v in bad.items():
+        g[i] = v
+    g = g.to(rdtype)
+    r0[123], g[123] = big, big  # finite terms, overflowing sum
+    cap = 5 if overflowed else 20_000
+    ri, vi, ci, rr = _reference(g, r0.clone(), 2.0, cap, 1.0, zero)
+    pi, pv, cp, pr = _select(run, g, r0.clone(), 2.0, cap, 1.0, zero)
+    assert cp == ci
+    w = min(ci, cap)
+    assert torch.equal(pi[:w], ri[:w])
+    assert torch.equal(pv[:w].view(-1), vi[:w].view(-1)) or torch.allclose(pv[:w], vi[:w], equal_nan=True)
+    assert torch.equal(pr, rr)
+    expect = {*bad, 123}
+    if not overflowed:
+        got = {int(i) for i, v in zip(pi[:w], pv[:w]) if not torch.isfinite(v)}
+        assert got == expect
+    for i in expect:
+        assert pr[i] == r0[i]  # untouched, also when selected with zero=True
+    assert torch.isfinite(pr).all()
+
+
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("cap_frac", [0.2, 0.5, 0.9, 1.0, 2.0])

@@ -22,7 +22,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 _SELECT_SIG = {"g_ptr": "*{g}", "r_ptr": "*{r}", "out_idx_ptr": "*i64", "out_val_ptr": "*{r}",
                "status_ptr": "*i64", "ticket_ptr": "*i32", "n": "i64", "scale": "{r}", "th": "{r}",
-               "capacity": "i64", "ZERO": "constexpr", "BLOCK": "constexpr"}
+               "capacity": "i64", "ZERO": "constexpr", "BLOCK": "constexpr", "FMAX": "constexpr"}
 _HIST_SIG = {"x_ptr": "*{x}", "n": "i64", "prefix_ptr": "*i32", "hist_ptr": "*i32",
              "KEY_BITS": "constexpr", "SHIFT": "constexpr", "FIRST": "constexpr", "BLOCK": "constexpr"}
 _COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "counts_ptr": "*i64",
@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -76,7 +77,9 @@ for arch in (80, 90):
     for g, r in (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")):
         sig = {k: v.format(g=g, r=r) for k, v in SELECT_SIG.items()}
         for zero in (True, False):
-            k = triton.compile(ASTSource(impl.ef_select_kernel, sig, {"ZERO": zero, "BLOCK": SELECT_BLOCK}),
+            fmax = float(torch.finfo(torch.float64 if r == "fp64" else torch.float32).max)
+            consts = {"ZERO": zero, "BLOCK": SELECT_BLOCK, "FMAX": fmax}
+            k = triton.compile(ASTSource(impl.ef_select_kernel, sig, consts),
                                target=target, options={"num_warps": SELECT_WARPS})
             assert k.asm["cubin"] and ".target sm_%%d" %% arch in k.asm["ptx"]
             assert "atom.global" in k.asm["ptx"]  # the ticket and the look-back

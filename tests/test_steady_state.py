@@ -134,3 +134,35 @@ def test_reused_threshold_follows_drift_without_corrections():
             # No correction and no exact selection between the tau-periodic re-evaluations.
             assert not {"local_corrected", "local_overflowed", "local_under"} & events.keys(), events
             assert "local_recomputed" not in events
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "topka", "gtopk", "topkdsa"])
+def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
+    # A steady-state call reads the gradient once: the fused pass's output settles that it
+    # is finite, so the separate check (a whole read of the tensor) must not run.
+    from sparsecomm import api
+
+    reads, overflowed = [], []
+    real = api._all_finite
+    monkeypatch.setattr(api, "_all_finite", lambda t: reads.append(t.numel()) or real(t))
+    fused_result = sparsecomm.state.Compensated.fused.__func__
+
+    def spy(cls, acc, idx, val, count, capacity):
+        overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
+        return fused_result(cls, acc, idx, val, count, capacity)
+
+    monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
+
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.05, error_feedback=True)
+        fused = 0
+        for step in range(6):
+            fused += st.fuses_next()
+            sparsecomm.allreduce(grad(rank, step), state=st)
+        return fused
+
+    fused = sparsecomm.simulate(2, body).results
+    assert all(f >= 4 for f in fused), fused
+    # Only the calls that were not fused, or whose candidate buffer overflowed, read it.
+    assert len(reads) == 2 * (6 - fused[0]) + sum(overflowed), (reads, overflowed)
+    assert sum(overflowed) < len(overflowed) / 2

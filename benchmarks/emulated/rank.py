@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 import sparsecomm
 
-CONFIGS = {"oktopk 1%": {"algorithm": "oktopk"}, "dense q8": {"algorithm": "dense", "compressor": "q8"},
+CONFIGS = {"oktopk 1%": {"algorithm": "oktopk"}, "dense": {"algorithm": "dense"},
+           "dense q8": {"algorithm": "dense", "compressor": "q8"},
            "topka 1%": {"algorithm": "topka"}, "gtopk 1%": {"algorithm": "gtopk"}}
+ONLY = [c for c in os.environ.get("CONFIGS", "").split(",") if c]  # e.g. CONFIGS="oktopk 1%,dense"
 
 
 def main() -> None:
@@ -53,14 +55,19 @@ def main() -> None:
         return float(t)
 
     res = {"dense dist.all_reduce": timed(lambda g: dist.all_reduce(buf.copy_(g)))}
+    phases = {}
     for name, kw in CONFIGS.items():
+        if ONLY and name not in ONLY:
+            continue
         st = sparsecomm.registry.get(kw["algorithm"]).state_class(0.01, error_feedback=True)
         extra = {k: v for k, v in kw.items() if k != "algorithm"}
         for _ in range(warm):
             sparsecomm.allreduce(drift(), state=st, out=out, **extra)
         res[name] = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra))
+        phases[name] = {p: round(s.seconds * 1e3, 1) for p, s in st.last.phases.items()}
     if rank == 0:
         print(json.dumps(res))
+        print(json.dumps({"last call's phases on rank 0, ms": phases}))
     dist.destroy_process_group()
 
 

@@ -130,8 +130,10 @@ class OkTopkState(State):
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
         idx, val, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
                                             zero_selected=False)
-        kept = min(count, capacity)
-        return Compensated(self.residual, Preselection(idx[:kept], count, val[:kept]))
+        return Compensated.fused(self.residual, idx, val, count, capacity)
+
+    def fuses_next(self) -> bool:
+        return self.error_feedback and self.reuse_due(self.iteration + 1)
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
