@@ -5,7 +5,10 @@ is compared with; then PyTorch's default, fp16 and PowerSGD (rank 1) hooks and
 sparsecomm's hook with Ok-Topk 1% (synchronous and overlapping) and dense q8.
 Needs torch.distributed: under torchrun it is the launcher's group; under
 mpiexec/srun the ``torch_group`` fixture starts one over the same ranks.
-Model: ``SPARSECOMM_BENCH_MODEL`` (default mlp, 25M parameters).
+Model: ``SPARSECOMM_BENCH_MODEL`` (default mlp, 25M parameters). Every hook runs
+with ``gradient_as_bucket_view=True`` (gradients live in the buckets, saving two
+copies of the model per step, as a user tuning DDP would set it);
+``SPARSECOMM_BENCH_BUCKET_VIEW=0`` measures DDP's default layout instead.
 
 PowerSGD on gloo runs with a single bucket: its hook issues the second
 allreduce of a bucket from a future's callback, and with several buckets the
@@ -14,6 +17,8 @@ ranks can issue those in different orders (seen here under mpiexec: gloo's
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -39,6 +44,7 @@ def _register(name: str, ddp: DDP, group) -> None:
         ddp.register_comm_hook(SparseHookState(ddp, warmup_steps=0, group=group, **kw), sparse_allreduce_hook)
 
 
+BUCKET_VIEW = os.environ.get("SPARSECOMM_BENCH_BUCKET_VIEW", "1") != "0"
 HOOKS = ["none", "ddp default", "fp16", "powersgd r1", "sparsecomm oktopk 1%", "sparsecomm oktopk 1% overlap",
          "sparsecomm dense q8"]
 
@@ -49,7 +55,7 @@ def test_ddp_step(benchmark, comm, torch_group, hook):
     net = model("mlp").to(device)
     one_bucket = hook == "powersgd r1" and torch.distributed.get_backend(torch_group) == "gloo"
     ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, process_group=torch_group,
-              bucket_cap_mb=1024 if one_bucket else 25)
+              bucket_cap_mb=1024 if one_bucket else 25, gradient_as_bucket_view=BUCKET_VIEW)
     if hook not in ("none", "ddp default"):
         _register(hook, ddp, torch_group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
