@@ -7,7 +7,7 @@ A checkout that is not installed cannot import it (``import sparsecomm``
 says so). Every operation with fast paths
 (``kth_largest``, ``select_above``, ``ef_select``, ``count_above``,
 ``scatter_add``, ``pack_records``/``unpack_records``, ``isin_sorted``,
-``union_sorted_runs``, ``take_and_zero``, ``scatter_dense``,
+``union_sorted_runs``, ``sum_sorted_runs``, ``take_and_zero``, ``scatter_dense``, ``nonzero``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
 declared next to its torch reference: backend -> implementation, and the rule
 under which a backend hands a call to the reference. ``dispatch`` picks the
@@ -35,18 +35,19 @@ operation modules name backends only as strings in their tables.
 """
 
 from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add, scatter_dense,
-                  split_by_boundaries, take_and_zero, union_sorted_runs, unique_indexes, unpack_records)
+                  split_by_boundaries, sum_sorted_runs, take_and_zero, union_sorted_runs, unique_indexes,
+                  unpack_records)
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
 from .estimate import count_above, estimate_threshold
 from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
                       pack_unsigned, quantize, unpack_unsigned)
-from .select import kth_largest, select_above, topk_indexes, topk_of_candidates
+from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_candidates
 
-__all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates",
+__all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
-           "take_and_zero", "scatter_dense", "ef_select",
+           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select",
            "estimate_threshold", "count_above",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

@@ -31,7 +31,7 @@ import_numba()
 from numba import njit  # noqa: E402
 
 __all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "encode_codes_span",
-           "decode_codes_span", "merge_runs", "member_mask", "take_and_zero", "is_strictly_increasing",
+           "decode_codes_span", "merge_runs", "merge_sum", "member_mask", "take_and_zero", "is_strictly_increasing",
            "densify_span", "chunk_bounds", "BLOCK"]
 
 # Block of the fused select: one vectorised pass builds a bit mask of the block's
@@ -294,6 +294,35 @@ def merge_runs(src, bounds, dst):
             c += 1
         out_bounds[j // 2 + 1] = c
     return out_bounds
+
+
+@njit(nogil=True, cache=True)
+def merge_sum(ai, av, bi, bv, oi, ov):
+    """Merge ascending unique (ai, av) and (bi, bv) into (oi, ov); equal indexes sum as
+    av + bv (in that order). Returns the merged length."""
+    i = m = c = 0
+    while i < ai.size and m < bi.size:
+        a, b = ai[i], bi[m]
+        if a < b:
+            oi[c], ov[c] = a, av[i]
+            i += 1
+        elif b < a:
+            oi[c], ov[c] = b, bv[m]
+            m += 1
+        else:
+            oi[c], ov[c] = a, av[i] + bv[m]
+            i += 1
+            m += 1
+        c += 1
+    while i < ai.size:
+        oi[c], ov[c] = ai[i], av[i]
+        i += 1
+        c += 1
+    while m < bi.size:
+        oi[c], ov[c] = bi[m], bv[m]
+        m += 1
+        c += 1
+    return c
 
 
 @njit(nogil=True, cache=True)

@@ -14,13 +14,14 @@ import sys
 import torch
 
 from . import dispatch
+from .select import nonzero
 
 __all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_records",
            "pack_records_torch", "record_fields", "unpack_records", "unpack_records_torch",
            "record_buffers", "scatter_add", "scatter_add_torch", "scatter_add_sorted_torch",
            "sort_by_index", "isin_sorted", "isin_sorted_torch", "unique_indexes", "union_sorted_runs",
            "union_sorted_runs_torch", "take_and_zero", "take_and_zero_torch", "scatter_dense",
-           "scatter_dense_torch"]
+           "scatter_dense_torch", "sum_sorted_runs", "sum_sorted_runs_torch"]
 
 
 def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
@@ -256,6 +257,30 @@ def union_sorted_runs_torch(cat: torch.Tensor, runs: list[int]) -> torch.Tensor:
     return torch.unique(cat.to(torch.int64))
 
 
+def sum_sorted_runs(idx: torch.Tensor, values: torch.Tensor, runs: list[int],
+                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union of the ascending, duplicate-free runs ``idx[runs[j]:runs[j+1]]``, and each index's
+    values summed in run order: ``((0 + v_first_run) + v_next_run) + ...``.
+
+    What a dense accumulator gives when the runs are added into zeros one after
+    another (``index_add_``), bit for bit, without touching O(n) memory:
+
+    * ``cpu``: each run merged into the running union (a left fold of linear
+      merges, O(runs x union)): for the few runs of a small world, against two
+      scatters into a region-sized buffer, a union and a read-and-clear.
+    * ``torch``: ``unique`` of the concatenation and ``index_add_`` in order.
+    """
+    return _SUM_SORTED_RUNS(idx, values, runs, backend=backend)
+
+
+def sum_sorted_runs_torch(idx: torch.Tensor, values: torch.Tensor, runs: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`sum_sorted_runs`."""
+    uniq, inverse = torch.unique(idx.to(torch.int64), return_inverse=True)
+    sums = torch.zeros(uniq.numel(), dtype=values.dtype, device=values.device)
+    return uniq, sums.index_add_(0, inverse, values)
+
+
 def take_and_zero(x: torch.Tensor, idx: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """``x[idx]``, then ``x[idx] = 0`` (``idx`` without duplicates): an accumulator read out and
     left all zero for its next use, in one pass on the ``cpu`` path."""
@@ -294,6 +319,8 @@ def _numba_floats(x: torch.Tensor, *_: object) -> bool:
 _ISIN_SORTED = dispatch.KernelOp("isin_sorted", isin_sorted_torch, cpu="numba_backend:isin_sorted")
 _UNION_SORTED_RUNS = dispatch.KernelOp("union_sorted_runs", union_sorted_runs_torch,
                                        cpu="numba_backend:union_sorted_runs")
+_SUM_SORTED_RUNS = dispatch.KernelOp("sum_sorted_runs", sum_sorted_runs_torch, cpu="numba_backend:sum_sorted_runs",
+                                     accepts={"cpu": lambda idx, values, runs: _numba_floats(values)})
 _TAKE_AND_ZERO = dispatch.KernelOp("take_and_zero", take_and_zero_torch, cpu="numba_backend:take_and_zero",
                                    accepts={"cpu": _numba_floats})
 _SCATTER_DENSE = dispatch.KernelOp("scatter_dense", scatter_dense_torch, cpu="numba_backend:scatter_dense",
@@ -313,4 +340,4 @@ def unique_indexes(idx: torch.Tensor, n: int) -> torch.Tensor:
         return torch.unique(idx)
     mask = torch.zeros(n, dtype=torch.bool, device=idx.device)
     mask[idx] = True
-    return mask.nonzero().flatten()
+    return nonzero(mask)

@@ -29,7 +29,7 @@ from .payload import decode_buffers, encode_buffers
 
 __all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
-           "unpack_records"]
+           "unpack_records", "nonzero", "sum_sorted_runs"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
@@ -406,3 +406,23 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
     idx.numpy()[:] = rec["i"]
     bits.numpy()[:] = rec["v"]
     return idx, bits.view(value_dtype)
+
+
+def nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """cpu ``kernels.nonzero``: numpy's ``flatnonzero`` (no numba needed)."""
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
+
+
+def sum_sorted_runs(idx: torch.Tensor, values: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu ``kernels.sum_sorted_runs``: runs merged into the running union one after another
+    (a left fold, so each index sums in run order), linear merges instead of scatters."""
+    impl = _jit()
+    i = idx.to(torch.int64).contiguous().numpy()
+    v = values.contiguous().numpy() + values.numpy().dtype.type(0)  # 0 + v, as into zeros: -0 -> +0
+    cur_i, cur_v = i[:0], v[:0]
+    for a, b in zip(runs[:-1], runs[1:]):
+        oi = np.empty(cur_i.size + (b - a), dtype=np.int64)
+        ov = np.empty(oi.size, dtype=v.dtype)
+        c = impl.merge_sum(cur_i, cur_v, i[a:b], v[a:b], oi, ov)
+        cur_i, cur_v = oi[:c], ov[:c]
+    return torch.from_numpy(cur_i.copy() if cur_i.base is i else cur_i), torch.from_numpy(cur_v)

@@ -15,7 +15,7 @@ import torch
 from . import dispatch
 
 __all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "select_above_torch",
-           "topk_of_candidates"]
+           "topk_of_candidates", "nonzero", "nonzero_torch"]
 
 
 def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
@@ -71,15 +71,15 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Te
     ``idx`` must be sorted ascending so that "first" means "lowest index".
     Returns a sorted int64 tensor of positions.
     """
-    nonzero = mag > 0
-    if int(nonzero.sum()) <= k:
-        return torch.nonzero(nonzero).flatten()
+    positive = mag > 0
+    if int(positive.sum()) <= k:
+        return nonzero(positive)
     th = kth_largest(mag, k)
     above = mag > th
     need = k - int(above.sum())
     ties = mag == th
     keep = above | (ties & (torch.cumsum(ties, 0) <= need))
-    return torch.nonzero(keep).flatten()
+    return nonzero(keep)
 
 
 def topk_indexes(mag: torch.Tensor, k: int, *, use_abs: bool = False) -> torch.Tensor:
@@ -119,3 +119,22 @@ def select_above_torch(mag: torch.Tensor, threshold: float, use_abs: bool = Fals
 
 
 _SELECT_ABOVE = dispatch.KernelOp("select_above", select_above_torch, cpu="numba_backend:select_above")
+
+
+def nonzero(mask: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """Sorted int64 positions of the True entries of a 1-D bool ``mask``.
+
+    The ``cpu`` path is numpy's ``flatnonzero``: 0.29 ms against torch's 1.5 ms
+    for 260k entries on one thread (12 against 71 ms at 25M).
+    """
+    return _NONZERO(mask, backend=backend)
+
+
+def nonzero_torch(mask: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`nonzero`."""
+    return torch.nonzero(mask).flatten()
+
+
+_NONZERO = dispatch.KernelOp("nonzero", nonzero_torch, cpu="numba_backend:nonzero",
+                             accepts={"cpu": lambda mask: mask.dtype == torch.bool and mask.dim() == 1
+                                      and mask.is_contiguous()})

@@ -282,3 +282,42 @@ def test_records_pack_and_unpack_like_the_reference(backend, monkeypatch, index_
         back_idx, back_val = run("unpack_records", want, index_dtype, value_dtype)
         assert back_idx.dtype == torch.int64 and torch.equal(back_idx, idx)
         assert torch.equal(back_val.view(torch.uint8), val.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", backend_params("nonzero"))
+@pytest.mark.parametrize("n,p", [(0, 0.5), (1, 1.0), (70_001, 0.01), (70_001, 0.0), (70_001, 1.0)])
+def test_nonzero_matches_reference(backend, monkeypatch, n, p):
+    run = runner(backend, monkeypatch)
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < p
+    got = run("nonzero", mask)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.nonzero(mask).flatten())
+
+
+@pytest.mark.parametrize("backend", backend_params("sum_sorted_runs"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("runs", [0, 1, 2, 5, 9])
+def test_sum_sorted_runs_is_the_accumulator_bit_for_bit(backend, monkeypatch, dtype, runs):
+    # The sums must be those of adding each run into a zeroed accumulator in run order.
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(runs)
+    n = 5_000
+    parts = [torch.randperm(n, generator=gen)[:int(torch.randint(0, 900, (1,), generator=gen))].sort().values
+             for _ in range(runs)]
+    vals = [(torch.randn(p.numel(), generator=gen) * 10 ** torch.randint(-3, 4, (p.numel(),),
+                                                                            generator=gen)).to(dtype)
+            for p in parts]
+    if runs:
+        vals[0][:3] = -0.0  # negative zeros become +0 in a zeroed accumulator
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p.numel())
+    cat_i = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    cat_v = torch.cat(vals) if vals else torch.empty(0, dtype=dtype)
+    acc = torch.zeros(n, dtype=dtype)
+    for p, v in zip(parts, vals):
+        acc.index_add_(0, p, v)
+    want = torch.unique(cat_i)
+    got_i, got_v = run("sum_sorted_runs", cat_i, cat_v, bounds)
+    assert torch.equal(got_i, want)
+    assert torch.equal(got_v, acc[want])
+    assert torch.equal(torch.signbit(got_v), torch.signbit(acc[want]))  # zeros' signs too

@@ -73,7 +73,10 @@ def test_scratch_buffers_are_left_all_zero_and_stay_out_of_checkpoints(algorithm
         b = sparsecomm.allreduce(grad(rank, 9), state=loaded)
         return scratch, "_scratch" in loaded.__dict__, torch.equal(a, b)
 
-    for scratch, _, same in sparsecomm.simulate(3, body).results:
+    # Above MERGE_MAX_P ranks a region's parts go through the region-sized scratch accumulator.
+    from sparsecomm.algorithms.exchange import MERGE_MAX_P
+
+    for scratch, _, same in sparsecomm.simulate(MERGE_MAX_P + 1, body).results:
         assert scratch, "the algorithm used no scratch buffer"
         assert all(int(torch.count_nonzero(b)) == 0 for b in scratch.values())
         assert same

@@ -57,7 +57,7 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     index_dtype = kernels.index_dtype_for(max(sizes))
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, val)
-        region = state.scratch("region", sizes[me], acc.dtype, acc.device)
+        region = lambda: state.scratch("region", sizes[me], acc.dtype, acc.device)  # noqa: E731
         rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region)
     with rec.phase("allgatherv"):
         rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
