@@ -183,9 +183,10 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
     return out
 
 
-def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.payload.decode_codes`` to float32 (``dtype``), one thread per value."""
-    g, out = decode_buffers(packed, bits, count, scale)
+    g, out = decode_buffers(packed, bits, count, scale, out)
     packed = packed.contiguous()
     if count:
         _launch(f"decode_codes_b{bits}", -(-count // SCATTER_THREADS), SCATTER_THREADS,

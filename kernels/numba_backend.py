@@ -312,10 +312,11 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
     return out
 
 
-def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """numba ``kernels.payload.decode_codes`` to float32 (``dtype``), by spans of bytes."""
     impl = _jit()
-    g, out = decode_buffers(packed, bits, count, scale)
+    g, out = decode_buffers(packed, bits, count, scale, out)
     p, o = packed.numpy(), out.numpy()
     nbytes = -(-o.size * bits // 8)
     bounds = impl.chunk_bounds(nbytes, _spans(o.size))

@@ -132,14 +132,15 @@ def encode_codes_torch(values: torch.Tensor, bits: int, scale: float) -> torch.T
 
 
 def decode_codes_torch(packed: torch.Tensor, bits: int, count: int, scale: float,
-                       dtype: torch.dtype) -> torch.Tensor:
+                       dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of :func:`decode_codes`."""
     if bits == 8:
         q = packed[:count].view(torch.int8)
     else:
         q = (unpack_unsigned(packed, bits, count).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
     levels = 2 ** (bits - 1) - 1
-    return (q.to(torch.float32) * (scale / levels)).to(dtype)
+    values = (q.to(torch.float32) * (scale / levels)).to(dtype)
+    return values if out is None else out.copy_(values)
 
 
 def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | None = None
@@ -167,16 +168,22 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | N
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 backend: str | None = None) -> torch.Tensor:
+                 backend: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`encode_codes`: ``count`` values q * (scale / L) in ``dtype``.
 
-    The fast paths cover float32 output; others go through the reference.
+    Written into ``out`` (contiguous, ``count`` values of ``dtype``) when given:
+    a large decode then touches no fresh memory (a new 100 MB tensor costs more
+    in page faults than the decode). The fast paths cover float32 output;
+    others go through the reference.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"decode_codes: bits must be one of {QUANT_BITS}, got {bits}")
     if packed.numel() * 8 < count * bits:
         raise ValueError(f"decode_codes: {packed.numel()} bytes cannot hold {count} {bits}-bit codes")
-    return _DECODE_CODES(packed, bits, count, scale, dtype, backend=backend)
+    if out is not None and (out.numel() != count or out.dtype != dtype or not out.is_contiguous()
+                            or out.device != packed.device):
+        raise ValueError(f"decode_codes: out must be {count} contiguous {dtype} values on {packed.device}")
+    return _DECODE_CODES(packed, bits, count, scale, dtype, out, backend=backend)
 
 
 def encode_buffers(flat: torch.Tensor, bits: int, scale: float
@@ -188,18 +195,20 @@ def encode_buffers(flat: torch.Tensor, bits: int, scale: float
     return flat, np.float32(_factor(bits, scale)[1]), out
 
 
-def decode_buffers(packed: torch.Tensor, bits: int, count: int, scale: float
+def decode_buffers(packed: torch.Tensor, bits: int, count: int, scale: float, out: torch.Tensor | None = None
                    ) -> tuple[np.float32, torch.Tensor]:
-    """What the decode kernels take: the float32 factor scale / L and the float32 output."""
+    """What the decode kernels take: the float32 factor scale / L and the float32 output (``out``
+    or a new tensor)."""
     g = np.float32(scale / (2 ** (bits - 1) - 1))
-    return g, torch.empty(count, dtype=torch.float32, device=packed.device)
+    return g, torch.empty(count, dtype=torch.float32, device=packed.device) if out is None else out
 
 
 def _nonempty(values: torch.Tensor, bits: int, scale: float) -> bool:
     return values.numel() > 0
 
 
-def _float32_out(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> bool:
+def _float32_out(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> bool:
     return count > 0 and dtype == torch.float32
 
 

@@ -170,9 +170,10 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
     return out
 
 
-def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.payload.decode_codes`` to float32 (``dtype``), one kernel."""
-    g, out = decode_buffers(packed, bits, count, scale)
+    g, out = decode_buffers(packed, bits, count, scale, out)
     if count:
         _jit().decode_codes_kernel[(-(-count // CODES_BLOCK),)](
             packed.contiguous(), out, count, float(g), BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)

@@ -401,7 +401,7 @@ def _run(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool
             "dtype or compressor='bf16'"
             + ("; this call's input stays in the residual" if state.error_feedback else ""))
     if private:
-        for name in ("values", "sent"):
+        for name in ("values", "sent", "kept_val"):
             value = getattr(result, name)
             if value is not None and (value is acc or any(value is buf for buf in state.buffers())):
                 setattr(result, name, value.clone())

@@ -133,10 +133,12 @@ class Compressor:
         """A dense payload (uint8) of ``values``: ``value_bits`` per value."""
         return self.encode(values, scale).contiguous().view(torch.uint8)
 
-    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        """The ``count`` values of a :meth:`pack`-ed payload, decoded to ``dtype``."""
+    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``count`` values of a :meth:`pack`-ed payload, decoded to ``dtype`` (into ``out``)."""
         # clone: a slice of a gathered byte buffer may be misaligned for the wire dtype
-        return self.decode(payload.clone().view(self.wire_dtype), scale, dtype)
+        values = self.decode(payload.clone().view(self.wire_dtype), scale, dtype)
+        return values if out is None else out.copy_(values)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
@@ -248,8 +250,9 @@ class Quantize(Compressor):
             return pack_bits(self.encode(values, scale), self.bits)
         return kernels.encode_codes(values, self.bits, scale)
 
-    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        return kernels.decode_codes(payload, self.bits, count, scale, dtype)
+    def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.decode_codes(payload, self.bits, count, scale, dtype, out=out)
 
 
 class Divided(Compressor):

@@ -172,6 +172,9 @@ def test_encode_decode_codes_match_torch_bytewise(backend, monkeypatch, bits, n,
         for out_dtype in (torch.float32, torch.bfloat16):  # bf16 output: the table's torch fallback
             back = run("decode_codes", packed, bits, n, scale, out_dtype)
             assert torch.equal(back, payload.decode_codes_torch(packed, bits, n, scale, out_dtype)), scale
+            into = torch.full((n,), float("nan"), dtype=out_dtype)  # every value must be written
+            got = run("decode_codes", packed, bits, n, scale, out_dtype, into)
+            assert torch.equal(into, back) and torch.equal(got, back)
     # Half to even, as torch.round: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2 at scale = levels.
     if n >= 4 and bits >= 4:
         q = run("decode_codes", run("encode_codes", v, bits, float(levels)), bits, 4, float(levels),

@@ -63,48 +63,59 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
             else:
                 total = codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats)
-    return _compressed(acc, comm, codec, stats, rec)
+    return _compressed(acc, comm, codec, stats, rec, state)
 
 
 def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
-                rec: PhaseRecorder) -> SparseResult:
+                rec: PhaseRecorder, state: DenseState) -> SparseResult:
     P, me, n = comm.size, comm.rank, acc.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     chunk = [acc[starts[j]:starts[j + 1]] for j in range(P)]
+    own = slice(starts[me], starts[me + 1])
+
+    def ws(name: str, numel: int, dtype: torch.dtype = acc.dtype) -> torch.Tensor:
+        # Buffers the state keeps: a steady-state call decodes into memory it already has
+        # (each fresh n-sized tensor costs more in page faults than its decode).
+        return state.workspace(name, numel, dtype, acc.device)
+
     with rec.phase("reduce_scatter"):
         scales = codec.agree_scales(comm, chunk)
         payloads = [codec.pack(chunk[j], scales[j]) for j in range(P)]
-        sent = torch.cat([codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype)
-                          for j in range(P)])
-        mine = sent[starts[me]:starts[me + 1]].clone()
+        sent = ws("sent", n)
+        for j in range(P):
+            codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype, out=sent[starts[j]:starts[j + 1]])
+        mine = ws("mine", own.stop - own.start).copy_(sent[own])
+        part = ws("part", mine.numel())
+        width = payloads[me].numel()
+        inbox = ws("inbox", width * (P - 1), torch.uint8)
         sends: list[Request] = []
         recvs = []
         for s in range(1, P):
             dst, src = (me + s) % P, (me - s) % P
-            buf = torch.empty_like(payloads[me])
+            buf = inbox[(s - 1) * width:s * width]
             recvs.append((comm.irecv(buf, src, _TAG_RS), buf))
             sends.append(comm.isend(payloads[dst], dst, _TAG_RS))
         for req, buf in recvs:
             req.wait()
-            mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype)
+            mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype, out=part)
         for req in sends:
             req.wait()
     with rec.phase("allgather"):
         scale = codec.own_scale(mine)
         owner_payload = codec.pack(mine, scale)
-        delivered = codec.unpack(owner_payload, mine.numel(), scale, acc.dtype)
+        delivered = codec.unpack(owner_payload, mine.numel(), scale, acc.dtype, out=part)
         header = torch.tensor([scale], dtype=torch.float64).view(torch.uint8).to(owner_payload.device)
         message = torch.cat([header, owner_payload])
         sizes = comm.allgather(torch.tensor([message.numel()], dtype=torch.int64,
                                             device=comm.control_device)).flatten().tolist()
         gathered = comm.allgatherv(message, sizes)
     with rec.phase("decode"):
-        parts, pos = [], 0
+        total, pos = ws("total", n), 0
         for j in range(P):
             msg = gathered[pos:pos + sizes[j]]
             pos += sizes[j]
             s = float(msg[:8].clone().view(torch.float64))
-            parts.append(codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype))
-        total = torch.cat(parts)
+            codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype, out=total[starts[j]:starts[j + 1]])
+    kept = mine.sub_(delivered)  # this owner's re-encoding error, in place
     return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats,
-                        kept_at=starts[me], kept_val=mine - delivered)
+                        kept_at=starts[me], kept_val=kept)
