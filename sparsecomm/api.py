@@ -37,7 +37,8 @@ _OPS = {"sum": 1, "avg": 2}
 _PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
              6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
-             9: "unknown compressor", 10: "tensor cannot be read", 11: "out= does not fit the tensor"}
+             9: "unknown compressor", 10: "tensor cannot be read", 11: "out= does not fit the tensor",
+             12: "the error-feedback accumulation failed"}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -344,11 +345,15 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
     if problem is None and call.state is not None and call.state.fuses_next():
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
-        early = (call.state.compensate(flat), time.perf_counter() - t0)
-        finite = early[0].finite
-        # True: settled by the pass. False (a non-finite sum) or None (a buffer too small to
-        # tell): one read of the tensor says whether it, or only its sum, is not finite.
-        nonfinite = 0 if finite else (1 if not _all_finite(call.tensor) else (2 if finite is False else 0))
+        try:
+            early = (call.state.compensate(flat), time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
+            problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
+        else:
+            finite = early[0].finite
+            # True: settled by the pass. False (a non-finite sum) or None (a buffer too small to
+            # tell): one read of the tensor says whether it, or only its sum, is not finite.
+            nonfinite = 0 if finite else (1 if not _all_finite(call.tensor) else (2 if finite is False else 0))
     try:
         _check_collectively(call, nonfinite, problem)
     except InputError:

@@ -106,6 +106,23 @@ def test_rejected_call_leaves_the_residual_and_the_next_call_goes_on(algorithm, 
         assert counted_once and finite
 
 
+def test_fused_pass_that_raises_on_one_rank_raises_on_every_rank():
+    # The fused pass runs before the collective check: an error in it must reach every rank.
+    def body(rank):
+        st = sparsecomm.OkTopkState(0.05)
+        for step in range(3):
+            sparsecomm.allreduce(good(rank + step), state=st)
+        assert st.fuses_next()
+        if rank == 2:
+            def broken(flat):
+                raise RuntimeError("kernel launch failed")
+            st.compensate = broken
+        return sparsecomm.allreduce(good(rank), state=st)
+
+    errs = every_rank_raises(body, match="rank 2: the error-feedback accumulation failed")
+    assert "kernel launch failed" in str(errs[2])
+
+
 def test_shape_differs_across_ranks():
     every_rank_raises(lambda r: sparsecomm.allreduce(torch.randn(100 + (r == 3)), 0.1),
                       match="element count differs")
