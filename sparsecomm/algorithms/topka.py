@@ -13,6 +13,7 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
+from .exchange import MERGE_MAX_P
 
 __all__ = ["TopkAState", "topka", "allgather_and_sum"]
 
@@ -47,9 +48,11 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
                       state: State, val: torch.Tensor | None = None) -> SparseResult:
     """Steps 2-3 of TopkA for any sorted local selection ``idx`` (shared with Gaussiank).
 
-    ``val``: ``acc[idx]`` when the caller has it. The sum goes into the
-    state's all-zero scratch buffer; the touched indexes are the union of the
-    ranks' sorted lists (merged, not sorted), read out and reset in O(P k).
+    ``val``: ``acc[idx]`` when the caller has it. Up to ``MERGE_MAX_P`` ranks
+    (on CPU) the ranks' sorted lists are merged, summing in rank order; beyond,
+    the sum goes into the state's all-zero scratch buffer and the touched
+    indexes (the lists' union, merged, not sorted) are read out and reset in
+    O(P k). Both give the same bits on every rank.
     """
     n = acc.numel()
     stats.local_selected = idx.numel()
@@ -62,13 +65,17 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         gathered = comm.allgatherv(records, counts) if comm.size > 1 else records
     with rec.phase("sum"):
         gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
-        total = kernels.scatter_add(state.scratch("sum", n, acc.dtype, acc.device), gidx,
-                                    codec.decode(gwire, mine.scale, acc.dtype))
+        decoded = codec.decode(gwire, mine.scale, acc.dtype)
         runs = [0]
         for c in counts:
             runs.append(runs[-1] + c)
-        uniq = kernels.union_sorted_runs(gidx, runs)
-        values = kernels.take_and_zero(total, uniq)
+        if comm.size <= MERGE_MAX_P and acc.device.type == "cpu":
+            # A few sorted runs: merged in rank order, the accumulator's sums bit for bit.
+            uniq, values = kernels.sum_sorted_runs(gidx, decoded, runs)
+        else:
+            total = kernels.scatter_add(state.scratch("sum", n, acc.dtype, acc.device), gidx, decoded)
+            uniq = kernels.union_sorted_runs(gidx, runs)
+            values = kernels.take_and_zero(total, uniq)
     stats.global_selected = uniq.numel()
     return SparseResult(n=n, indexes=uniq, values=values, contributed=idx,
                         sent=mine.decoded(acc.dtype), stats=stats)
