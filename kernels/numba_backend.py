@@ -419,11 +419,12 @@ def sum_sorted_runs(idx: torch.Tensor, values: torch.Tensor, runs: list[int]) ->
     (a left fold, so each index sums in run order), linear merges instead of scatters."""
     impl = _jit()
     i = idx.to(torch.int64).contiguous().numpy()
-    v = values.contiguous().numpy() + values.numpy().dtype.type(0)  # 0 + v, as into zeros: -0 -> +0
+    v = values.contiguous().numpy()
+    v = v + v.dtype.type(0)  # 0 + v, as into zeros: -0 -> +0
     cur_i, cur_v = i[:0], v[:0]
     for a, b in zip(runs[:-1], runs[1:]):
         oi = np.empty(cur_i.size + (b - a), dtype=np.int64)
         ov = np.empty(oi.size, dtype=v.dtype)
         c = impl.merge_sum(cur_i, cur_v, i[a:b], v[a:b], oi, ov)
         cur_i, cur_v = oi[:c], ov[:c]
-    return torch.from_numpy(cur_i.copy() if cur_i.base is i else cur_i), torch.from_numpy(cur_v)
+    return torch.from_numpy(cur_i), torch.from_numpy(cur_v)

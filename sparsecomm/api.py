@@ -215,13 +215,12 @@ def _signature(call: _Call, problem: tuple[int, str] | None, nonfinite: int | No
         compressor=_crc(repr(call.compressor)))
 
 
-def _check_collectively(call: _Call, nonfinite: int | None = None,
-                        problem: tuple[int, str] | None = None) -> None:
+def _check_collectively(call: _Call, problem: tuple[int, str] | None, nonfinite: int | None = None) -> None:
     """Raise InputError on every rank if any rank's arguments are bad or differ.
 
-    1. Check this rank's arguments (unless ``problem`` says what :func:`_local_problem`
-       found already); a check that itself fails (a tensor whose values cannot be read)
-       is a problem like any other. ``nonfinite``: see :func:`_signature`.
+    1. ``problem``: what :func:`_local_problem` found on this rank (None: nothing);
+       building the signature (a tensor whose values cannot be read) may add one.
+       ``nonfinite``: see :func:`_signature`.
     2. Allgather every rank's :class:`Signature`.
     3. Raise, on every rank and with the same words, for the first of: a rank
        with a problem, NaN/Inf on a rank, a field that differs across ranks,
@@ -229,7 +228,6 @@ def _check_collectively(call: _Call, nonfinite: int | None = None,
     """
     comm = call.comm
     try:
-        problem = problem or _local_problem(call)
         sig = _signature(call, problem, nonfinite)
     except Exception as exc:  # noqa: BLE001 - a check that raises on one rank must not strand the others
         problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
@@ -355,7 +353,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
             # tell): one read of the tensor says whether it, or only its sum, is not finite.
             nonfinite = 0 if finite else (1 if not _all_finite(call.tensor) else (2 if finite is False else 0))
     try:
-        _check_collectively(call, nonfinite, problem)
+        _check_collectively(call, problem, nonfinite)
     except InputError:
         if early is not None:
             call.state.rollback(call.tensor.detach().reshape(-1))

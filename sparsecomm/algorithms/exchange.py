@@ -18,13 +18,19 @@ from .. import kernels
 from ..comm.base import Communicator, Request
 from ..compress import Encoded
 
-__all__ = ["equal_boundaries", "split_and_reduce", "MERGE_MAX_P"]
+__all__ = ["equal_boundaries", "split_and_reduce", "merges", "MERGE_MAX_P"]
 
 _TAG_SPLIT = 0x5C01
 #: Up to this many ranks, a region's parts are merged (``kernels.sum_sorted_runs``, O(P k)
 #: linear work) instead of scattered into a region-sized accumulator (O(k) random writes
 #: into O(n / P) memory, then read and cleared): at P = 2, 25M, 1% ~6 ms a call less.
 MERGE_MAX_P = 8
+
+
+def merges(P: int, device: torch.device) -> bool:
+    """Whether P ranks' sorted parts are summed by merging (``kernels.sum_sorted_runs``) rather
+    than in a dense accumulator: few ranks, on CPU (the GPU paths keep their scatter kernels)."""
+    return P <= MERGE_MAX_P and device.type == "cpu"
 
 
 def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
@@ -53,7 +59,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
     # A few parts (small worlds) are merged, summing in step order; more are added into a
     # dense accumulator of the region. The sums are the same bit for bit either way.
-    merge = P <= MERGE_MAX_P and wire.device.type == "cpu"
+    merge = merges(P, wire.device)
     if not merge:
         region = region() if region is not None else torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype,
                                                                    device=wire.device)

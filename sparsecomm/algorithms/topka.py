@@ -13,7 +13,7 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .exchange import MERGE_MAX_P
+from .exchange import merges
 
 __all__ = ["TopkAState", "topka", "allgather_and_sum"]
 
@@ -48,8 +48,8 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
                       state: State, val: torch.Tensor | None = None) -> SparseResult:
     """Steps 2-3 of TopkA for any sorted local selection ``idx`` (shared with Gaussiank).
 
-    ``val``: ``acc[idx]`` when the caller has it. Up to ``MERGE_MAX_P`` ranks
-    (on CPU) the ranks' sorted lists are merged, summing in rank order; beyond,
+    ``val``: ``acc[idx]`` when the caller has it. For few ranks on CPU
+    (``exchange.merges``) the ranks' sorted lists are merged, summing in rank order; beyond,
     the sum goes into the state's all-zero scratch buffer and the touched
     indexes (the lists' union, merged, not sorted) are read out and reset in
     O(P k). Both give the same bits on every rank.
@@ -69,7 +69,7 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         runs = [0]
         for c in counts:
             runs.append(runs[-1] + c)
-        if comm.size <= MERGE_MAX_P and acc.device.type == "cpu":
+        if merges(comm.size, acc.device):
             # A few sorted runs: merged in rank order, the accumulator's sums bit for bit.
             uniq, values = kernels.sum_sorted_runs(gidx, decoded, runs)
         else:
