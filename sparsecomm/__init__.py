@@ -25,7 +25,7 @@ from .algorithms import (
     TopkAState,
     TopkDSAState,
 )
-from .api import algorithms, allreduce, sparse_allreduce
+from .api import Pending, algorithms, allreduce, begin_allreduce, sparse_allreduce
 from .comm import Communicator, SimResult, resolve, simulate
 from .errors import CommTimeoutError, InputError, PeerError, SparseCommError
 from .network import PROFILES, Network
@@ -34,7 +34,7 @@ from .state import CallStats, State
 
 __version__ = "0.1.0"
 
-__all__ = ["allreduce", "sparse_allreduce", "algorithms", "simulate", "SimResult",
+__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "simulate", "SimResult",
            "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State", "CallStats", "SparseResult",
            "Communicator", "resolve", "Network", "PROFILES",
            "SparseCommError", "InputError", "CommTimeoutError", "PeerError"]

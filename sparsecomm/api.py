@@ -29,7 +29,7 @@ from .errors import InputError
 from .result import SparseResult
 from .state import Compensated, PhaseStats, State, check_density, topk_count
 
-__all__ = ["allreduce", "sparse_allreduce", "algorithms"]
+__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPS = {"sum": 1, "avg": 2}
@@ -321,8 +321,8 @@ _stateless_calls = itertools.count()
 
 
 def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: float,
-             private: bool = False) -> SparseResult:
-    """Check the call (collectively unless ``check=False``), then :func:`_run` it.
+             private: bool = False, split: bool = False) -> "SparseResult | _Started":
+    """Check the call (collectively unless ``check=False``), then run it.
 
     When the state's next accumulation is the fused pass (``State.fuses_next``),
     the pass runs before the collective check and its output says whether the
@@ -330,10 +330,14 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
     of the tensor (a third of an ``add``, ~15% of a steady-state Ok-Topk call
     at 25M on CPU); a rejected call then takes the gradient back out
     (``State.rollback``).
+
+    ``split``: stop after the algorithm's first half (see :func:`_start`) and
+    return it; :func:`_finish` completes it.
     """
     if not check:
         _check_unchecked(call)
-        return _run(call, out_dtype, scale, private)
+        started = _start(call, out_dtype, scale, private, split=split)
+        return started if split else _finish(started)
     early = None
     try:
         problem = _local_problem(call)
@@ -358,12 +362,30 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         if early is not None:
             call.state.rollback(call.tensor.detach().reshape(-1))
         raise
-    return _run(call, out_dtype, scale, private, early)
+    started = _start(call, out_dtype, scale, private, early, split)
+    return started if split else _finish(started)
 
 
-def _run(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool = False,
-         early: "tuple[Compensated, float] | None" = None) -> SparseResult:
-    """Compensate, run the algorithm, refuse a non-finite result, keep the residual.
+@dataclass
+class _Started:
+    """A call whose algorithm ran (``result``), or ran its first half (``half``)."""
+
+    call: _Call
+    state: State
+    acc: torch.Tensor
+    codec: Compressor
+    out_dtype: torch.dtype | None
+    scale: float
+    private: bool
+    accumulate: float
+    result: SparseResult | None = None
+    half: Any = None
+
+
+def _start(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool = False,
+           early: "tuple[Compensated, float] | None" = None, split: bool = False) -> _Started:
+    """Compensate and run the algorithm: whole, or with ``split`` only its first half when it
+    registered two (``AlgorithmSpec.split``).
 
     ``out_dtype``/``scale``: what the caller will turn the result into (the
     overflow check covers that conversion); None for the sparse result itself.
@@ -388,22 +410,37 @@ def _run(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool
     # fp16 hook does): sums whose average fits float16 must not overflow on the wire.
     codec = get_compressor(call.compressor, flat.dtype,
                            divisor=comm.size if call.op == "avg" else 1).for_call(comm.rank, step)
-    result = spec.fn(acc, k, comm, state, codec, compensated.preselected)
+    started = _Started(call, state, acc, codec, out_dtype, scale, private, accumulate)
+    if split and spec.split is not None:
+        started.half = spec.split[0](acc, k, comm, state, codec, compensated.preselected)
+    else:
+        started.result = spec.fn(acc, k, comm, state, codec, compensated.preselected)
+    return started
+
+
+def _finish(started: _Started) -> SparseResult:
+    """The second half of the algorithm if one is left, then refuse a non-finite result and
+    keep the residual."""
+    call, state, acc, codec = started.call, started.state, started.acc, started.codec
+    result = started.result
+    if result is None:
+        result = registry.get(call.algorithm).split[1](started.half, call.comm)
+        started.half = None
     # Error-feedback accumulation (fused with selection for Ok-Topk's reuse steps) is a phase too.
-    result.stats.phases = {"accumulate": PhaseStats(seconds=accumulate), **result.stats.phases}
-    overflow = result.count_nonfinite(out_dtype or result.values.dtype, scale)
+    result.stats.phases = {"accumulate": PhaseStats(seconds=started.accumulate), **result.stats.phases}
+    overflow = result.count_nonfinite(started.out_dtype or result.values.dtype, started.scale)
     if overflow:
         # The result is the same on every rank, so every rank takes this branch.
         state.keep_all(acc)
         state.record(result.stats)
-        dtype = out_dtype or result.values.dtype
+        dtype = started.out_dtype or result.values.dtype
         raise InputError(
             f"sparsecomm.allreduce: the reduced result overflows {dtype} at {overflow} "
             f"entr{'y' if overflow == 1 else 'ies'} (every rank's values are finite, their "
             f"{'average' if call.op == 'avg' else 'sum'} is not); use op='avg', a wider input "
             "dtype or compressor='bf16'"
             + ("; this call's input stays in the residual" if state.error_feedback else ""))
-    if private:
+    if started.private:
         for name in ("values", "sent", "kept_val"):
             value = getattr(result, name)
             if value is not None and (value is acc or any(value is buf for buf in state.buffers())):
@@ -413,6 +450,33 @@ def _run(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bool
     state.update(acc, result, keep_errors=not codec.exact_for(acc.dtype))
     state.record(result.stats)
     return result
+
+
+class Pending:
+    """An :func:`allreduce` started by :func:`begin_allreduce`; :meth:`finish` completes it.
+
+    Until then the input tensor must stay unchanged, and its state takes no other call.
+    """
+
+    def __init__(self, started: _Started, out: torch.Tensor | None) -> None:
+        self._started, self._out = started, out
+        #: Whether the algorithm ran only its first half (False: it has no halves and ran whole,
+        #: residual update included; ``finish`` then only writes the result).
+        self.split = started.result is None
+        self._result = None if self.split else _finish(started)
+
+    def finish(self) -> torch.Tensor:
+        """Run what is left (a collective: every rank in the same order) and return the result."""
+        if self._started is None:
+            raise RuntimeError("Pending.finish: this call has finished already")
+        started, self._started = self._started, None
+        result = _finish(started) if self._result is None else self._result
+        self._result = None
+        tensor = started.call.tensor
+        if self._out is not None:
+            result.to_dense(tensor.dtype, started.scale, out=self._out.view(-1))
+            return self._out
+        return result.to_dense(tensor.dtype, started.scale).reshape(tensor.shape)
 
 
 @_eager_under_compile
@@ -489,3 +553,26 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         result.to_dense(tensor.dtype, scale, out=out.view(-1))
         return out
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)
+
+
+def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
+                    op: str = "sum", state: State | None = None, compressor: "str | Compressor | None" = None,
+                    group: Any = None, comm: Any = None, check: bool = True,
+                    out: torch.Tensor | None = None) -> Pending:
+    """:func:`allreduce` in two halves, for schedules that overlap them with other work (DeAR).
+
+    1. Now: the checks, the error-feedback accumulation and the algorithm's
+       first half when it registered two (``AlgorithmSpec.split``: Ok-Topk's
+       split-and-reduce and global selection, TopkDSA's and dense's
+       reduce-scatter); an algorithm without halves runs whole here.
+    2. ``Pending.finish()``, later: the second half (the gather of the reduced
+       entries), the residual update and the dense result.
+
+    The result, thresholds and residuals are those of :func:`allreduce` with
+    the same arguments, bit for bit (dense without a compressor, which then
+    takes a reduce-scatter and an all-gather instead of the backend's
+    allreduce, to rounding). Same arguments as :func:`allreduce`.
+    """
+    call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
+    scale = 1.0 / call.comm.size if op == "avg" else 1.0
+    return Pending(_execute(call, check, tensor.dtype, scale, split=True), out)

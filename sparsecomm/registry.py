@@ -12,12 +12,19 @@ bound to this call) is how values travel: a cast to the input's dtype unless
 the caller chose a compressor; ``preselected`` is what the state's
 ``compensate`` selected while accumulating (a
 :class:`~sparsecomm.state.Preselection`, Ok-Topk's fused pass), else None.
+
+An algorithm whose communication falls into two halves (a reduction, then a
+gather of the reduced entries) may also register them, so that schedules
+(DeAR) can run the first half in backward and the second before the next
+forward: ``split=(first, second)`` where ``first`` takes ``fn``'s arguments
+and returns an opaque object, ``second(that, comm)`` the SparseResult, and
+``second(first(...), comm)`` is exactly ``fn(...)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from .result import SparseResult
 from .state import State, allow_in_checkpoints
@@ -31,19 +38,21 @@ class AlgorithmSpec:
     fn: Callable[..., SparseResult]
     state_class: type[State]
     summary: str
+    split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
-def register(name: str, state_class: type[State]) -> Callable:
-    """Decorator registering an algorithm function under ``name``."""
+def register(name: str, state_class: type[State], *,
+             split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None) -> Callable:
+    """Decorator registering an algorithm function under ``name`` (and its two halves, ``split``)."""
 
     def deco(fn: Callable[..., SparseResult]) -> Callable[..., SparseResult]:
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} is already registered")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary)
+        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split)
         state_class.algorithm = name
         allow_in_checkpoints(state_class)
         return fn

@@ -9,6 +9,7 @@ import torch
 import cases
 import test_gpu
 import test_properties
+import test_schedules
 
 
 def main() -> None:
@@ -30,6 +31,7 @@ def main() -> None:
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
         "matrix_cuda": lambda: test_gpu.matrix(rank, size, "cuda"),
         "engine": lambda: cases.engine_cases(rank, size),
+        "schedules": lambda: test_schedules.schedule_cases(rank, size),
     }
     save_result(outdir, rank, bodies[case])
 

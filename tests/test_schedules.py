@@ -1,4 +1,4 @@
-"""WFBP, SyncEASGD and MG-WFBP around a model and an optimizer: exact, on the simulated world and gloo."""
+"""Every schedule around a model and an optimizer: exact, on the simulated world, gloo and MPI."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _loss(model, rank: int, step: int) -> torch.Tensor:
 
 
 def _reference(rank: int, kind: str, groups, algorithm: str, density: float,
-               as_given: bool = False) -> list[torch.Tensor]:
+               as_given: bool = False, compressor=None) -> list[torch.Tensor]:
     """The same groups reduced synchronously, one sparsecomm.allreduce each, in order.
 
     A group's layers are laid out last first (as GroupSchedule does), or ``as_given``
@@ -45,14 +45,15 @@ def _reference(rank: int, kind: str, groups, algorithm: str, density: float,
     opt = _optimizer(kind, model.parameters())
     params = list(model.parameters())
     states = [sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True)
-              if algorithm != "dense" else None for _ in groups]
+              if algorithm != "dense" else sparsecomm.DenseState() for _ in groups]
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, rank, step).backward()
         for g, st in zip(groups, states):
             layers = list(g) if as_given else sorted(g, reverse=True)
             flat = torch.cat([params[i].grad.reshape(-1) for i in layers])
-            out = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=st, op="avg")
+            out = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=st, op="avg",
+                                       compressor=compressor)
             offset = 0
             for i in layers:
                 params[i].grad.copy_(out[offset:offset + params[i].numel()].view_as(params[i]))
@@ -142,16 +143,52 @@ def test_bad_groups_are_refused():
     sched.close()
 
 
-def _gloo_case(rank, size):
+def schedule_cases(rank: int, size: int) -> dict[str, bool]:
+    """Ok-Topk under WFBP, DeAR (halves apart) and Pipe-SGD, each against its reference, on
+    whatever world this runs in (the gloo and MPI tests, and the simulated world)."""
+    from sparsecomm.schedules import PipeSGD
+
     torch.set_num_threads(1)
+    out = {}
     got, groups, _ = _scheduled(rank, "adam", WFBP, "oktopk", 0.05)
-    return all(torch.equal(a, b) for a, b in zip(got, _reference(rank, "adam", groups, "oktopk", 0.05)))
+    out["wfbp"] = all(torch.equal(a, b) for a, b in zip(got, _reference(rank, "adam", groups, "oktopk", 0.05)))
+    got, groups = _dear_run(rank, "sgd", "oktopk", 0.05, 5_000)
+    want = _reference(rank, "sgd", groups, "oktopk", 0.05, as_given=True)
+    out["dear"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    model = _model()
+    opt = _optimizer("sgd", model.parameters())
+    sched = PipeSGD(model, opt, warmup_steps=1, algorithm="oktopk", density=0.05)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        sched.step()
+    sched.flush()
+    sched.close()
+    want = _stale_reference(rank, "sgd", "oktopk", 0.05, None, 1, STEPS)
+    out["pipesgd"] = all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), want))
+    return out
+
+
+def _schedule_case(rank, size):
+    return schedule_cases(rank, size)
+
+
+def test_schedules_in_the_simulated_world():
+    assert sparsecomm.simulate(4, schedule_cases, 4, timeout=120).results == [
+        {"wfbp": True, "dear": True, "pipesgd": True}] * 4
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_wfbp_on_gloo():
-    assert engines.run_gloo(2, _gloo_case) == [True, True]
+def test_schedules_on_gloo():
+    assert engines.run_gloo(2, _schedule_case) == [{"wfbp": True, "dear": True, "pipesgd": True}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
+def test_schedules_on_mpi():
+    assert engines.run_mpi(4, "schedules") == [{"wfbp": True, "dear": True, "pipesgd": True}] * 4
 
 
 def test_mgwfbp_fits_from_its_own_jobs_or_else_calibrates():
@@ -303,12 +340,13 @@ def test_pipesgd_checkpoint_keeps_the_gradient_in_flight():
 
 
 # ---- DeAR -------------------------------------------------------------------------------
-def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes: int):
+def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes: int, compressor=None):
     from sparsecomm.schedules import DeAR
 
     model = _model()
     opt = _optimizer(kind, model.parameters())
-    sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=buffer_bytes)
+    sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=buffer_bytes,
+                 compressor=compressor)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     groups = [[index[id(p)] for p in ps] for ps in reversed(sched.params)]  # reduction order
     for step in range(STEPS):
@@ -335,11 +373,13 @@ def test_dear_dense_equals_plain_data_parallel(P, kind):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-@pytest.mark.parametrize("algorithm,density", [("oktopk", 0.05), ("topka", 0.1)])
-def test_dear_sparse_equals_the_synchronous_calls_of_its_groups(kind, algorithm, density):
+@pytest.mark.parametrize("algorithm,density,compressor", [
+    ("oktopk", 0.05, None), ("oktopk", 0.05, "q8"), ("topkdsa", 0.05, None),  # halves apart
+    ("dense", 1.0, "q8"), ("topka", 0.1, None)])  # dense q8: halves apart; TopkA: whole in backward
+def test_dear_sparse_equals_the_synchronous_calls_of_its_groups(kind, algorithm, density, compressor):
     def body(rank: int):
-        got, groups = _dear_run(rank, kind, algorithm, density, 5_000)
-        want = _reference(rank, kind, groups, algorithm, density, as_given=True)
+        got, groups = _dear_run(rank, kind, algorithm, density, 5_000, compressor)
+        want = _reference(rank, kind, groups, algorithm, density, as_given=True, compressor=compressor)
         return all(torch.equal(a, b) for a, b in zip(got, want))
 
     assert all(sparsecomm.simulate(3, body, timeout=60).results)
@@ -362,6 +402,33 @@ def test_dear_updates_wait_for_the_next_forward():
         return unchanged and changed
 
     assert all(sparsecomm.simulate(2, body, timeout=30).results)
+
+
+@pytest.mark.parametrize("algorithm,halves", [("oktopk", True), ("topkdsa", True), ("dense", True),
+                                              ("topka", False)])
+def test_dear_gathers_in_the_next_forward(algorithm, halves):
+    """Algorithms with two halves send their gather in the forward (nothing before it);
+    the others send everything in backward."""
+    from sparsecomm.schedules import DeAR
+
+    def body(rank: int):
+        model = _model()
+        sched = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm=algorithm,
+                     density=0.05 if algorithm != "dense" else 1.0, buffer_bytes=5_000)
+        _loss(model, rank, 0).backward()
+        sched.step()
+        sent = sched.engine.comm.stats.bytes_sent
+        done = [st.iteration for st in sched.states]
+        sched.synchronize()
+        gathered = sched.engine.comm.stats.bytes_sent - sent
+        after = [st.iteration for st in sched.states]
+        sched.close()
+        return done, after, gathered
+
+    for done, after, gathered in sparsecomm.simulate(3, body, timeout=30).results:
+        assert after == [1] * len(after)
+        assert done == ([0] * len(done) if halves else after)  # a call counts once it has finished
+        assert (gathered > 0) == halves
 
 
 def test_dear_tunes_its_fusion_size_and_regrouping_keeps_every_residual():

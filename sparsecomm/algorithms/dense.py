@@ -9,6 +9,8 @@ Volume: 2 n (P-1)/P values of the compressed size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..comm.base import Communicator, Request
@@ -18,7 +20,7 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 from .exchange import equal_boundaries
 
-__all__ = ["DenseState", "dense"]
+__all__ = ["DenseState", "dense", "dense_reduce", "dense_gather"]
 
 _TAG_RS = 0x5C21
 
@@ -33,7 +35,54 @@ class DenseState(State):
         super().__init__(density, error_feedback)
 
 
-@register("dense", DenseState)
+@dataclass
+class _Half:
+    """A dense call after its reduce-scatter (``done``: the whole result already, when nothing splits)."""
+
+    acc: torch.Tensor
+    state: DenseState
+    codec: Compressor
+    stats: CallStats
+    done: SparseResult | None = None
+    chunk: torch.Tensor | None = None  # this rank's reduced chunk (uncompressed split)
+    sent: torch.Tensor | None = None
+    mine: torch.Tensor | None = None  # compressed: this owner's summed chunk, decoded
+    starts: list[int] | None = None
+
+
+def dense_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
+                 codec: Compressor, preselected: Preselection | None = None) -> _Half:
+    """The reduce-scatter half of :func:`dense` (world size 1, or a cast that is not the
+    identity on a backend's own sums: the whole call)."""
+    n, P = acc.numel(), comm.size
+    if P > 1 and not codec.sums_on_wire:
+        return _reduce_scatter(acc, comm, codec, CallStats(algorithm="dense", n=n, k=n, local_selected=n,
+                                                           global_selected=n), state)
+    sent = codec.roundtrip(acc) if P > 1 else None
+    if P == 1 or sent is not acc:
+        return _Half(acc, state, codec, CallStats(algorithm="dense"), done=dense(acc, k, comm, state, codec))
+    stats = CallStats(algorithm="dense", n=n, k=n, local_selected=n, global_selected=n)
+    with PhaseRecorder(comm, stats).phase("reduce_scatter"):
+        padded = state.workspace("padded", -(-n // P) * P, acc.dtype, acc.device)
+        padded[:n].copy_(acc)
+        padded[n:].zero_()
+        chunk = comm.reduce_scatter(padded)
+    return _Half(acc, state, codec, stats, chunk=chunk, sent=acc)
+
+
+def dense_gather(h: _Half, comm: Communicator) -> SparseResult:
+    """The all-gather half of :func:`dense`."""
+    if h.done is not None:
+        return h.done
+    acc, n, stats = h.acc, h.acc.numel(), h.stats
+    if h.chunk is not None:
+        with PhaseRecorder(comm, stats).phase("allgather"):
+            total = h.state.workspace("sum", n, acc.dtype, acc.device).copy_(comm.all_gather(h.chunk)[:n])
+        return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats)
+    return _allgather(h, comm)
+
+
+@register("dense", DenseState, split=(dense_reduce, dense_gather))
 def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Dense allreduce of every value through the communicator.
@@ -45,6 +94,10 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
        maxima; chunk j of every rank goes to rank j encoded (rotated sends);
        rank j decodes and sums, re-encodes its chunk and keeps that encoding's
        error; one allgatherv of the encoded chunks gives every rank the result.
+
+    The registered halves (:func:`dense_reduce`, :func:`dense_gather`) that
+    DeAR runs apart are a reduce-scatter and an all-gather, also without a
+    compressor.
     """
     n = acc.numel()
     stats = CallStats(algorithm="dense", n=n, k=n, local_selected=n, global_selected=n)
@@ -63,11 +116,12 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
             else:
                 total = codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats)
-    return _compressed(acc, comm, codec, stats, rec, state)
+    return dense_gather(_reduce_scatter(acc, comm, codec, stats, state), comm)
 
 
-def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
-                rec: PhaseRecorder, state: DenseState) -> SparseResult:
+def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
+                    state: DenseState) -> _Half:
+    """With a compressor: rank j receives chunk j of every rank encoded, and sums it."""
     P, me, n = comm.size, comm.rank, acc.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     chunk = [acc[starts[j]:starts[j + 1]] for j in range(P)]
@@ -78,7 +132,7 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
         # (each fresh n-sized tensor costs more in page faults than its decode).
         return state.workspace(name, numel, dtype, acc.device)
 
-    with rec.phase("reduce_scatter"):
+    with PhaseRecorder(comm, stats).phase("reduce_scatter"):
         scales = codec.agree_scales(comm, chunk)
         payloads = [codec.pack(chunk[j], scales[j]) for j in range(P)]
         sent = ws("sent", n)
@@ -100,6 +154,15 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
             mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype, out=part)
         for req in sends:
             req.wait()
+    return _Half(acc, state, codec, stats, sent=sent, mine=mine, starts=starts)
+
+
+def _allgather(h: _Half, comm: Communicator) -> SparseResult:
+    """With a compressor: every owner re-encodes its sum (keeping the error); one allgatherv."""
+    P, me, n = comm.size, comm.rank, h.acc.numel()
+    acc, codec, mine, starts, stats = h.acc, h.codec, h.mine, h.starts, h.stats
+    rec = PhaseRecorder(comm, stats)
+    part = h.state.workspace("part", mine.numel(), acc.dtype, acc.device)
     with rec.phase("allgather"):
         scale = codec.own_scale(mine)
         owner_payload = codec.pack(mine, scale)
@@ -110,12 +173,12 @@ def _compressed(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats:
                                             device=comm.control_device)).flatten().tolist()
         gathered = comm.allgatherv(message, sizes)
     with rec.phase("decode"):
-        total, pos = ws("total", n), 0
+        total, pos = h.state.workspace("total", n, acc.dtype, acc.device), 0
         for j in range(P):
             msg = gathered[pos:pos + sizes[j]]
             pos += sizes[j]
             s = float(msg[:8].clone().view(torch.float64))
             codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype, out=total[starts[j]:starts[j + 1]])
     kept = mine.sub_(delivered)  # this owner's re-encoding error, in place
-    return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats,
+    return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats,
                         kept_at=starts[me], kept_val=kept)

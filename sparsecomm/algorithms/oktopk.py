@@ -7,6 +7,7 @@ k largest-magnitude nonzero entries, ties broken by lower index
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -20,7 +21,7 @@ from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, split_and_reduce
 
-__all__ = ["OkTopkState", "oktopk"]
+__all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
 
 _TAG_BALANCE = 0x5C02
 #: Candidates the fused select keeps, in units of k (the correction needs them all).
@@ -141,7 +142,76 @@ class OkTopkState(State):
         return cls(density, tau=1, tau_prime=1, error_feedback=False)
 
 
-@register("oktopk", OkTopkState)
+@dataclass
+class _Reduced:
+    """Ok-Topk after steps 1-4 (this rank's region reduced and globally selected): what step 5 needs."""
+
+    acc: torch.Tensor
+    k: int
+    state: OkTopkState
+    codec: Compressor
+    stats: CallStats
+    local_idx: torch.Tensor
+    sent_local: torch.Tensor
+    red_rel: torch.Tensor
+    red_val: torch.Tensor
+    counts: list[int]
+    starts: list[int]
+    index_dtype: torch.dtype
+
+
+def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
+                  codec: Compressor, preselected: Preselection | None = None) -> _Reduced:
+    """Steps 1-4 of :func:`oktopk`: local selection, boundaries, split and reduce, global selection."""
+    P, me, n = comm.size, comm.rank, acc.numel()
+    t = state.iteration + 1
+    stats = CallStats(algorithm="oktopk", n=n, k=k)
+    rec = PhaseRecorder(comm, stats)
+    with rec.phase("local_select"):
+        local_idx, local_val = _local_select(acc, k, state, t, stats, preselected)
+    stats.local_selected = local_idx.numel()
+
+    with rec.phase("repartition"):
+        if state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1:
+            state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
+                                else equal_boundaries(n, P, acc.device))
+            stats.events["repartitioned"] = 1
+    starts = state.boundaries.tolist()
+    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
+
+    with rec.phase("split_reduce"):
+        local = codec.encode_shared(comm, local_val)
+        sent_local = local.decoded(acc.dtype)
+        region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
+        red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
+                                             acc.dtype, state.bucket, region)
+
+    with rec.phase("global_select"):
+        keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
+        red_rel, red_val = _masked(keep, red_rel, red_val)
+    return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
+                    index_dtype)
+
+
+def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
+    """Steps 5-6 of :func:`oktopk`: balance and allgatherv, the contributed set."""
+    acc, codec, stats, starts = r.acc, r.codec, r.stats, r.starts
+    with PhaseRecorder(comm, stats).phase("allgatherv"):
+        owned = codec.encode_shared(comm, r.red_val)
+        records = kernels.pack_records(r.red_rel, owned.wire, r.index_dtype, codec.wire_dtype)
+        gidx, gwire = _balance_and_allgatherv(records, r.counts, starts, comm, r.index_dtype,
+                                              codec.wire_dtype, r.state.balance_factor, stats)
+        gval = codec.decode(gwire, owned.scale, acc.dtype)
+    stats.global_selected = gidx.numel()
+
+    mark = r.state.scratch("mark", acc.numel(), torch.bool, acc.device)
+    contributed, sent = _masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local)
+    return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=contributed, sent=sent,
+                        stats=stats, kept_idx=r.red_rel + starts[comm.rank],
+                        kept_val=r.red_val - owned.decoded(acc.dtype))
+
+
+@register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather))
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Ok-Topk sparse allreduce (O(k) volume) on one rank.
@@ -167,50 +237,11 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
     Values travel through ``codec`` twice: local values in step 3, reduced
     sums in step 5; the owner of a region keeps the second encoding's error
-    in its residual (``SparseResult.kept_*``).
+    in its residual (``SparseResult.kept_*``). Steps 1-4 and 5-6 are the
+    registered halves (:func:`oktopk_reduce`, :func:`oktopk_gather`) that
+    DeAR runs apart.
     """
-    P, me, n = comm.size, comm.rank, acc.numel()
-    t = state.iteration + 1
-    stats = CallStats(algorithm="oktopk", n=n, k=k)
-    rec = PhaseRecorder(comm, stats)
-    with rec.phase("local_select"):
-        local_idx, local_val = _local_select(acc, k, state, t, stats, preselected)
-    stats.local_selected = local_idx.numel()
-
-    with rec.phase("repartition"):
-        if state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1:
-            state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
-                                else equal_boundaries(n, P, acc.device))
-            stats.events["repartitioned"] = 1
-    bounds = state.boundaries
-    starts = bounds.tolist()
-    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
-
-    with rec.phase("split_reduce"):
-        local = codec.encode_shared(comm, local_val)
-        sent_local = local.decoded(acc.dtype)
-        region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
-        red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
-                                             acc.dtype, state.bucket, region)
-
-    with rec.phase("global_select"):
-        keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
-        red_rel, red_val = _masked(keep, red_rel, red_val)
-
-    with rec.phase("allgatherv"):
-        owned = codec.encode_shared(comm, red_val)
-        records = kernels.pack_records(red_rel, owned.wire, index_dtype, codec.wire_dtype)
-        gidx, gwire = _balance_and_allgatherv(records, counts, starts, comm, index_dtype,
-                                              codec.wire_dtype, state.balance_factor, stats)
-        gval = codec.decode(gwire, owned.scale, acc.dtype)
-    stats.global_selected = gidx.numel()
-
-    contributed, sent = _masked(kernels.isin_sorted(local_idx, gidx, mark=state.scratch("mark", n, torch.bool,
-                                                                                          acc.device)),
-                                local_idx, sent_local)
-    return SparseResult(n=n, indexes=gidx, values=gval, contributed=contributed, sent=sent,
-                        stats=stats, kept_idx=red_rel + starts[me],
-                        kept_val=red_val - owned.decoded(acc.dtype))
+    return oktopk_gather(oktopk_reduce(acc, k, comm, state, codec, preselected), comm)
 
 
 def _masked(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,8 @@ a subset of one rank's local top-k, at most density-filled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import kernels
@@ -20,7 +22,7 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 from .exchange import equal_boundaries, split_and_reduce
 
-__all__ = ["TopkDSAState", "topkdsa"]
+__all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
 
 class TopkDSAState(State):
@@ -35,17 +37,24 @@ class TopkDSAState(State):
         self.bucket = bucket
 
 
-@register("topkdsa", TopkDSAState)
-def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
-            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
-    """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
+@dataclass
+class _Reduced:
+    """TopkDSA after its sparse reduce-scatter: what the allgather half needs."""
 
-    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
-    2. Sparse reduce-scatter over P equal regions (rotated, bucketed sends).
-    3. Each owner picks its region's representation by the switching rule.
-    4. Allgather (count, dense flag) per rank, then allgatherv the payload bytes.
-    5. Decode every region into the result.
-    """
+    acc: torch.Tensor
+    codec: Compressor
+    stats: CallStats
+    idx: torch.Tensor
+    sent: torch.Tensor
+    rel: torch.Tensor
+    val: torch.Tensor
+    starts: list[int]
+    index_dtype: torch.dtype
+
+
+def topkdsa_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
+                   codec: Compressor, preselected: Preselection | None = None) -> _Reduced:
+    """Steps 1-2 of :func:`topkdsa`: the local top-k and the sparse reduce-scatter."""
     P, me, n = comm.size, comm.rank, acc.numel()
     stats = CallStats(algorithm="topkdsa", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
@@ -53,12 +62,21 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
         idx, val = state.exact_topk(acc, k, preselected, stats)
     stats.local_selected = idx.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
-    sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    index_dtype = kernels.index_dtype_for(max(sizes))
+    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, val)
-        region = lambda: state.scratch("region", sizes[me], acc.dtype, acc.device)  # noqa: E731
+        region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
         rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region)
+    return _Reduced(acc, codec, stats, idx, mine.decoded(acc.dtype), rel, val, starts, index_dtype)
+
+
+def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
+    """Steps 3-5 of :func:`topkdsa`: each region's representation, the allgatherv, the decode."""
+    P, me = comm.size, comm.rank
+    acc, codec, stats, starts, index_dtype, rel, val = (r.acc, r.codec, r.stats, r.starts, r.index_dtype,
+                                                        r.rel, r.val)
+    sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    rec = PhaseRecorder(comm, stats)
     with rec.phase("allgatherv"):
         rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
         vb = rb - torch.empty(0, dtype=index_dtype).element_size()
@@ -85,11 +103,27 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
                 gidx.append(nz + starts[j])
                 gval.append(codes[nz])
             else:
-                r, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, codec.wire_dtype)
-                gidx.append(r + starts[j])
+                rr, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, codec.wire_dtype)
+                gidx.append(rr + starts[j])
                 gval.append(v)
         gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
-    return SparseResult(n=n, indexes=gidx, values=gval, contributed=idx,
-                        sent=mine.decoded(acc.dtype), stats=stats,
+    return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=r.idx, sent=r.sent, stats=stats,
                         kept_idx=rel + starts[me], kept_val=val - owned.decoded(acc.dtype))
+
+
+@register("topkdsa", TopkDSAState, split=(topkdsa_reduce, topkdsa_gather))
+def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
+            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
+    """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
+
+    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
+    2. Sparse reduce-scatter over P equal regions (rotated, bucketed sends).
+    3. Each owner picks its region's representation by the switching rule.
+    4. Allgather (count, dense flag) per rank, then allgatherv the payload bytes.
+    5. Decode every region into the result.
+
+    Steps 1-2 and 3-5 are the registered halves (:func:`topkdsa_reduce`,
+    :func:`topkdsa_gather`) that DeAR runs apart.
+    """
+    return topkdsa_gather(topkdsa_reduce(acc, k, comm, state, codec, preselected), comm)

@@ -12,15 +12,19 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
 ``../shared/papers/README.md``):
 
 1. BackPipe: when a group's gradients are all ready, its first phase is a
-   job on the engine, groups in backward order: for ``dense`` without a
-   compressor a reduce-scatter; every other algorithm and compressor runs
-   its whole allreduce here (no natural split is implemented yet: Ok-Topk's
-   split-and-reduce / balance-and-allgatherv split is still to do).
+   job on the engine, groups in backward order:
+   :func:`sparsecomm.begin_allreduce`, the algorithm's first half where it
+   registered two (``AlgorithmSpec.split``): dense, with or without a
+   compressor, a reduce-scatter; Ok-Topk split-and-reduce and the global
+   selection; TopkDSA its sparse reduce-scatter. Algorithms with no natural
+   split (TopkA, gTopk, Gaussiank) run whole here.
 2. ``step()`` waits for the first phases (the end of backward).
 3. FeedPipe: a forward pre-hook on each group's modules (the first to run
-   acts), in the next forward: start the group's second phase (dense: the all-gather) unless
-   it is running, and the next group's, so that it overlaps this group's
-   forward; wait for this one, write the gradients, and step the optimizer
+   acts), in the next forward: start the group's second phase
+   (``Pending.finish``: dense the all-gather, Ok-Topk balance and
+   allgatherv, then the residual update) unless it is running, and the
+   next group's, so that it overlaps this group's forward; wait for this
+   one, write the gradients, and step the optimizer
    on this group's parameters only (the wrapped optimizer keeps its state:
    the other parameters' gradients are hidden for that call); the group's
    gradients are then set to None, so the coming backward starts afresh.
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from ..comm import Communicator
+from ..api import begin_allreduce
 from .engine import Engine, Job, write_grads
 
 __all__ = ["DeAR"]
@@ -83,7 +87,6 @@ class DeAR:
             self._kwargs.setdefault("error_feedback", error_feedback)
         self._spec = registry.get(algorithm)
         self._spec.state_class(density, **self._kwargs)  # validate now
-        self.split = algorithm == "dense" and compressor is None  # reduce-scatter + all-gather
         self._modules = [m for m in model.modules()
                          if any(p.requires_grad for p in m.parameters(recurse=False))]
         if not self._modules:
@@ -159,19 +162,17 @@ class DeAR:
     def _flat(self, gi: int) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params[gi]]
         n = sum(g.numel() for g in grads)
-        P = self.engine.comm.size
-        padded = -(-n // P) * P if self.split else n
         buf = self._buffers[gi]
-        if buf is None or buf.numel() != padded or buf.dtype != grads[0].dtype:
-            buf = self._buffers[gi] = torch.zeros(padded, dtype=grads[0].dtype, device=grads[0].device)
-        torch.cat([g.reshape(-1) for g in grads], out=buf[:n])
+        if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
+            buf = self._buffers[gi] = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
+        torch.cat([g.reshape(-1) for g in grads], out=buf)
         return buf
 
     def _start_first(self, gi: int) -> Job:
-        buf = self._flat(gi)
-        if self.split:
-            return self.engine.run(lambda c: c.reduce_scatter(buf), what=f"reduce-scatter of group {gi}")
-        return self.engine.submit(buf, state=self.states[gi], op=self.op, compressor=self.compressor, out=buf)
+        buf, state = self._flat(gi), self.states[gi]
+        return self.engine.run(lambda c: begin_allreduce(buf, comm=c, state=state, op=self.op,
+                                                         compressor=self.compressor, out=buf),
+                               what=f"first half of group {gi}'s allreduce")
 
     def step(self) -> None:
         """End of backward: wait for every first phase; the updates follow in the next forward."""
@@ -189,17 +190,9 @@ class DeAR:
 
     # ---- forward: second phases and updates -------------------------------------------------
     def _start_second(self, gi: int) -> None:
-        if not self.split:
-            self._second[gi] = self._first[gi]  # whole in backward: nothing left to send
-            return
-        chunk = self._first[gi].wait()
-        P = self.engine.comm.size
-
-        def gather(c: Communicator) -> torch.Tensor:
-            full = c.all_gather(chunk)
-            return full / P if self.op == "avg" else full
-
-        self._second[gi] = self.engine.run(gather, what=f"all-gather of group {gi}")
+        pending = self._first[gi].wait()
+        self._second[gi] = self.engine.run(lambda c: pending.finish(),
+                                           what=f"second half of group {gi}'s allreduce")
 
     def _before_forward(self, gi: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
