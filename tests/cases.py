@@ -44,6 +44,14 @@ def check_comm(comm: Communicator) -> dict:
 
     rs = comm.reduce_scatter(torch.arange(2 * P, dtype=torch.float32) + r)
     assert rs.tolist() == [P * (2 * r + j) + P * (P - 1) / 2 for j in range(2)], rs
+    # Floats whose sum depends on its order: rank order (q = 0, 1, ...), as the simulated world
+    # and gloo's point-to-point reduce-scatter take it (MPI may take another: close then).
+    xs = [torch.randn(5 * P, generator=torch.Generator().manual_seed(q)) for q in range(P)]
+    want = xs[0][5 * r:5 * r + 5].clone()
+    for q in range(1, P):
+        want += xs[q][5 * r:5 * r + 5]
+    rs = comm.reduce_scatter(xs[r])
+    assert torch.equal(rs, want) or (comm.name == "mpi" and torch.allclose(rs, want)), (rs, want)
     ag = comm.all_gather(torch.tensor([r, -r], dtype=torch.float32))
     assert ag.tolist() == [float(s * i) for i in range(P) for s in (1, -1)], ag
 

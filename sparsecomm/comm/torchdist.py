@@ -25,6 +25,8 @@ from .base import Communicator, Request
 
 __all__ = ["TorchCommunicator"]
 
+_TAG_RS = 0x5C31  # the point-to-point reduce-scatter (gloo)
+
 
 class _TorchRequest(Request):
     def __init__(self, comm: "TorchCommunicator", work: Any, what: str,
@@ -173,9 +175,42 @@ class TorchCommunicator(Communicator):
         return res.to(t.device) if out is None else out.copy_(res)
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        if self.backend == "gloo" and self.size > 1:
+            return self._reduce_scatter_p2p(t)
         device, t = t.device, self._host(t)
         out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
         self._run("reduce_scatter", self._reduce_scatter_t, out, t)
+        return out.to(device)
+
+    def _reduce_scatter_p2p(self, t: torch.Tensor) -> torch.Tensor:
+        """Reduce-scatter by point-to-point: chunk j of every rank goes straight to rank j.
+
+        gloo's own reduce-scatter is an allreduce with the other chunks thrown
+        away (pytorch/pytorch#118911): twice the bytes. Here each rank sends
+        (P-1)/P of the tensor, the optimum, in P-1 messages rotated so that at
+        step s rank i sends to i+s and receives from i-s; the parts are then
+        summed in rank order (the simulated world's order, so results match it
+        bit for bit).
+        """
+        device, t = t.device, self._host(t)
+        P, me = self.size, self.rank
+        m = t.numel() // P
+        chunks = t.view(P, m)
+        parts: list[torch.Tensor | None] = [None] * P
+        parts[me] = chunks[me]
+        sends, recvs = [], []
+        for s in range(1, P):
+            dst, src = (me + s) % P, (me - s) % P
+            parts[src] = torch.empty(m, dtype=t.dtype)
+            recvs.append((self._dist.irecv(parts[src], self._global(src), group=self.group, tag=_TAG_RS), src))
+            sends.append((self._dist.isend(chunks[dst], self._global(dst), group=self.group, tag=_TAG_RS), dst))
+        for work, src in recvs:
+            self._wait(work, f"reduce-scatter: receiving chunk {me} from rank {src}")
+        for work, dst in sends:
+            self._wait(work, f"reduce-scatter: sending chunk {dst} to rank {dst}")
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out += part
         return out.to(device)
 
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
