@@ -78,11 +78,24 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
         ctx = mp.start_processes(_entry, args=(nprocs, _free_port(), outdir, backend, threads, fn, args),
                                  nprocs=nprocs, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"spawn: {getattr(fn, '__name__', fn)} did not finish in {timeout:g} s")
+        except mp.ProcessExitedException as exc:
+            # A rank whose function raised can still die in teardown (gloo's threads abort the
+            # process: "terminate called without an active exception"); the traceback it saved
+            # first says why, which the bare signal does not. Every rank saved a result: the
+            # work is done, and only a teardown died.
+            for p in ctx.processes:
+                if p.is_alive():
                     p.kill()
-                raise TimeoutError(f"spawn: {getattr(fn, '__name__', fn)} did not finish in {timeout:g} s")
+            try:
+                return collect(outdir, nprocs, missing_ok)
+            except RuntimeError as failed:
+                raise RuntimeError(f"{failed}\n(then a process ended: {exc})") from exc
         return collect(outdir, nprocs, missing_ok)
 
 

@@ -203,3 +203,22 @@ def test_gloo_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
     for kind, msg, seconds in results[:-1]:
         assert kind == "PeerError" and seconds < 20, (kind, msg, seconds)
         assert "before its 30 s timeout" in msg and "exited" in msg and "timed out" not in msg
+
+
+def _fails_then_aborts(rank: int, size: int):
+    import os
+    import threading
+
+    if rank == 0:  # raises, then its process dies in teardown as gloo's threads sometimes make it
+        threading.Timer(0.3, os.abort).start()
+        raise ValueError("the real error")
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_spawn_reports_the_saved_error_of_a_rank_that_then_aborted():
+    from sparsecomm.launch import spawn
+
+    with pytest.raises(RuntimeError, match="(?s)rank 0 failed.*the real error.*then a process ended"):
+        spawn(2, _fails_then_aborts, threads=1, timeout=120)
