@@ -4,8 +4,9 @@
 simulated world, with CSV/JSON and plots, and its projection to BERT's size on
 cluster network profiles.
 
-``sparsecomm train``: the convergence comparison (DDP with sparsecomm's hooks
-on scikit-learn's bundled digits), a final table and a plot.
+``sparsecomm train``: the convergence comparison (DDP with sparsecomm's hooks,
+or a schedule, on scikit-learn's bundled digits or a transformer language model
+of the standard library's sources), a final table and a plot.
 
 ``sparsecomm report RESULTS...``: tables and plots from benchmark JSON files
 of any machines (time, bytes and speed-up over dense vs P, phase breakdown).
@@ -123,10 +124,11 @@ def _train(args: argparse.Namespace) -> int:
     from . import train
 
     os.makedirs(args.out, exist_ok=True)
-    print(f"# sparsecomm train: digits MLP, {args.ranks} gloo ranks, {args.epochs} epochs, "
+    print(f"# sparsecomm train: task {args.task}, {args.ranks} gloo ranks, {args.epochs} epochs, "
           f"configs {args.configs}", flush=True)
     results = train.run(args.configs, ranks=args.ranks, epochs=args.epochs, lr=args.lr,
-                        batch=args.batch, network=args.network, schedule=args.schedule)
+                        batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
+                        optimizer=args.optimizer, warmup_steps=args.warmup_steps)
     print(train.format_results(results))
     write_json(results, os.path.join(args.out, "train.json"))
     train.plot(results, os.path.join(args.out, "train.png"))
@@ -207,14 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     from .emulate import add_arguments as _emulate_arguments
 
     _emulate_arguments(em)
-    tr = sub.add_parser("train", help="convergence comparison on scikit-learn's digits (4 gloo ranks)")
+    tr = sub.add_parser("train", help="convergence comparison: digits MLP or a transformer LM (4 gloo ranks)")
+    tr.add_argument("--task", default="digits", choices=["digits", "lm"],
+                    help="digits: scikit-learn's digits, an MLP; lm: a byte-level transformer language model "
+                         "on the Python standard library's sources")
     tr.add_argument("--configs", type=lambda s: s.split(","),
                     default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
-                             "dense-fp16", "oktopk-q8"])
+                             "dense-fp16", "oktopk-q8"],
+                    help="comma-separated; each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=int, default=4)
-    tr.add_argument("--epochs", type=int, default=30)
-    tr.add_argument("--lr", type=float, default=0.05)
+    tr.add_argument("--epochs", type=int, default=30, help="digits: passes over the data; lm: 50-step periods")
+    tr.add_argument("--lr", type=float, default=None, help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
+    tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                    help="default: the task's (digits: SGD with momentum, lm: AdamW)")
     tr.add_argument("--batch", type=int, default=16, help="per rank")
+    tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps before the sparse ones (DDP hook)")
     tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
     tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd"],
                     help="reduce with a schedule around the plain model instead of the DDP hook")

@@ -32,6 +32,7 @@ class Network:
 
 PROFILES: dict[str, Network] = {
     "pizdaint": Network(1.5e-6, 1 / 10e9, "pizdaint"),  # Cray Aries, ~10 GB/s injection
+    "1gbe": Network(50e-6, 1 / 125e6, "1gbe"),
     "10gbe": Network(30e-6, 1 / 1.25e9, "10gbe"),
     "56gbib": Network(2e-6, 1 / 6e9, "56gbib"),
     "100gbib": Network(1.5e-6, 1 / 12e9, "100gbib"),

@@ -1,22 +1,25 @@
-"""Convergence comparison on real data: DDP training with sparsecomm's hooks.
+"""Convergence comparison on real data: DDP training with sparsecomm's hooks, or a schedule.
 
-The data set is scikit-learn's bundled handwritten digits (1,797 8x8 images,
-shipped inside the package: nothing is downloaded). A small MLP (85,002
-parameters) is trained with DDP on ``ranks`` gloo processes, once per
-configuration: DDP's default dense allreduce, sparse allreduces at 1% density,
-and compressed dense allreduces. Every run records loss and test accuracy per
-epoch, bytes sent per rank per step, the measured compute time (everything
-but the hook's communication; noisy on a shared machine) and the *modelled*
+Two tasks (:mod:`sparsecomm.tasks`; nothing is downloaded): ``digits``, a
+small MLP on scikit-learn's bundled handwritten digits (test accuracy), and
+``lm``, a byte-level transformer language model of about 2.5 million
+parameters on the Python standard library's own source files (validation
+loss). Each configuration trains on ``ranks`` gloo processes: DDP's default
+dense allreduce, sparse allreduces at 1% density, and compressed dense
+allreduces. Every run records its metric and training loss per epoch, bytes
+sent per rank per step, the measured compute time (everything but the
+hook's communication; noisy on a shared machine) and the *modelled*
 communication time: what the step's messages and bytes would take on a
 network profile (alpha-beta), since loopback on one machine says nothing
-about a cluster. The modelled time is a pure function of the traffic, so runs
-compare fairly however loaded the machine was.
+about a cluster; also on 1 and 10 Gbit/s Ethernet (``modelled_1gbe``,
+``modelled_10gbe``). The modelled time is a pure function of the traffic, so
+runs compare fairly however loaded the machine was.
 
 ``schedule`` (``sparsecomm train --schedule``): instead of the DDP hook, one
-of :mod:`sparsecomm.schedules` (WFBP, SyncEASGD, MG-WFBP, Pipe-SGD) around
-the plain model reduces the gradients with the configuration's algorithm
-("dense": the dense algorithm). The modelled time then adds up every
-allreduce's messages and bytes as if none overlapped (an upper bound).
+of :mod:`sparsecomm.schedules` (WFBP, SyncEASGD, MG-WFBP, DeAR, Pipe-SGD)
+around the plain model reduces the gradients with the configuration's
+algorithm ("dense": the dense algorithm). The modelled time then adds up
+every allreduce's messages and bytes as if none overlapped (an upper bound).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from .output import pyplot
+from .tasks import get_task
 
 __all__ = ["CONFIGS", "SCHEDULES", "train_rank", "run", "format_results", "plot"]
 
@@ -48,25 +52,6 @@ CONFIGS: dict[str, dict | None] = {
 }
 
 
-def _data(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[perm], y[perm]
-    cut = int(0.8 * len(x))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                   torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-
-
 def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None):
     from . import schedules
 
@@ -78,50 +63,66 @@ def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, set
                compressor=settings.get("compressor"), algorithm_options=options)
 
 
-def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float = 0.05,
-               network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none") -> dict:
-    """Train one configuration on this rank (torch.distributed must be initialised)."""
+def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float | None = None,
+               network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none",
+               task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0) -> dict:
+    """Train one configuration on this rank (torch.distributed must be initialised).
+
+    ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
+    task's (a cosine decay over the run follows; the LM task warms up over its
+    first 5% of steps). ``warmup_steps``: with the DDP hook, so many dense
+    steps before the sparse ones (DGC's and Pipe-SGD's warm-up).
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
+    if warmup_steps and schedule != "none":
+        raise ValueError("warmup_steps applies to the DDP hook (schedule 'none') only")
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .hooks import SparseHookState, sparse_allreduce_hook
-    from .network import resolve_network
+    from .network import PROFILES, resolve_network
     from .schedules import DeAR
 
     net = resolve_network(network)
-    (xtr, ytr), (xte, yte) = _data(seed)
-    per_rank = len(xtr) // size
-    xs, ys = xtr[rank * per_rank:(rank + 1) * per_rank], ytr[rank * per_rank:(rank + 1) * per_rank]
+    ethernet = {"modelled_1gbe": PROFILES["1gbe"], "modelled_10gbe": PROFILES["10gbe"]}
+    job = get_task(task, seed)
     settings = CONFIGS[config]
-    model = DDP(_model(seed)) if schedule == "none" else _model(seed)
-    steps_per_epoch = per_rank // batch
+    plain = job.model(seed)
+    model = DDP(plain) if schedule == "none" else plain
+    steps_per_epoch = job.steps_per_epoch(size, batch)
+    total_steps = epochs * steps_per_epoch
     state = None
     if settings is not None and schedule == "none":
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         state = SparseHookState(model, settings["algorithm"], settings.get("density", 1.0),
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
-                                algorithm_options=options)
+                                algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer)
     sched_comm = _schedule(schedule, model, opt, settings) if schedule != "none" else None
-    # Cosine decay: the last epochs are quiet, so final accuracies compare runs, not noise.
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
+    # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
+    warmup = max(1, total_steps // 20) if task == "lm" else 0
+
+    def lr_factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (t - warmup) / max(1, total_steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     n_params = sum(p.numel() for p in model.parameters())
-    history: dict[str, list] = {"loss": [], "accuracy": [], "modelled_seconds": [],
-                                "compute_seconds": []}
-    modelled, compute, bytes_steps = 0.0, 0.0, []
+    history: dict[str, list] = {"loss": [], job.metric: [], "modelled_seconds": [], "compute_seconds": [],
+                                "steps": [], **{name: [] for name in ethernet}}
+    modelled, compute, bytes_steps, selected = 0.0, 0.0, [], []
+    on_ethernet = dict.fromkeys(ethernet, 0.0)
     for epoch in range(epochs):
-        perm = torch.randperm(per_rank, generator=torch.Generator().manual_seed(1000 * epoch + rank))
         total_loss = 0.0
-        for s in range(steps_per_epoch):
-            idx = perm[s * batch:(s + 1) * batch]
+        for x, y in job.batches(rank, size, batch, epoch):
             t0 = time.perf_counter()
             # Before forward: schedules start allreduces during backward (DeAR also in forward).
             before = sched_comm.engine.comm.stats.snapshot() if sched_comm is not None else None
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx])
+            loss = job.loss(model, x, y)
             loss.backward()
             if sched_comm is None:
                 opt.step()
@@ -131,35 +132,40 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             wall = time.perf_counter() - t0
             if sched_comm is not None:  # every allreduce of the step, as if none overlapped
                 delta = sched_comm.engine.comm.stats - before
-                nbytes = delta.bytes_sent
-                comm_s = net.time(delta.messages_sent, delta.bytes_sent)
+                traffic = [(delta.messages_sent, delta.bytes_sent)]
                 hook_s = 0.0
             elif state is None:  # DDP's own ring allreduce: 2n(P-1)/P floats, 2(P-1) messages
-                nbytes = 2 * n_params * 4 * (size - 1) / size
-                comm_s = net.time(2 * (size - 1), nbytes)
+                traffic = [(2 * (size - 1), 2 * n_params * 4 * (size - 1) / size)]
                 hook_s = 0.0
             else:
                 buckets = state.stats[-2] if len(state.stats) > 1 else []
-                nbytes = sum(b["bytes_sent"] for b in buckets)
-                comm_s = sum(net.time(b["messages"], b["bytes_sent"]) for b in buckets)
+                traffic = [(b["messages"], b["bytes_sent"]) for b in buckets]
                 hook_s = sum(b["seconds"] for b in buckets)
-            modelled += comm_s
+                wanted = sum(math.ceil(settings.get("density", 1.0) * b["numel"]) for b in buckets if not b["dense"])
+                if wanted:  # the global result's size against k: a threshold that undershoots slows training
+                    selected.append(sum(b["selected"] for b in buckets if not b["dense"]) / wanted)
+            modelled += sum(net.time(m, nb) for m, nb in traffic)
+            for name, profile in ethernet.items():
+                on_ethernet[name] += sum(profile.time(m, nb) for m, nb in traffic)
             compute += max(wall - hook_s, 0.0)
-            bytes_steps.append(nbytes)
+            bytes_steps.append(sum(nb for _, nb in traffic))
             total_loss += loss.item()
         if sched_comm is not None and hasattr(sched_comm, "flush"):
             sched_comm.flush()  # Pipe-SGD: evaluate with every gradient applied
         if isinstance(sched_comm, DeAR):
             sched_comm.synchronize()  # DeAR: the last updates wait for a forward
-        with torch.no_grad():
-            acc = float((getattr(model, "module", model)(xte).argmax(1) == yte).float().mean())
+        score = job.evaluate(plain) if rank == 0 else math.nan  # rank 0's record is the one returned
         history["loss"].append(total_loss / steps_per_epoch)
-        history["accuracy"].append(acc)
+        history[job.metric].append(score)
         history["modelled_seconds"].append(modelled)
         history["compute_seconds"].append(compute)
+        history["steps"].append((epoch + 1) * steps_per_epoch)
+        for name in ethernet:
+            history[name].append(on_ethernet[name])
         if progress and rank == 0:
             bar = "#" * int(30 * (epoch + 1) / epochs)
-            print(f"\r  {config:<11} [{bar:<30}] epoch {epoch + 1}/{epochs} acc {acc:.3f}",
+            label = config if schedule == "none" else f"{config}/{schedule}"
+            print(f"\r  {label:<17} [{bar:<30}] epoch {epoch + 1}/{epochs} {job.metric} {score:.4f}",
                   end="", flush=True, file=sys.stderr)
     if progress and rank == 0:
         print(file=sys.stderr)
@@ -168,21 +174,33 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     sent = torch.tensor([sum(bytes_steps) / len(bytes_steps)], dtype=torch.float64)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
     return {"config": config if schedule == "none" else f"{config}/{schedule}", "schedule": schedule,
-            "ranks": size, "epochs": epochs, "params": n_params,
-            "bytes_per_step": float(sent), "network": net.name, **history}
+            "task": task, "optimizer": optimizer or job.default_optimizer, "warmup_steps": warmup_steps,
+            "metric": job.metric,
+            "higher_is_better": job.higher_is_better,
+            "ranks": size, "epochs": epochs, "steps_per_epoch": steps_per_epoch, "params": n_params,
+            "bytes_per_step": float(sent), "network": net.name,
+            "selected_per_k": {"mean": sum(selected) / len(selected), "min": min(selected)} if selected else None,
+            **history}
 
 
 def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> list[dict]:
     """Run each configuration on ``ranks`` local gloo processes; rank 0's records.
 
-    Keyword arguments go to :func:`train_rank` (batch, lr, network, seed).
+    Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task).
+    A configuration may name its own schedule, ``"oktopk/pipesgd"``; the
+    others take ``schedule`` (default none).
     """
     from .launch import spawn
 
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
-    return [spawn(ranks, _train_spawned, name, epochs, kwargs)[0] for name in configs]
+    runs = []
+    for name in configs:
+        config, _, schedule = name.partition("/")
+        if config not in CONFIGS or (schedule and schedule not in SCHEDULES):
+            raise ValueError(f"unknown configuration {name!r}; known: {list(CONFIGS)}, each optionally "
+                             f"followed by /schedule, one of {SCHEDULES}")
+        runs.append((config, {**kwargs, **({"schedule": schedule} if schedule else {})}))
+    # Training runs for long: the collectives' own timeouts catch a dead peer.
+    return [spawn(ranks, _train_spawned, config, epochs, options, timeout=7 * 86400)[0] for config, options in runs]
 
 
 def _train_spawned(rank: int, size: int, name: str, epochs: int, kwargs: dict) -> dict:
@@ -190,36 +208,50 @@ def _train_spawned(rank: int, size: int, name: str, epochs: int, kwargs: dict) -
 
 
 def format_results(results: list[dict]) -> str:
-    """Final table: accuracy, bytes per rank per step and its ratio to dense, times."""
+    """Final table: the task's metric (final, best, against dense's), bytes per rank per step and
+    its ratio to dense, times."""
     dense = next((r for r in results if r["config"].split("/")[0] == "dense"), None)
-    net = results[0]["network"]
-    lines = [f"{'config':<12} {'final acc':>9} {'best acc':>9} {'bytes/rank/step':>16} "
+    net, metric = results[0]["network"], results[0].get("metric", "accuracy")
+    higher = results[0].get("higher_is_better", True)
+    best = max if higher else min
+    short = {"accuracy": "acc", "val_loss": "val loss"}.get(metric, metric)
+    lines = [f"{'config':<17} {'final ' + short:>14} {'best ' + short:>13} {'vs dense':>9} {'bytes/rank/step':>16} "
              f"{'vs dense':>9} {'comm s (' + net + ')':>16} {'compute s':>10}"]
     for r in results:
         ratio = r["bytes_per_step"] / dense["bytes_per_step"] if dense else math.nan
-        lines.append(f"{r['config']:<12} {r['accuracy'][-1]:>9.4f} {max(r['accuracy']):>9.4f} "
+        final = r[metric][-1]
+        vs = final / dense[metric][-1] if dense else math.nan
+        lines.append(f"{r['config']:<17} {final:>14.4f} {best(r[metric]):>13.4f} {vs:>9.4f} "
                      f"{r['bytes_per_step']:>16,.0f} {ratio:>9.4f} {r['modelled_seconds'][-1]:>16.3f} "
                      f"{r['compute_seconds'][-1]:>10.2f}")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Test accuracy vs epoch and vs modelled time, one line per configuration."""
+    """The task's metric against steps, and against modelled time on 1 and 10 Gbit/s Ethernet
+    (measured compute plus the modelled communication, as if none overlapped), one line per
+    configuration."""
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    r0 = results[0]
+    metric = r0.get("metric", "accuracy")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for r in results:
-        epochs = range(1, len(r["accuracy"]) + 1)
-        a.plot(epochs, r["accuracy"], label=r["config"])
-        b.plot(r["modelled_seconds"], r["accuracy"], label=r["config"])
-    a.set_xlabel("epoch")
-    b.set_xlabel(f"modelled communication time (s) on {results[0]['network']}")
-    b.set_xscale("log")
-    for ax in (a, b):
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0.5, 1.0)
+        steps = r.get("steps") or [(e + 1) * r.get("steps_per_epoch", 1) for e in range(len(r[metric]))]
+        axes[0].plot(steps, r[metric], label=r["config"])
+        for ax, key in zip(axes[1:], ("modelled_1gbe", "modelled_10gbe")):
+            if key in r:
+                ax.plot([c + m for c, m in zip(r["compute_seconds"], r[key])], r[metric], label=r["config"])
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("compute + modelled communication on 1 Gbit/s (s)")
+    axes[2].set_xlabel("compute + modelled communication on 10 Gbit/s (s)")
+    for ax in axes:
+        ax.set_ylabel({"accuracy": "test accuracy", "val_loss": "validation loss (nats/byte)"}.get(metric, metric))
+        if metric == "accuracy":
+            ax.set_ylim(0.5, 1.0)
         ax.grid(True, alpha=0.3)
-    a.legend(fontsize=8)
-    fig.suptitle(f"digits MLP ({results[0]['params']:,} parameters), {results[0]['ranks']} ranks")
+    axes[0].legend(fontsize=8)
+    what = {"digits": "digits MLP", "lm": "byte-level transformer LM"}.get(r0.get("task", "digits"), "model")
+    fig.suptitle(f"{what} ({r0['params']:,} parameters), {r0['ranks']} ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -91,3 +91,35 @@ def test_training_under_a_schedule(schedule):
     by = {r["config"].split("/")[0]: r["bytes_per_step"] for r in results}
     assert 0 < by["oktopk"] < 0.2 * by["dense"], by
     assert "dense/" + schedule in train.format_results(results)
+
+
+def test_lm_task_reads_the_standard_library_and_starts_near_uniform(tmp_path):
+    import math
+
+    from sparsecomm.tasks import TextTask, get_task
+
+    for i in range(30):
+        (tmp_path / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
+    task = TextTask(root=str(tmp_path), context=16, width=32, layers=1, heads=2, eval_windows=8)
+    text = {i: (tmp_path / f"m{i:02d}.py").read_bytes() for i in range(30)}
+    assert bytes(task.val_data.to(torch.uint8).tolist()) == text[9] + text[19] + text[29]  # every tenth file
+    assert len(task.train_data) == sum(len(t) for i, t in text.items() if i % 10 != 9)
+    model = task.model(0)
+    # Small embeddings and a tied head: the first loss is about ln 256 (a uniform guess over bytes).
+    assert abs(task.evaluate(model) - math.log(256)) < 0.1
+    shards = []
+    for rank in range(2):
+        x, y = next(task.batches(rank, 2, 4, epoch=0))
+        assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+        shards.append(x)
+    assert not torch.equal(shards[0], shards[1])
+    opt = task.optimizer(model.parameters(), 3e-3)
+    for x, y in task.batches(0, 1, 8, epoch=0):
+        opt.zero_grad()
+        task.loss(model, x, y).backward()
+        opt.step()
+    assert task.evaluate(model) < math.log(256) - 1.0  # 50 steps on a repetitive text: learned
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("imagenet")
+    with pytest.raises(RuntimeError, match="standard library"):
+        TextTask(root=str(tmp_path / "nowhere"))
