@@ -226,7 +226,7 @@ def test_mgwfbp_replans_on_every_rank_when_one_rank_drifts():
     def body(rank: int):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        sched = MGWFBP(model, opt, algorithm="dense", density=1.0, profile_steps=2)
+        sched = MGWFBP(model, opt, algorithm="dense", density=1.0, profile_steps=2, verify=False)
         # Synthetic profiles: measured ones in the simulated world include the ranks' turn-taking,
         # noise that could hide (or fake) the drift.
         sched._layer_times = lambda: [(0.02 if rank == 0 and sched.plans else 0.001)] * 6
@@ -240,6 +240,50 @@ def test_mgwfbp_replans_on_every_rank_when_one_rank_drifts():
 
     out = sparsecomm.simulate(2, body, timeout=30).results
     assert out[0] == out[1] and out[0][0] >= 2
+
+
+def test_mgwfbp_keeps_one_group_when_its_plan_measures_slower_and_moves_every_residual():
+    # The model (synthetic backward times) plans several groups; the synthetic step clock says
+    # they take twice one group's step. The ranks agree, keep one group, and no residual is lost.
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sched = MGWFBP(model, opt, algorithm="oktopk", density=0.05, profile_steps=2)
+        sched._layer_times = lambda: [0.01] * 6
+        sched.a, sched.b = 1e-4, 1e-9  # cheap allreduces: the optimum overlaps, several groups
+        sched._fit_points = [(1, 1e-4), (10**6, 1e-3 + 1e-4)]
+        clock = [0.0]
+
+        def now() -> float:
+            clock[0] += 2.0 if len(sched.groups) > 1 else 1.0
+            return clock[0]
+
+        sched._now = now
+        moved = []
+        set_groups = sched.set_groups
+
+        def watched(groups):  # every switch must carry every layer's residual over, bit for bit
+            before = sched._layer_residuals()
+            set_groups(groups)
+            after = sched._layer_residuals()
+            moved.append(len(before) == 6 and before.keys() == after.keys()
+                         and all(torch.equal(before[i], after[i]) for i in before))
+
+        sched.set_groups = watched
+        for step in range(16):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+        out = sched.plans, [list(g) for g in sched.groups], [(len(g), t) for g, t in sched.trials], moved
+        sched.close()
+        return out
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    assert out[0] == out[1]
+    plans, groups, trials, moved = out[0]
+    assert plans == 1 and groups == [list(range(5, -1, -1))]
+    assert len(trials) == 2 and trials[0][0] > 1 and trials[1] == (1, 1.0) and trials[0][1] == 2.0
+    assert moved == [True, True]  # WFBP -> the plan -> one group (the last candidate stays)
 
 
 # ---- Pipe-SGD ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from .engine import Engine, Job, write_grads
-from .planner import fit_linear, plan_merge
+from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
 
@@ -90,11 +90,31 @@ class GroupSchedule:
         for g in groups:
             if sorted(g) != list(range(min(g), max(g) + 1)):
                 raise ValueError(f"group {list(g)} is not contiguous")
+        residuals = self._layer_residuals() if getattr(self, "_states", None) else {}
         self.groups = [sorted(g, reverse=True) for g in groups]
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
         self._states = [self.spec.state_class(self.density, **self._state_kwargs) for _ in self.groups]
+        # Error feedback keeps every bit across a re-plan: each layer's residual moves to its new
+        # group (thresholds and boundaries restart, as for a state of a new tensor).
+        like = next(iter(residuals.values()), None)
+        for g, st in zip(self.groups, self._states):
+            if any(i in residuals for i in g):
+                st.residual = torch.cat([residuals[i] if i in residuals else like.new_zeros(self.params[i].numel())
+                                         for i in g])
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._reset()
+
+    def _layer_residuals(self) -> dict[int, torch.Tensor]:
+        """Each layer's slice of its group's residual (a group lays its layers out in its order)."""
+        out = {}
+        for g, st in zip(self.groups, self._states):
+            r, offset = getattr(st, "residual", None), 0
+            if r is None:
+                continue
+            for i in g:
+                out[i] = r[offset:offset + self.params[i].numel()].clone()
+                offset += self.params[i].numel()
+        return out
 
     def _reset(self) -> None:
         self._missing = [len(g) for g in self.groups]
@@ -196,7 +216,15 @@ class MGWFBP(GroupSchedule):
        fitted to those (:func:`fit_linear`). Fewer than two distinct sizes:
        allreduces of ``calibration_sizes`` are timed instead.
     3. Rank 0 plans (``method``), broadcasts, every rank switches to the plan.
-    4. Every ``profile_steps`` steps after, the profile is taken and agreed
+    4. ``verify``: the model assumes communication never slows computation,
+       which does not hold where the communication thread's local work
+       (selection, packing) shares the cores with backward (a CPU run). So the
+       plan is then measured against one group for everything (SyncEASGD)
+       over ``profile_steps`` steps each (the first of each is warm-up), the
+       slowest rank's mean step time deciding, and the faster is kept
+       (``trials``). On the emulated CPU cluster Ok-Topk's plan took 1.9x
+       SyncEASGD's step at P = 2 while the model predicted it faster.
+    5. Every ``profile_steps`` steps after, the profile is taken and agreed
        again; a mean backward time that moved by more than ``replan_drift``
        re-plans (with the allreduce times of the groups in use added to the
        fit). Decided from the agreed values, so every rank decides alike.
@@ -208,12 +236,18 @@ class MGWFBP(GroupSchedule):
         calibration_rounds: timed calls per size in the fallback fit.
         method: ``"optimal"`` or ``"mgwfbp"`` (the paper's Algorithm 1).
         replan_drift: the relative change of the backward time that re-plans.
+        verify: measure the plan against one group and keep the faster (step 4).
+
+    Attributes: ``backward_times``, ``a``, ``b`` (the model), ``plans`` (how
+    many were made), ``trials`` ((groups, seconds per step) measured in step 4),
+    ``predicted`` (the plan's end of the last allreduce from the start of
+    backward, :func:`plan_time`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  profile_steps: int = 5, calibration_sizes: Sequence[int] | None = None,
                  calibration_rounds: int = 3, method: str = "optimal", replan_drift: float = 0.25,
-                 **options: Any) -> None:
+                 verify: bool = True, **options: Any) -> None:
         n = sum(1 for p in model.parameters() if p.requires_grad)
         super().__init__(model, optimizer, [[i] for i in range(n - 1, -1, -1)], **options)
         if profile_steps < 2:
@@ -233,6 +267,15 @@ class MGWFBP(GroupSchedule):
         self.b: float | None = None
         self.backward_times: list[float] | None = None
         self.plans = 0
+        self.verify = verify
+        self.trials: list[tuple[list[list[int]], float]] = []
+        self.predicted: float | None = None
+        self._trial: dict | None = None
+        self._last_end: float | None = None
+
+    def _now(self) -> float:
+        """The clock that times whole steps (step 4)."""
+        return time.perf_counter()
 
     def _layer_times(self) -> list[float]:
         """This step's backward time per layer: the gap since the gradient ready just before
@@ -248,6 +291,11 @@ class MGWFBP(GroupSchedule):
     def _after_step(self) -> None:
         # Every rank counts the same steps and makes the same collective calls: whether to
         # plan is decided from the agreed profile, never from this rank's own timings.
+        now = self._now()
+        step_seconds, self._last_end = (None if self._last_end is None else now - self._last_end), now
+        if self._trial is not None:
+            self._trial_step(step_seconds)
+            return
         self._profile.append(self._layer_times())
         self._jobs_seen.append(list(self.job_timings))
         if len(self._profile) <= self.profile_steps:  # the first step of a profile is warm-up
@@ -290,8 +338,37 @@ class MGWFBP(GroupSchedule):
         groups: dict[int, list[int]] = {}
         for i, gi in enumerate(cuts):
             groups.setdefault(gi, []).append(i)
-        self.set_groups([groups[gi] for gi in sorted(groups)])
+        plan = [groups[gi] for gi in sorted(groups)]
+        self.predicted = plan_time(plan, self.backward_times, self.sizes, self.a, self.b)
         self.plans += 1
+        self.set_groups(plan)
+        one = [list(range(len(self.params) - 1, -1, -1))]
+        if self.verify and len(plan) > 1:
+            self._trial = {"candidates": [self.groups, one], "at": 0, "times": [], "seconds": []}
+
+    def _trial_step(self, seconds: float | None) -> None:
+        """Step 4: time this candidate's steps; after the last candidate keep the fastest."""
+        t = self._trial
+        t["times"].append(seconds)
+        if len(t["times"]) <= self.profile_steps:  # the first step of a candidate is warm-up
+            return
+        local = sum(t["times"][1:]) / (len(t["times"]) - 1)
+        worst = float(self.engine.run(lambda c: c.allreduce(torch.tensor([local], dtype=torch.float64,
+                                                                         device=c.control_device), "max"),
+                                      what="agreeing on a candidate plan's step time").wait()[0])
+        candidate = [list(g) for g in t["candidates"][t["at"]]]
+        t["seconds"].append(worst)
+        self.trials.append((candidate, worst))
+        t["at"], t["times"] = t["at"] + 1, []
+        if t["at"] < len(t["candidates"]):
+            self.set_groups(t["candidates"][t["at"]])
+            return
+        best = min(range(len(t["seconds"])), key=t["seconds"].__getitem__)
+        self._trial = None
+        self._profile, self._jobs_seen = [], []  # profiles resume under the groups kept
+        if best != len(t["candidates"]) - 1:  # the last candidate is the groups in use
+            self.set_groups(t["candidates"][best])
+        self.predicted = plan_time(self.groups, self.backward_times, self.sizes, self.a, self.b)
 
     def calibrate(self) -> tuple[float, float]:
         """a and b of this algorithm's allreduce (seconds, seconds per element) from allreduces
