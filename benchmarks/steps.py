@@ -2,8 +2,10 @@
 
 Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, issue 11's 5000 -> 5000 -> 10
 (25M parameters, one big layer); ``deep``, 12 x Linear(1024, 1024) + ReLU and
-a classifier (12.6M parameters in 26 tensors: backward to overlap with).
-Batch 64 per rank, cross-entropy, seeded per rank.
+a classifier (12.6M parameters in 26 tensors: backward to overlap with);
+``cnn``, a ResNet-18-like CNN at half width on 32 x 32 images (2.8M parameters
+in 62 tensors, most of them small: what MG-WFBP's merging is for).
+Batch 64 per rank (the CNN: 16 images), cross-entropy, seeded per rank.
 """
 
 from __future__ import annotations
@@ -27,18 +29,54 @@ def model(default: str) -> torch.nn.Module:
     name = _BUILT["name"] = os.environ.get("SPARSECOMM_BENCH_MODEL", default)
     if name == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(5000, 5000), torch.nn.ReLU(), torch.nn.Linear(5000, 10))
+    if name == "cnn":
+        return _resnet(width=32)
     if name != "deep":
-        raise ValueError(f"SPARSECOMM_BENCH_MODEL: unknown model {name!r} (mlp or deep)")
+        raise ValueError(f"SPARSECOMM_BENCH_MODEL: unknown model {name!r} (mlp, deep or cnn)")
     layers: list[torch.nn.Module] = []
     for _ in range(12):
         layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10))
 
 
+class _Block(torch.nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm, and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = torch.nn.BatchNorm2d(cout)
+        self.c2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = torch.nn.BatchNorm2d(cout)
+        self.short = torch.nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                             torch.nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b1(self.c1(x)))
+        return torch.relu(self.b2(self.c2(y)) + self.short(x))
+
+
+def _resnet(width: int) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, width, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(width),
+                                     torch.nn.ReLU()]
+    cin = width
+    for stage, mult in enumerate((1, 2, 4, 8)):
+        for i in range(2):
+            layers.append(_Block(cin, width * mult, 2 if stage and not i else 1))
+            cin = width * mult
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(cin, 10)]
+    return torch.nn.Sequential(*layers)
+
+
 def batch(net: torch.nn.Module, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = next(m for m in net.modules() if isinstance(m, torch.nn.Linear)).in_features
     gen = torch.Generator().manual_seed(rank)
-    return (torch.randn(64, width, generator=gen).to(device),
+    first = next(m for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+    if isinstance(first, torch.nn.Conv2d):
+        return (torch.randn(16, 3, 32, 32, generator=gen).to(device),
+                torch.randint(0, 10, (16,), generator=gen).to(device))
+    return (torch.randn(64, first.in_features, generator=gen).to(device),
             torch.randint(0, 10, (64,), generator=gen).to(device))
 
 

@@ -8,8 +8,10 @@ run in the next forward; the others: wait for every group, then the
 optimizer). Warm-up rounds cover MG-WFBP's profiling and plan. The schedules
 run over sparsecomm's communicator (MPI, torch.distributed or the default);
 only "ddp default" needs a torch.distributed group. Model:
-``SPARSECOMM_BENCH_MODEL`` (default deep); ``SPARSECOMM_BENCH_SCHEDULES``
-narrows the schedules (comma-separated).
+``SPARSECOMM_BENCH_MODEL`` (default deep; also mlp and cnn, see steps.py);
+``SPARSECOMM_BENCH_SCHEDULES`` narrows the schedules (comma-separated).
+MG-WFBP's row records its plan: groups, a, b, the profiled backward and the
+plan's end of the last allreduce, from which the summary predicts the step.
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ def test_schedule_step(benchmark, comm, request, config):
             opt.step()
 
     try:
-        row = time_steps(benchmark, comm, "schedules", config, step, warmup=6, device=device)
+        # MG-WFBP profiles (6 steps), then measures its plan against one group (6 steps each).
+        warmup = 20 if isinstance(sched, MGWFBP) else 6
+        row = time_steps(benchmark, comm, "schedules", config, step, warmup=warmup, device=device)
         if isinstance(sched, MGWFBP) and sched.backward_times is not None:  # the plan it made
-            row.update(groups=len(sched.groups), a=sched.a, b=sched.b,
+            row.update(groups=len(sched.groups), a=sched.a, b=sched.b, backward_ms=1e3 * sum(sched.backward_times),
+                       trials=[(len(g), 1e3 * t) for g, t in sched.trials],
                        planned_comm_ms=1e3 * plan_time(sched.groups, sched.backward_times, sched.sizes,
                                                        sched.a, sched.b))
     finally:
