@@ -126,14 +126,27 @@ def _train(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     print(f"# sparsecomm train: task {args.task}, {args.ranks} gloo ranks, {args.epochs} epochs, "
           f"configs {args.configs}", flush=True)
-    results = train.run(args.configs, ranks=args.ranks, epochs=args.epochs, lr=args.lr,
-                        batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
-                        optimizer=args.optimizer, warmup_steps=args.warmup_steps)
-    print(train.format_results(results))
-    write_json(results, os.path.join(args.out, "train.json"))
-    train.plot(results, os.path.join(args.out, "train.png"))
-    print(f"# wrote {args.out}/train.json and {args.out}/train.png")
-    return 0
+    # One configuration at a time, the JSON rewritten after each: a run that fails (a diverging
+    # configuration raises on NaN) is reported and the others still land.
+    results, failed = [], []
+    for config in args.configs:
+        try:
+            results += train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr,
+                                 batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
+                                 optimizer=args.optimizer, warmup_steps=args.warmup_steps)
+        except Exception as exc:  # noqa: BLE001 - reported, and the next configuration runs
+            failed.append(config)
+            last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            print(f"\n# {config} failed: {last[0]}", flush=True)
+            results.append({"config": config, "failed": str(exc)})
+        write_json(results, os.path.join(args.out, "train.json"))
+    done = [r for r in results if "failed" not in r]
+    if done:
+        print(train.format_results(done))
+        train.plot(done, os.path.join(args.out, "train.png"))
+    print(f"# wrote {args.out}/train.json and {args.out}/train.png"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def _print_ratios(rows: list) -> None:
@@ -223,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
                     help="default: the task's (digits: SGD with momentum, lm: AdamW)")
     tr.add_argument("--batch", type=int, default=16, help="per rank")
-    tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps before the sparse ones (DDP hook)")
+    tr.add_argument("--warmup-steps", type=int, default=0,
+                    help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first")
     tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
     tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd"],
                     help="reduce with a schedule around the plain model instead of the DDP hook")

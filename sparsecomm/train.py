@@ -52,15 +52,17 @@ CONFIGS: dict[str, dict | None] = {
 }
 
 
-def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None):
+def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None,
+              warmup_steps: int = 0):
     from . import schedules
 
     cls = {"wfbp": schedules.WFBP, "synceasgd": schedules.SyncEASGD, "mgwfbp": schedules.MGWFBP,
            "dear": schedules.DeAR, "pipesgd": schedules.PipeSGD}[name]
     settings = settings or {"algorithm": "dense", "density": 1.0}
     options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
+    extra = {"warmup_steps": warmup_steps} if name == "pipesgd" else {}
     return cls(model, opt, algorithm=settings["algorithm"], density=settings.get("density", 1.0),
-               compressor=settings.get("compressor"), algorithm_options=options)
+               compressor=settings.get("compressor"), algorithm_options=options, **extra)
 
 
 def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float | None = None,
@@ -71,12 +73,14 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
     task's (a cosine decay over the run follows; the LM task warms up over its
     first 5% of steps). ``warmup_steps``: with the DDP hook, so many dense
-    steps before the sparse ones (DGC's and Pipe-SGD's warm-up).
+    steps before the sparse ones (DGC's warm-up); with Pipe-SGD, so many
+    synchronous steps before the pipelined ones (the paper's warm-up).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
-    if warmup_steps and schedule != "none":
-        raise ValueError("warmup_steps applies to the DDP hook (schedule 'none') only")
+    if warmup_steps and schedule not in ("none", "pipesgd"):
+        raise ValueError("warmup_steps applies to the DDP hook (dense steps first) and to Pipe-SGD "
+                         "(synchronous steps first) only")
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -100,7 +104,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
     opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer)
-    sched_comm = _schedule(schedule, model, opt, settings) if schedule != "none" else None
+    sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
 
