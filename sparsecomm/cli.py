@@ -136,8 +136,9 @@ def _train(args: argparse.Namespace) -> int:
                                  optimizer=args.optimizer, warmup_steps=args.warmup_steps)
         except Exception as exc:  # noqa: BLE001 - reported, and the next configuration runs
             failed.append(config)
-            last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
-            print(f"\n# {config} failed: {last[0]}", flush=True)
+            # The error itself, not the note on how a process then ended (the JSON has it all).
+            lines = [x for x in str(exc).strip().splitlines() if x.strip() and not x.startswith("(then")]
+            print(f"\n# {config} failed: {lines[-1] if lines else type(exc).__name__}", flush=True)
             results.append({"config": config, "failed": str(exc)})
         write_json(results, os.path.join(args.out, "train.json"))
     done = [r for r in results if "failed" not in r]
