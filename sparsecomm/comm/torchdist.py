@@ -26,6 +26,7 @@ from .base import Communicator, Request
 __all__ = ["TorchCommunicator"]
 
 _TAG_RS = 0x5C31  # the point-to-point reduce-scatter (gloo)
+_TAG_AG = 0x5C32  # the point-to-point all-gather (gloo)
 
 
 class _TorchRequest(Request):
@@ -213,7 +214,31 @@ class TorchCommunicator(Communicator):
             out += part
         return out.to(device)
 
+    def _gather_p2p(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[r]`` = rank r's ``t`` (``out`` shaped (P, t.numel())), by point-to-point sends.
+
+        gloo's all-gather took 700 ms for 50 MB per rank on a 1 Gbit/s link,
+        where the bytes take 400 ms (and its reduce-scatter, point to point,
+        450); each rank sends its tensor straight to every other, rotated.
+        """
+        P, me = self.size, self.rank
+        flat = t.reshape(-1)
+        out[me].copy_(flat)
+        recvs = [(self._dist.irecv(out[(me - s) % P], self._global((me - s) % P), group=self.group, tag=_TAG_AG),
+                  (me - s) % P) for s in range(1, P)]
+        sends = [(self._dist.isend(flat, self._global((me + s) % P), group=self.group, tag=_TAG_AG),
+                  (me + s) % P) for s in range(1, P)]
+        for work, src in recvs:
+            self._wait(work, f"all-gather: receiving rank {src}'s part")
+        for work, dst in sends:
+            self._wait(work, f"all-gather: sending to rank {dst}")
+
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.backend == "gloo" and self.size > 1:
+            device, chunk = chunk.device, self._host(chunk)
+            out = torch.empty(self.size, chunk.numel(), dtype=chunk.dtype)
+            self._gather_p2p(chunk.contiguous(), out)
+            return out.reshape(-1).to(device)
         device, chunk = chunk.device, self._host(chunk)
         out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
         self._run("all_gather", self._all_gather_t, out, chunk)
