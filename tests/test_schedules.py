@@ -33,6 +33,14 @@ def _loss(model, rank: int, step: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
+def _train(model, opt, sched, rank: int, steps: int = STEPS) -> None:
+    """``steps`` steps of the test loss under ``sched`` (its ``step()`` ends each)."""
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        sched.step()
+
+
 def _reference(rank: int, kind: str, groups, algorithm: str, density: float,
                as_given: bool = False, compressor=None) -> list[torch.Tensor]:
     """The same groups reduced synchronously, one sparsecomm.allreduce each, in order.
@@ -66,10 +74,7 @@ def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, **kw):
     model = _model()
     opt = _optimizer(kind, model.parameters())
     sched = cls(model, opt, algorithm=algorithm, density=density, **kw)
-    for step in range(STEPS):
-        opt.zero_grad()
-        _loss(model, rank, step).backward()
-        sched.step()
+    _train(model, opt, sched, rank)
     groups = [list(g) for g in sched.groups]
     sched.close()
     return [p.detach().clone() for p in model.parameters()], groups, sched
@@ -158,10 +163,7 @@ def schedule_cases(rank: int, size: int) -> dict[str, bool]:
     model = _model()
     opt = _optimizer("sgd", model.parameters())
     sched = PipeSGD(model, opt, warmup_steps=1, algorithm="oktopk", density=0.05)
-    for step in range(STEPS):
-        opt.zero_grad()
-        _loss(model, rank, step).backward()
-        sched.step()
+    _train(model, opt, sched, rank)
     sched.flush()
     sched.close()
     want = _stale_reference(rank, "sgd", "oktopk", 0.05, None, 1, STEPS)
@@ -334,10 +336,7 @@ def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, d
         opt = _optimizer(kind, model.parameters())
         sched = PipeSGD(model, opt, warmup_steps=warmup, algorithm=algorithm, density=density,
                         compressor=compressor)
-        for step in range(STEPS + 1):
-            opt.zero_grad()
-            _loss(model, rank, step).backward()
-            sched.step()
+        _train(model, opt, sched, rank, STEPS + 1)
         sched.flush()
         sched.close()
         got = [p.detach().clone() for p in model.parameters()]
@@ -395,10 +394,7 @@ def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes
                  compressor=compressor)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     groups = [[index[id(p)] for p in ps] for ps in reversed(sched.params)]  # reduction order
-    for step in range(STEPS):
-        opt.zero_grad()
-        _loss(model, rank, step).backward()
-        sched.step()
+    _train(model, opt, sched, rank)
     sched.synchronize()
     sched.close()
     return [p.detach().clone() for p in model.parameters()], groups

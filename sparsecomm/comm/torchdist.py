@@ -234,14 +234,12 @@ class TorchCommunicator(Communicator):
             self._wait(work, f"all-gather: sending to rank {dst}")
 
     def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        if self.backend == "gloo" and self.size > 1:
-            device, chunk = chunk.device, self._host(chunk)
-            out = torch.empty(self.size, chunk.numel(), dtype=chunk.dtype)
-            self._gather_p2p(chunk.contiguous(), out)
-            return out.reshape(-1).to(device)
         device, chunk = chunk.device, self._host(chunk)
         out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
-        self._run("all_gather", self._all_gather_t, out, chunk)
+        if self.backend == "gloo" and self.size > 1:
+            self._gather_p2p(chunk, out.view(self.size, -1))
+        else:
+            self._run("all_gather", self._all_gather_t, out, chunk)
         return out.to(device)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
