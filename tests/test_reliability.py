@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -142,7 +143,7 @@ def test_state_checkpoint_loads_with_torch_defaults(algorithm):
 # ---- 6: torch.compile in a fresh process ------------------------------------------------
 @pytest.mark.slow  # a fresh Python process each
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backend):
+def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backend, tmp_path):
     script = textwrap.dedent(f"""
         import torch, sparsecomm
         def step(x):
@@ -154,7 +155,10 @@ def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backen
         assert torch.equal(got, want), (got, want)
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # Inductor's cache goes to pytest's tmp_path, not /tmp/torchinductor_<user>, which
+    # no one cleans (precompiled headers go under TMPDIR whatever the cache dir says).
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
