@@ -48,10 +48,11 @@ class OkTopkState(State):
             no rank ever sends more than ``floor(hi * k)`` entries in the
             split phase and the global result never exceeds ``floor(hi * k)``
             entries: that is the hard cap on message size. Below the lower
-            bound the call goes on with fewer entries. Either way the next
+            bound a local selection goes on with fewer entries, and the next
             threshold is re-estimated from this call's exceedances (see
             ``_checked_select``); only when nothing exceeded does the next
-            call re-evaluate exactly.
+            call re-evaluate exactly. The global result is held within the
+            bounds on every call (see ``_global_select``).
         bucket: split-and-reduce steps whose messages are posted at once.
         local_select: how the local threshold is re-evaluated every ``tau``
             calls (and after a too-small count): ``"exact"`` selects exactly
@@ -71,8 +72,8 @@ class OkTopkState(State):
 
     Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
     (P+1 region starts), ``residual``, ``iteration``, and ``local_stale`` /
-    ``global_stale`` (a count fell below the bounds: the next call
-    re-evaluates that threshold exactly); statistics in ``last`` and
+    ``global_stale`` (the local one: a count fell below the bounds and the next
+    call re-evaluates exactly; the global one is only set by old checkpoints); statistics in ``last`` and
     ``totals`` (see :class:`~sparsecomm.state.State`).
     """
 
@@ -228,7 +229,8 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
        a time, reducing one bucket while the next is in flight.
     4. Global selection of the reduced entries: every ``tau`` calls exactly
        (distributed radix select, ``algorithms.distselect``); in between with
-       the reused global threshold, corrected like the local one.
+       the reused global threshold or a rung near it, whichever one round of
+       counts finds within the bounds, else exactly.
     5. Balance and allgatherv: if the largest rank's count exceeds
        ``balance_factor`` times the mean, the packed records are first
        redistributed evenly with point-to-point sends; one allgatherv then
@@ -323,19 +325,33 @@ def _checked_select(idx: torch.Tensor, val: torch.Tensor, count: int, th: float,
         keep = kernels.topk_of_candidates(idx, mag, k)
         idx, val = idx[keep], val[keep]
         stats.events["local_corrected"] = 1
-    elif idx.numel() < lo * k:
+    under = idx.numel() < lo * k
+    if under:
         stats.events["local_under"] = 1
     if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
     else:  # never above this call's largest magnitude: the next call selects something
-        _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None)
+        _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None,
+                             trusted=not under, follow=lo * k <= count <= hi * k)
     return idx, val
 
 
-def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None) -> None:
+def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None,
+                         trusted: bool = True, follow: bool = True) -> None:
     """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated),
-    at most ``ceiling``."""
-    prev, st.local_kth = st.local_kth, kth
+    at most ``ceiling``.
+
+    Args:
+        trusted: ``kth`` may be the start of a trend. Not so for an estimate
+            extrapolated from too few exceedances.
+        follow: apply the trend now. Not after a call whose count left the bounds:
+            on a shrinking gradient the trend from such a call to the next call's
+            k-th largest overshot, which made the next count leave them the other
+            way, and so on (every other call selected 0.04 k).
+    """
+    prev, st.local_kth = st.local_kth, (kth if trusted else None)
+    if not (trusted and follow):
+        prev = None
     if kth is None or not kth > 0:
         st.local_threshold = kth
         return
@@ -405,27 +421,55 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
 
 
 # ---- step 4: global selection ---------------------------------------------------
+#: Multiples of the reused global threshold counted in the one allgather of a reusing call,
+#: in order of preference (nearest first). Near the k-th largest, the count of reduced
+#: magnitudes can triple within 2.5% of threshold (entries selected by one rank only sit
+#: in a cluster just above the local thresholds), so the rungs are close together.
+GLOBAL_RUNGS = (1.0, 1 / 1.025, 1.025, 1 / 1.05, 1.05, 1 / 1.1, 1.1)
+
+
 def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
                    stats: CallStats) -> tuple[torch.Tensor, list[int]]:
-    """Mask of this rank's reduced entries in the global result, and every rank's count."""
+    """Mask of this rank's reduced entries in the global result, and every rank's count.
+
+    1. Every ``tau`` calls (and the first): the exact global top-k (``global_topk_mask``).
+    2. In between, one allgather of every rank's counts above each of
+       ``GLOBAL_RUNGS`` times the reused threshold (one bucketing pass). While the
+       reused threshold's total is within ``count_bounds`` it stays: chasing k
+       every call makes error feedback swing the count from call to call (a call
+       that sends more leaves less behind for the next). Otherwise the first rung
+       within the bounds becomes the threshold (``global_moved``), at no extra round.
+    3. No rung within the bounds: the exact top-k, among the candidates of the
+       rung with the fewest that still hold k (``global_corrected``), or among all
+       reduced entries (``global_under``, then ``global_recomputed``). So every
+       call's result holds between ``low * k`` and ``high * k`` entries (fewer only
+       when fewer reduced entries are nonzero).
+    """
     lo, hi = st.count_bounds
     if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st.global_stale):
-        cand = (mag >= st.global_threshold) & (mag > 0)
-        counts = comm.allgather(cand.sum().reshape(1).to(torch.int64)).flatten().tolist()
-        total = sum(counts)
-        if lo * k <= total <= hi * k:
-            return cand, counts
-        if total < lo * k:
-            st.global_stale = True
-            return cand, counts
-        # Too many: the exact global top-k are among the candidates.
-        masked = torch.where(cand, mag, torch.zeros_like(mag))
-        mask, counts, th = global_topk_mask(masked, k, comm, st.global_select, _cap(st, k, comm.size))
-        st.global_threshold = th
-        stats.events["global_corrected"] = 1
-        return mask, counts
-    mask, counts, th = global_topk_mask(mag, k, comm, st.global_select, _cap(st, k, comm.size))
-    st.global_threshold = th
+        edges = torch.tensor([st.global_threshold * r for r in GLOBAL_RUNGS], dtype=mag.dtype, device=mag.device)
+        ascending, order = edges.sort()
+        # above[j]: entries >= ascending[j] (zeros fall below every positive edge).
+        hist = torch.bincount(torch.bucketize(mag, ascending, right=True), minlength=edges.numel() + 1)
+        above = hist.flip(0).cumsum(0).flip(0)[1:]
+        local = torch.empty_like(above).scatter_(0, order, above)  # back to preference order
+        per_rank = comm.allgather(local.reshape(1, -1).to(torch.int64)).reshape(comm.size, edges.numel())
+        totals = per_rank.sum(0).tolist()
+        for i, total in enumerate(totals):
+            if lo * k <= total <= hi * k and total > 0:
+                if i:
+                    st.global_threshold = float(edges[i])
+                    stats.events["global_moved"] = 1
+                return mag >= edges[i], per_rank[:, i].tolist()
+        enough = [i for i, total in enumerate(totals) if total >= k]
+        if enough:  # the exact top-k are among the fewest candidates that hold k
+            i = min(enough, key=lambda j: totals[j])
+            masked = torch.where(mag >= edges[i], mag, torch.zeros_like(mag))
+            mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[i])
+            stats.events["global_corrected"] = 1
+            return mask, counts
+        stats.events["global_under"] = 1
+    mask, counts, st.global_threshold = global_topk_mask(mag, k, comm, st.global_select, _cap(st, k, comm.size))
     st.global_stale = False
     stats.events["global_recomputed"] = 1
     return mask, counts

@@ -1,0 +1,91 @@
+"""How well Ok-Topk's reused thresholds hold the count: selected / k and exact selections per call.
+
+Runs in the simulated world (counts do not depend on the engine: sim, gloo and MPI give
+bit-identical results). For each workload and world size, ``calls`` calls with error
+feedback on, and per call the local count of rank 0 and the global count over k:
+
+* ``drift``: x = 0.9 x + 0.1 randn each call (issue 11's workload);
+* ``decay``: the same with a shared per-entry scale, shrinking 3% a call (early training);
+* the ``sparsecomm bench`` gradients (``sparsecomm.synthetic.KINDS``).
+
+Columns: mean and worst (farthest from 1) selected / k, local and global; the fraction of
+calls, not counting the tau-periodic re-evaluations, whose global selection was exact
+(``global_corrected`` or ``global_recomputed``), or moved the threshold to a rung
+(``global_moved``); and the fraction whose local selection was corrected or exact.
+
+    python benchmarks/threshold_counts.py [--n 1000000] [--world-sizes 2,4,8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import sparsecomm
+from sparsecomm.synthetic import KINDS, gradient
+
+WORKLOADS = ("drift", "decay") + KINDS
+_EXACT_GLOBAL = ("global_corrected", "global_recomputed")
+_EXACT_LOCAL = ("local_corrected", "local_recomputed", "local_overflowed")
+
+
+def _run(workload: str, P: int, n: int, calls: int, tau: int) -> dict:
+    def body(rank: int):
+        gen = torch.Generator().manual_seed(100 + rank)
+        scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7)))
+        x = torch.randn(n, generator=gen)
+        st = sparsecomm.OkTopkState(0.01, tau=tau)
+        rows = []
+        for t in range(calls):
+            if workload in ("drift", "decay"):
+                x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
+                g = x.clone() if workload == "drift" else x * scale * 0.97 ** t
+            else:
+                g = gradient(rank, t, n, workload)
+            sparsecomm.allreduce(g, state=st)
+            rows.append((st.last.local_selected / st.last.k, st.last.global_selected / st.last.k,
+                         set(st.last.events)))
+        return rows
+
+    rows = sparsecomm.simulate(P, body).results[0]
+    steady = [r for t, r in enumerate(rows) if t % tau]  # not the tau-periodic re-evaluations
+    worst = lambda xs: max(xs, key=lambda s: abs(s - 1))  # noqa: E731
+    frac = lambda names: sum(bool(names & ev) for _, _, ev in steady) / len(steady)  # noqa: E731
+    local, glob = [r[0] for r in steady], [r[1] for r in steady]
+    return {"workload": workload, "P": P, "n": n, "calls": calls,
+            "local_mean": statistics.mean(local), "local_worst": worst(local),
+            "global_mean": statistics.mean(glob), "global_worst": worst(glob),
+            "global_exact": frac(set(_EXACT_GLOBAL)), "global_moved": frac({"global_moved"}),
+            "local_exact": frac(set(_EXACT_LOCAL))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--tau", type=int, default=32)
+    ap.add_argument("--world-sizes", default="2,4,8")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    head = (f"{'workload':>10} {'P':>3} {'local mean':>10} {'worst':>6} {'global mean':>11} {'worst':>6} "
+            f"{'g exact':>7} {'g moved':>7} {'l exact':>7}")
+    print(head)
+    out = []
+    for workload in args.workloads.split(","):
+        for P in map(int, args.world_sizes.split(",")):
+            r = _run(workload, P, args.n, args.calls, args.tau)
+            out.append(r)
+            print(f"{workload:>10} {P:>3} {r['local_mean']:>10.3f} {r['local_worst']:>6.3f} {r['global_mean']:>11.3f} "
+                  f"{r['global_worst']:>6.3f} {r['global_exact']:>7.2f} {r['global_moved']:>7.2f} "
+                  f"{r['local_exact']:>7.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
