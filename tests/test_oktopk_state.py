@@ -199,7 +199,7 @@ def _decaying_run(P, n=100_000, calls=40):
         for t in range(calls):
             x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
             sparsecomm.allreduce(x * scale * 0.97 ** t, state=st)
-            rows.append((st.last.local_selected, st.last.global_selected))
+            rows.append((st.last.local_selected, st.last.global_selected, "global_under" in st.last.events))
         return rows
 
     return sparsecomm.simulate(P, body).results
@@ -209,11 +209,13 @@ def _decaying_run(P, n=100_000, calls=40):
 def test_counts_hold_on_a_shrinking_gradient(P):
     # The global threshold reused from the last exact selection once selected 0.005 k on
     # every other call here; the local one, after a trend taken from an extrapolated
-    # estimate, 0.17 k. The global count is now held within the bounds on every call.
+    # estimate, 0.17-0.21 k. The global count is now held within the bounds on every call,
+    # unless the ranks' local selections together hold fewer entries (then it takes them all).
     k = math.ceil(0.01 * 100_000)
     for rows in _decaying_run(P):
-        assert all(2 * k / 3 <= glob <= 4 * k / 3 for _, glob in rows), [g / k for _, g in rows]
-        assert min(local for local, _ in rows) >= 0.3 * k, [local / k for local, _ in rows]
+        for _, glob, took_all in rows:
+            assert glob <= 4 * k / 3 and (glob >= 2 * k / 3 or took_all), [g / k for _, g, _ in rows]
+        assert min(local for local, _, _ in rows) >= 0.25 * k, [local / k for local, _, _ in rows]
 
 
 _T = 1.0  # the reused global threshold in the cases below; k = 100
