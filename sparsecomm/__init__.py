@@ -35,6 +35,7 @@ from .state import CallStats, State
 __version__ = "0.1.0"
 
 __all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "simulate", "SimResult",
-           "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State", "CallStats", "SparseResult",
+           "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
+           "CallStats", "SparseResult",
            "Communicator", "resolve", "Network", "PROFILES",
            "SparseCommError", "InputError", "CommTimeoutError", "PeerError"]

@@ -147,7 +147,8 @@ def test_unknown_algorithm_and_op():
 
 
 def test_state_of_the_wrong_algorithm_or_tensor():
-    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, algorithm="oktopk", state=sparsecomm.DenseState(0.1)),
+    every_rank_raises(lambda r: sparsecomm.allreduce(good(r), 0.1, algorithm="oktopk",
+                                                     state=sparsecomm.DenseState(0.1)),
                       match="OkTopkState")
 
     def reuse(rank):
