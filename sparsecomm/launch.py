@@ -28,10 +28,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_with_parent(poll: float = 1.0) -> None:
+    """End this process when the one that spawned it has gone (killed, or Ctrl-C'd hard).
+
+    Otherwise the ranks go on training, or wait in a collective for a peer, with no one
+    to collect their results: a parent killed mid-run left four ranks computing. A daemon
+    thread polls the parent's pid (portable, unlike prctl's death signal).
+    """
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll)
+            if os.getppid() != parent:  # re-parented: the spawner is gone
+                os._exit(3)
+
+    threading.Thread(target=watch, name="sparsecomm-parent-watch", daemon=True).start()
+
+
 def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: int,
            fn: Callable[..., Any], args: tuple) -> None:
     import torch.distributed as dist
 
+    _exit_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group(backend, rank=rank, world_size=size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,50 @@ def test_spawn_reports_the_saved_error_of_a_rank_that_then_aborted():
 
     with pytest.raises(RuntimeError, match="(?s)rank 0 failed.*the real error.*then a process ended"):
         spawn(2, _fails_then_aborts, threads=1, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_spawned_ranks_end_when_the_spawner_is_killed(tmp_path):
+    # A parent killed mid-run (SIGKILL: no cleanup runs) once left its ranks training on.
+    # torch's spawn asks the kernel for a SIGINT to the ranks when their parent dies, but a
+    # job started with & from a script ignores SIGINT, and its ranks inherit that: so here.
+    script = textwrap.dedent(f"""
+        import os, time
+        from sparsecomm.launch import spawn
+
+        def forever(rank, size):
+            open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            spawn(2, forever, threads=1)
+    """)
+    (tmp_path / "parent.py").write_text(script)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], cwd=tmp_path,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+    finally:
+        parent.kill()
+        parent.wait()
+    ranks = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    deadline = time.monotonic() + 15
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in ranks if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, 9)
+    assert not alive, f"ranks {alive} outlived their spawner"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
