@@ -451,7 +451,10 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         hist = torch.bincount(torch.bucketize(mag, ascending, right=True), minlength=edges.numel() + 1)
         above = hist.flip(0).cumsum(0).flip(0)[1:]
         local = torch.empty_like(above).scatter_(0, order, above)  # back to preference order
-        per_rank = comm.allgather(local.reshape(1, -1).to(torch.int64)).reshape(comm.size, edges.numel())
+        # int32 on the wire (the allgather is P x 7 counts, the only control traffic of a
+        # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
+        local = local.clamp_(max=2**31 - 1).to(torch.int32)
+        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, edges.numel()).to(torch.int64)
         totals = per_rank.sum(0).tolist()
         for i, total in enumerate(totals):
             if lo * k <= total <= hi * k and total > 0:
