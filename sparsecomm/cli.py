@@ -133,7 +133,8 @@ def _train(args: argparse.Namespace) -> int:
         try:
             results += train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr,
                                  batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
-                                 optimizer=args.optimizer, warmup_steps=args.warmup_steps)
+                                 optimizer=args.optimizer, warmup_steps=args.warmup_steps,
+                                 momentum=args.momentum)
         except Exception as exc:  # noqa: BLE001 - reported, and the next configuration runs
             failed.append(config)
             # The error itself, not the note on how a process then ended (the JSON has it all).
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--lr", type=float, default=None, help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
     tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
                     help="default: the task's (digits: SGD with momentum, lm: AdamW)")
+    tr.add_argument("--momentum", type=float, default=0.9,
+                    help="SGD's momentum (one-step-stale Pipe-SGD diverged on the LM at 0.9; see README)")
     tr.add_argument("--batch", type=int, default=16, help="per rank")
     tr.add_argument("--warmup-steps", type=int, default=0,
                     help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first")

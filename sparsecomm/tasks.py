@@ -39,10 +39,10 @@ class Task:
     #: The optimizer it trains with by default ("sgd": SGD with momentum 0.9, or "adamw").
     default_optimizer = "sgd"
 
-    def optimizer(self, params, lr: float, kind: str | None = None) -> torch.optim.Optimizer:
+    def optimizer(self, params, lr: float, kind: str | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
         kind = kind or self.default_optimizer
         if kind == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+            return torch.optim.SGD(params, lr=lr, momentum=momentum)
         if kind == "adamw":
             return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         raise ValueError(f"unknown optimizer {kind!r}; choose sgd or adamw")

@@ -67,12 +67,13 @@ def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, set
 
 def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float | None = None,
                network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none",
-               task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0) -> dict:
+               task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0,
+               momentum: float = 0.9) -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised).
 
     ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
     task's (a cosine decay over the run follows; the LM task warms up over its
-    first 5% of steps). ``warmup_steps``: with the DDP hook, so many dense
+    first 5% of steps); ``momentum``: SGD's. ``warmup_steps``: with the DDP hook, so many dense
     steps before the sparse ones (DGC's warm-up); with Pipe-SGD, so many
     synchronous steps before the pipelined ones (the paper's warm-up).
     """
@@ -103,7 +104,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer)
+    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
     sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
@@ -179,6 +180,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
     return {"config": config if schedule == "none" else f"{config}/{schedule}", "schedule": schedule,
             "task": task, "optimizer": optimizer or job.default_optimizer, "warmup_steps": warmup_steps,
+            "momentum": momentum if (optimizer or job.default_optimizer) == "sgd" else None,
             "metric": job.metric,
             "higher_is_better": job.higher_is_better,
             "ranks": size, "epochs": epochs, "steps_per_epoch": steps_per_epoch, "params": n_params,

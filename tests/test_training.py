@@ -119,6 +119,8 @@ def test_lm_task_reads_the_standard_library_and_starts_near_uniform(tmp_path):
         task.loss(model, x, y).backward()
         opt.step()
     assert task.evaluate(model) < math.log(256) - 1.0  # 50 steps on a repetitive text: learned
+    assert task.optimizer(model.parameters(), 0.1, "sgd", momentum=0.5).param_groups[0]["momentum"] == 0.5
+    assert task.optimizer(model.parameters(), 0.1, "sgd").param_groups[0]["momentum"] == 0.9
     with pytest.raises(ValueError, match="unknown task"):
         get_task("imagenet")
     with pytest.raises(RuntimeError, match="standard library"):
