@@ -9,7 +9,10 @@
 
 The update at step t uses the aggregated gradient of step t-1: staleness of
 exactly one step, deterministic (Pipe-SGD paper, section 5 of
-``../shared/papers/README.md``). The first ``warmup_steps`` steps are
+``../shared/papers/README.md``). A delay acts as extra momentum: on the
+transformer LM of ``sparsecomm train``, SGD with momentum 0.9 that trains
+synchronously diverged one step stale (dense too), and trained at momentum 0.5.
+Lower the optimizer's momentum, or its learning rate, when moving to Pipe-SGD. The first ``warmup_steps`` steps are
 synchronous (each applies its own aggregated gradient); the first pipelined
 step applies nothing (its predecessor was applied synchronously).
 
