@@ -28,16 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent(poll: float = 1.0) -> None:
-    """End this process when the one that spawned it has gone (killed, or Ctrl-C'd hard).
+def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
+    """End this process when ``parent``, the process that spawned it, has gone.
 
     Otherwise the ranks go on training, or wait in a collective for a peer, with no one
     to collect their results: a parent killed mid-run left four ranks computing. A daemon
-    thread polls the parent's pid (portable, unlike prctl's death signal).
+    thread polls the parent's pid (portable, unlike prctl's death signal). The spawner
+    passes its own pid: one read here could already see the re-parented value.
     """
     import threading
 
-    parent = os.getppid()
+    if os.getppid() != parent:
+        os._exit(3)
 
     def watch() -> None:
         while True:
@@ -49,10 +51,10 @@ def _exit_with_parent(poll: float = 1.0) -> None:
 
 
 def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: int,
-           fn: Callable[..., Any], args: tuple) -> None:
+           fn: Callable[..., Any], args: tuple, parent: int) -> None:
     import torch.distributed as dist
 
-    _exit_with_parent()
+    _exit_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group(backend, rank=rank, world_size=size,
@@ -96,7 +98,7 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
 
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(nprocs, _free_port(), outdir, backend, threads, fn, args),
+        ctx = mp.start_processes(_entry, args=(nprocs, _free_port(), outdir, backend, threads, fn, args, os.getpid()),
                                  nprocs=nprocs, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

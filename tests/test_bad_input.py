@@ -211,3 +211,19 @@ def test_state_pickles_with_its_residual():
     copy = pickle.loads(pickle.dumps(st))
     assert copy.iteration == 3 and torch.equal(copy.residual, st.residual)
     assert copy.local_threshold == st.local_threshold and torch.equal(copy.boundaries, st.boundaries)
+
+
+def test_a_sum_that_the_wire_makes_nan_in_a_reusing_call_raises_on_every_rank():
+    # fp16 on the wire turns +-1e5 into +-inf, and their sum is NaN: the reused global
+    # threshold's counts and its selection must agree about that entry (a mismatch would
+    # break the allgatherv), and the call must end in the collective non-finite check.
+    def body(rank):
+        st = sparsecomm.OkTopkState(0.05, tau=100)
+        for step in range(3):
+            sparsecomm.allreduce(good(rank + step), state=st, compressor="fp16", op="sum")
+        assert st.global_threshold is not None  # the next call reuses it
+        g = good(rank + 3)
+        g[7] = 1e5 if rank % 2 == 0 else -1e5
+        return sparsecomm.allreduce(g, state=st, compressor="fp16", op="sum")
+
+    every_rank_raises(body, match="reduced result overflows", P=2)

@@ -222,6 +222,7 @@ _T = 1.0  # the reused global threshold in the cases below; k = 100
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("case, levels, want_event, want_threshold", [
     # (magnitude, how many) around the reused threshold _T; the rest of the entries are 0.
     ("stays", [(1.2, 30), (1.01, 60), (0.5, 500)], None, _T),
@@ -230,12 +231,15 @@ _T = 1.0  # the reused global threshold in the cases below; k = 100
     ("corrected", [(1.2, 30), (0.99, 150)], "global_corrected", 0.99),
     ("too few", [(1.2, 20)], "global_recomputed", None),
 ])
-def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, case, levels, want_event, want_threshold):
+def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, dtype, case, levels, want_event,
+                                                                   want_threshold):
     from sparsecomm.algorithms.oktopk import _global_select
     from sparsecomm.state import CallStats
 
     k, n = 100, 3001
-    mag = torch.zeros(n)
+    mag = torch.zeros(n, dtype=dtype)
+    if want_threshold is not None:  # as the rung or the k-th largest lands in this dtype
+        want_threshold = float(torch.tensor(want_threshold, dtype=dtype))
     at = torch.randperm(n, generator=torch.Generator().manual_seed(5))
     start = 0
     for value, count in levels:
@@ -254,7 +258,7 @@ def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, case, levels
     res = sparsecomm.simulate(P, body).results
     mask = torch.cat([m for m, _, _, _ in res])
     if want_event in (None, "global_moved"):  # a threshold: everything at or above it
-        want = mag >= torch.tensor(want_threshold, dtype=torch.float32)
+        want = mag >= torch.tensor(want_threshold, dtype=dtype)
         assert 2 * k / 3 <= int(want.sum()) <= 4 * k / 3
     else:  # the exact top-k, ties to the lower index (all nonzero ones when fewer)
         want = torch.zeros(n, dtype=torch.bool)
@@ -262,7 +266,7 @@ def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, case, levels
     assert torch.equal(mask, want), case
     for rank, (m, counts, th, events) in enumerate(res):
         assert counts == [int(x.sum()) for x, _, _, _ in res]
-        assert (th is None) if want_threshold is None else th == pytest.approx(want_threshold, rel=1e-6)
+        assert (th is None) if want_threshold is None else th == want_threshold
         assert th == res[0][2]  # every rank keeps the same threshold
         exact = {"global_corrected", "global_recomputed"} & events.keys()
         assert (want_event in events) if want_event else not events, events

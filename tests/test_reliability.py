@@ -254,23 +254,38 @@ def test_spawned_ranks_end_when_the_spawner_is_killed(tmp_path):
         while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
             assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
             time.sleep(0.2)
+        ranks = {int(p.name): _started(int(p.name)) for p in tmp_path.iterdir() if p.name.isdigit()}
     finally:
         parent.kill()
         parent.wait()
-    ranks = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
     deadline = time.monotonic() + 15
-    alive = ranks
+    alive = list(ranks)
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = [pid for pid in ranks if _alive(pid)]
+        alive = [pid for pid, start in ranks.items() if _alive(pid, start)]
     for pid in alive:
-        os.kill(pid, 9)
+        os.kill(pid, signal.SIGKILL)
     assert not alive, f"ranks {alive} outlived their spawner"
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+            return f.read().rsplit(") ", 1)[1].split()  # fields from the state on
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """The process's start time (so a reused pid is not taken for it); checks SIGINT is ignored."""
+    with open(f"/proc/{pid}/status") as f:
+        ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    # Else torch's parent-death SIGINT would end the ranks and the test would not test the watcher.
+    assert ignored & (1 << (signal.SIGINT - 1)), "the ranks do not ignore SIGINT"
+    stat = _stat(pid)
+    return stat[19] if stat else None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[19] == start  # a zombie has ended
