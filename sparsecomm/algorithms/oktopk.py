@@ -71,10 +71,10 @@ class OkTopkState(State):
             P up to ~44), radix elsewhere. All three select the same entries.
 
     Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
-    (P+1 region starts), ``residual``, ``iteration``, and ``local_stale`` /
-    ``global_stale`` (the local one: a count fell below the bounds and the next
-    call re-evaluates exactly; the global one is only set by old checkpoints); statistics in ``last`` and
-    ``totals`` (see :class:`~sparsecomm.state.State`).
+    (P+1 region starts), ``residual``, ``iteration``, ``local_stale`` (a count
+    fell below the bounds: the next call re-evaluates exactly) and
+    ``global_stale`` (set only in checkpoints older than the rungs); statistics
+    in ``last`` and ``totals`` (see :class:`~sparsecomm.state.State`).
     """
 
     #: Default for states pickled before the setting existed (checkpoints load as they were).
@@ -344,8 +344,8 @@ def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | No
     in a trend, neither now nor at the next call: on a shrinking gradient the trend from
     it to the next call's k-th largest overshot, the next count fell below the bounds
     again, and so on (every other call selected 0.003-0.08 k; now 0.25-0.48 k at worst).
-    Also not following the trend after a call above the bounds did better there, but
-    lengthened error feedback's build-up of corrections on every other workload.
+    Dropping the trend after a call above the bounds as well did better on that gradient
+    but lengthened error feedback's build-up of corrections on every other one.
     """
     prev, st.local_kth = st.local_kth, (kth if trusted else None)
     if not trusted:
