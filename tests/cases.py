@@ -246,3 +246,24 @@ def check_engine_cases(results: list[dict[str, Any]]) -> None:
         assert torch.equal(out["after_bad"], out["sync/after_bad"])
         assert "NaN or Inf on rank(s) [%d]" % (len(results) - 1) in out["bad"], out["bad"]
         assert torch.equal(out["caller/2"], results[0]["caller/2"])
+
+
+def oktopk_reuse_cases(rank: int, size: int, comm=None) -> dict:
+    """Ok-Topk reusing its thresholds on a shrinking, drifting gradient (the global rungs).
+
+    Returns each call's result, the residual, the thresholds after each call, and the
+    global events seen, so a caller can check the rungs were exercised.
+    """
+    n, calls = 20_011, 14
+    gen = torch.Generator().manual_seed(100 + rank)
+    scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7)))
+    x = torch.randn(n, generator=gen)
+    st = sparsecomm.OkTopkState(0.01, tau=100, tau_prime=100)
+    out: dict = {"thresholds": [], "events": set()}
+    for t in range(calls):
+        x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
+        out[f"step{t}"] = sparsecomm.allreduce(x * scale * 0.97 ** t, state=st, comm=comm)
+        out["thresholds"].append((st.local_threshold, st.global_threshold))
+        out["events"] |= {e for e in st.last.events if e.startswith("global")}
+    out["residual"] = st.residual.clone()
+    return out

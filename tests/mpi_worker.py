@@ -32,6 +32,7 @@ def main() -> None:
         "matrix_cuda": lambda: test_gpu.matrix(rank, size, "cuda"),
         "engine": lambda: cases.engine_cases(rank, size),
         "schedules": lambda: test_schedules.schedule_cases(rank, size),
+        "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),
     }
     save_result(outdir, rank, bodies[case])
 

@@ -31,6 +31,10 @@ def _allreduce_case(rank, size):
     return cases.allreduce_cases(rank, size)
 
 
+def _oktopk_reuse_case(rank, size):
+    return cases.oktopk_reuse_cases(rank, size)
+
+
 def _bad_input_case(rank, size):
     return cases.bad_input_cases(rank, size)
 
@@ -147,3 +151,32 @@ def test_mpi_bad_input_raises_on_every_rank():
     for rank_msgs in msgs:
         cases.check_bad_input_messages(rank_msgs)
     assert "the tensor is on meta, which the mpi communicator cannot use" in msgs[0]["meta"]
+
+
+# ---- Ok-Topk reusing its thresholds, at world sizes that are not powers of two --------------
+def check_reuse_equals_simulation(real: list, P: int) -> None:
+    """Every call, residual and threshold bitwise as the simulated world's, the same on every rank."""
+    simulated = sparsecomm.simulate(P, lambda r: cases.oktopk_reuse_cases(r, P)).results
+    for rank in range(P):
+        got, want = real[rank], simulated[rank]
+        assert got.keys() == want.keys() and got["thresholds"] == want["thresholds"], rank
+        for name, value in got.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, want[name]), f"{name} differs on rank {rank}"
+                if name != "residual":
+                    assert torch.equal(value, real[0][name]), f"{name}: rank {rank} != rank 0"
+    # The case is not vacuous: the threshold moved to a rung, and a call selected exactly.
+    assert {"global_moved", "global_corrected"} <= real[0]["events"], real[0]["events"]
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gloo_oktopk_reusing_thresholds_equals_simulation_at_3_ranks():
+    check_reuse_equals_simulation(engines.run_gloo(3, _oktopk_reuse_case), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@needs_mpi
+def test_mpi_oktopk_reusing_thresholds_equals_simulation_at_5_ranks():
+    check_reuse_equals_simulation(engines.run_mpi(5, "oktopk_reuse"), 5)
