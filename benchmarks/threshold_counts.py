@@ -22,10 +22,8 @@ import argparse
 import json
 import statistics
 
-import torch
-
 import sparsecomm
-from sparsecomm.synthetic import KINDS, gradient
+from sparsecomm.synthetic import KINDS, drifting, gradient
 
 WORKLOADS = ("drift", "decay") + KINDS
 _EXACT_GLOBAL = ("global_corrected", "global_recomputed")
@@ -34,17 +32,11 @@ _EXACT_LOCAL = ("local_corrected", "local_recomputed", "local_overflowed")
 
 def _run(workload: str, P: int, n: int, calls: int, tau: int) -> dict:
     def body(rank: int):
-        gen = torch.Generator().manual_seed(100 + rank)
-        scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7)))
-        x = torch.randn(n, generator=gen)
+        grads = drifting(rank, n, **({"shrink": 0.97, "shared_scale": True} if workload == "decay" else {}))
         st = sparsecomm.OkTopkState(0.01, tau=tau)
         rows = []
         for t in range(calls):
-            if workload in ("drift", "decay"):
-                x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
-                g = x.clone() if workload == "drift" else x * scale * 0.97 ** t
-            else:
-                g = gradient(rank, t, n, workload)
+            g = next(grads) if workload in ("drift", "decay") else gradient(rank, t, n, workload)
             sparsecomm.allreduce(g, state=st)
             rows.append((st.last.local_selected / st.last.k, st.last.global_selected / st.last.k,
                          set(st.last.events)))

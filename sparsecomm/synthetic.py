@@ -9,10 +9,12 @@ relies on). ``gradient(rank, step, n)`` produces such a vector, seeded by
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 
-__all__ = ["gradient", "KINDS"]
+__all__ = ["gradient", "drifting", "KINDS"]
 
 KINDS = ("model", "gaussian", "student_t", "skewed")
 
@@ -50,6 +52,26 @@ def gradient(rank: int, step: int, n: int, kind: str = "model", dtype: torch.dty
         base = _student_t(n, shared) * _layer_scales(n, 32, 11)
         g = base * (1 + 0.01 * step) + drift * _student_t(n, gen) * _layer_scales(n, 32, 11)
     return g.to(dtype)
+
+
+def drifting(rank: int, n: int, shrink: float = 1.0, shared_scale: bool = False) -> Iterator[torch.Tensor]:
+    """Successive gradients of ``rank`` under error feedback's typical workload, endlessly.
+
+    1. x starts as randn(n) (seeded by ``rank``).
+    2. Each call x = 0.9 x + 0.1 randn (issue 11's slowly drifting gradient);
+       with ``shared_scale`` it is yielded times a per-entry scale exp(randn)
+       that every rank shares, and call t (from 0) is multiplied by ``shrink ** t``
+       (0.97: a gradient shrinking as in early training).
+    """
+    gen = torch.Generator().manual_seed(100 + rank)
+    scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7))) if shared_scale else None
+    x = torch.randn(n, generator=gen)
+    t = 0
+    while True:
+        x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
+        g = x.clone() if scale is None else x * scale
+        yield g if shrink == 1.0 else g * shrink ** t
+        t += 1
 
 
 def _student_t(n: int, gen: torch.Generator, dof: float = 3.0) -> torch.Tensor:

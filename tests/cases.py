@@ -254,15 +254,14 @@ def oktopk_reuse_cases(rank: int, size: int, comm=None) -> dict:
     Returns each call's result, the residual, the thresholds after each call, and the
     global events seen, so a caller can check the rungs were exercised.
     """
+    from sparsecomm.synthetic import drifting
+
     n, calls = 20_011, 14
-    gen = torch.Generator().manual_seed(100 + rank)
-    scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7)))
-    x = torch.randn(n, generator=gen)
+    grads = drifting(rank, n, shrink=0.97, shared_scale=True)
     st = sparsecomm.OkTopkState(0.01, tau=100, tau_prime=100)
     out: dict = {"thresholds": [], "events": set()}
     for t in range(calls):
-        x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
-        out[f"step{t}"] = sparsecomm.allreduce(x * scale * 0.97 ** t, state=st, comm=comm)
+        out[f"step{t}"] = sparsecomm.allreduce(next(grads), state=st, comm=comm)
         out["thresholds"].append((st.local_threshold, st.global_threshold))
         out["events"] |= {e for e in st.last.events if e.startswith("global")}
     out["residual"] = st.residual.clone()

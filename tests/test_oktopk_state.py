@@ -11,7 +11,7 @@ import torch
 import sparsecomm
 from sparsecomm import kernels
 from sparsecomm.api import Signature
-from sparsecomm.synthetic import gradient
+from sparsecomm.synthetic import drifting, gradient
 
 from reference import ref_oktopk
 
@@ -191,14 +191,11 @@ def test_boundaries_split_the_ranks_selections_together_into_equal_parts(P):
 def _decaying_run(P, n=100_000, calls=40):
     """x = 0.9 x + 0.1 randn with a shared per-entry scale, shrinking 3% a call (early training)."""
     def body(rank):
-        gen = torch.Generator().manual_seed(100 + rank)
-        scale = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(7)))
-        x = torch.randn(n, generator=gen)
+        grads = drifting(rank, n, shrink=0.97, shared_scale=True)
         st = sparsecomm.OkTopkState(0.01)
         rows = []
-        for t in range(calls):
-            x = 0.9 * x + 0.1 * torch.randn(n, generator=gen)
-            sparsecomm.allreduce(x * scale * 0.97 ** t, state=st)
+        for _ in range(calls):
+            sparsecomm.allreduce(next(grads), state=st)
             rows.append((st.last.local_selected, st.last.global_selected, "global_under" in st.last.events))
         return rows
 

@@ -453,7 +453,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         bucket = torch.bucketize(mag, ascending, right=True)
         above = torch.bincount(bucket, minlength=edges.numel() + 1).flip(0).cumsum(0).flip(0)[1:]
         local = torch.empty_like(above).scatter_(0, order, above)  # back to preference order
-        rank_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        sorted_at = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         # int32 on the wire (the allgather is P x 7 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
         local = local.clamp_(max=2**31 - 1).to(torch.int32)
@@ -464,11 +464,11 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                 if i:
                     st.global_threshold = float(edges[i])
                     stats.events["global_moved"] = 1
-                return bucket > rank_of[i], per_rank[:, i].tolist()
+                return bucket > sorted_at[i], per_rank[:, i].tolist()
         enough = [i for i, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
             i = min(enough, key=lambda j: totals[j])
-            masked = torch.where(bucket > rank_of[i], mag, torch.zeros_like(mag))
+            masked = torch.where(bucket > sorted_at[i], mag, torch.zeros_like(mag))
             mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[i])
             stats.events["global_corrected"] = 1
             return mask, counts
