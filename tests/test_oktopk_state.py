@@ -215,21 +215,45 @@ def test_counts_hold_on_a_shrinking_gradient(P):
         assert min(local for local, _, _ in rows) >= 0.25 * k, [local / k for local, _, _ in rows]
 
 
+def test_a_count_below_the_bounds_measures_the_next_threshold():
+    # Exceedances crowded just above the reused threshold (as error feedback leaves them):
+    # a tail fitted to them is steep, so the extrapolated threshold barely moved and the
+    # next call selected 0.3 k again. The next threshold is now measured from the data.
+    k, n = 1000, 100_000
+    x = torch.rand(n, generator=torch.Generator().manual_seed(3)) * 0.5
+    x[:300] = 1.0 + 0.01 * torch.rand(300)  # just above the reused threshold 1.0
+    x[300:2300] = torch.linspace(0.7, 0.9, 2000)  # the k-th largest is ~0.83
+    x = x[torch.randperm(n, generator=torch.Generator().manual_seed(4))]
+    st = sparsecomm.OkTopkState(k / n, tau=100, error_feedback=False)
+    st.local_threshold, st.iteration = 1.0, 1  # the second call reuses it
+    sparsecomm.allreduce(x, state=st)
+    assert st.last.local_selected == 300 and "local_under" in st.last.events
+    assert 0.9 * k <= int((x.abs() >= st.local_threshold).sum()) <= 1.1 * k, st.local_threshold
+
+
 _T = 1.0  # the reused global threshold in the cases below; k = 100
+_S = 1 / 80  # the grid's default spacing: rung j is _T * exp(j * _S), j = -8..8
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("case, levels, want_event, want_threshold", [
+@pytest.mark.parametrize("case, levels, want_event, want_threshold, want_spacing", [
     # (magnitude, how many) around the reused threshold _T; the rest of the entries are 0.
-    ("stays", [(1.2, 30), (1.01, 60), (0.5, 500)], None, _T),
-    ("moves down", [(1.2, 30), (1.01, 20), (0.98, 60), (0.5, 500)], "global_moved", _T / 1.025),
-    ("moves up", [(1.2, 50), (1.04, 40), (1.01, 60)], "global_moved", _T * 1.025),
-    ("corrected", [(1.2, 30), (0.99, 150)], "global_corrected", 0.99),
-    ("too few", [(1.2, 20)], "global_recomputed", None),
+    ("stays", [(1.2, 30), (1.01, 60), (0.5, 500)], None, _T, _S),
+    # Every rung from -2 down counts 110: the nearest of the equally good ones.
+    ("moves down", [(1.2, 30), (1.01, 20), (0.98, 60), (0.5, 500)], "global_moved", math.exp(-2 * _S), _S),
+    ("moves up", [(1.2, 50), (1.04, 40), (1.01, 60)], "global_moved", math.exp(_S), _S),
+    # Only the outermost rung fits: the data moves fast, so the grid widens.
+    ("moves to the edge", [(1.2, 30), (1.109375, 60), (1.095, 100)], "global_moved", math.exp(8 * _S), 2 * _S),
+    # The total jumps from 180 to 30 between two rungs: the grid is too coarse.
+    ("corrected", [(1.2, 30), (0.99, 150)], "global_corrected", 0.99, _S / 2),
+    # Every rung counts 200: k lies beyond the grid, which widens.
+    ("beyond the grid", [(1.2, 200)], "global_corrected", 1.2, 2 * _S),
+    # No threshold could fit: the grid stays as it is.
+    ("too few", [(1.2, 20)], "global_recomputed", None, _S),
 ])
 def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, dtype, case, levels, want_event,
-                                                                   want_threshold):
+                                                                   want_threshold, want_spacing):
     from sparsecomm.algorithms.oktopk import _global_select
     from sparsecomm.state import CallStats
 
@@ -247,13 +271,14 @@ def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, dtype, case,
     def body(rank):
         st = sparsecomm.OkTopkState(0.01, tau=100)
         st.global_threshold = _T
+        assert st.global_spacing == _S
         stats = CallStats()
         mask, counts = _global_select(mag[cuts[rank]:cuts[rank + 1]].clone(), k, st, 2, sparsecomm.comm.resolve(),
                                       stats)
-        return mask, counts, st.global_threshold, stats.events
+        return mask, counts, st.global_threshold, stats.events, st.global_spacing
 
     res = sparsecomm.simulate(P, body).results
-    mask = torch.cat([m for m, _, _, _ in res])
+    mask = torch.cat([r[0] for r in res])
     if want_event in (None, "global_moved"):  # a threshold: everything at or above it
         want = mag >= torch.tensor(want_threshold, dtype=dtype)
         assert 2 * k / 3 <= int(want.sum()) <= 4 * k / 3
@@ -261,10 +286,11 @@ def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, dtype, case,
         want = torch.zeros(n, dtype=torch.bool)
         want[kernels.topk_indexes(mag, k, use_abs=True)] = True
     assert torch.equal(mask, want), case
-    for rank, (m, counts, th, events) in enumerate(res):
-        assert counts == [int(x.sum()) for x, _, _, _ in res]
+    for rank, (m, counts, th, events, spacing) in enumerate(res):
+        assert counts == [int(r[0].sum()) for r in res]
         assert (th is None) if want_threshold is None else th == want_threshold
-        assert th == res[0][2]  # every rank keeps the same threshold
+        assert th == res[0][2]  # every rank keeps the same threshold and grid
+        assert spacing == want_spacing
         exact = {"global_corrected", "global_recomputed"} & events.keys()
         assert (want_event in events) if want_event else not events, events
         assert len(exact) <= 1 and (want_event in exact or not exact)

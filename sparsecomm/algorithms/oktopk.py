@@ -7,6 +7,7 @@ k largest-magnitude nonzero entries, ties broken by lower index
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -79,6 +80,8 @@ class OkTopkState(State):
 
     #: Default for states pickled before the setting existed (checkpoints load as they were).
     global_select = "auto"
+    #: The global rungs' spacing (see ``_global_select``); also the default for older checkpoints.
+    global_spacing = 1 / 80
 
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
@@ -110,6 +113,7 @@ class OkTopkState(State):
         self.boundaries: torch.Tensor | None = None
         self.local_stale = False
         self.global_stale = False
+        self.global_spacing = OkTopkState.global_spacing
         self.local_kth: float | None = None  # last call's k-th largest |acc| (exact or estimated)
 
     def reuse_due(self, t: int) -> bool:
@@ -268,7 +272,7 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
             th = kernels.estimate_threshold(acc, k)
             idx = kernels.select_above(acc, th, use_abs=True)
             if idx.numel() >= st.count_bounds[0] * k:
-                return _checked_select(idx, acc[idx], idx.numel(), th, k, st, stats)
+                return _checked_select(acc, idx, acc[idx], idx.numel(), th, k, st, stats)
             # Too few (ties, or a sample in step with a periodic layout would
             # give the same estimate every time): select exactly instead.
             stats.events["local_estimate_fallback"] = 1
@@ -292,7 +296,7 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
         # sending nothing would waste the call, so select exactly, as a re-evaluation would.
         stats.events["local_recomputed"] = 1
         return _exact_local(acc, k, st)
-    return _checked_select(idx, val, count, th, k, st, stats)
+    return _checked_select(acc, idx, val, count, th, k, st, stats)
 
 
 def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,16 +307,19 @@ def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tens
     return idx, val
 
 
-def _checked_select(idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
+def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
                     st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
 
     1. Above the upper bound: keep the exact top-k of these few candidates.
-    2. Below the lower bound: go on with fewer (the re-estimate lowers the threshold).
-    3. Every call: the next threshold is where this call would have selected k
-       (:func:`tail_threshold` of the magnitudes above ``th``), moved on by the
-       trend of those thresholds over the last two calls, so that a count
-       drifting with error feedback stays inside the bounds without corrections.
+    2. Below the lower bound: go on with fewer; the next threshold is
+       ``kernels.estimate_threshold`` of ``acc`` (a sample and a sampled count,
+       ~6 ms at 25M on one CPU thread), with no trend.
+    3. Otherwise the next threshold is where this call would have selected k
+       (its exact k-th largest, or :func:`tail_threshold` of the magnitudes
+       above ``th``), moved on by the trend of those thresholds over the last
+       two calls, so that a count drifting with error feedback stays inside
+       the bounds without corrections.
     """
     lo, hi = st.count_bounds
     mag = val.abs()
@@ -328,6 +335,11 @@ def _checked_select(idx: torch.Tensor, val: torch.Tensor, count: int, th: float,
     under = idx.numel() < lo * k
     if under:
         stats.events["local_under"] = 1
+        if k < acc.numel():
+            # Measure rather than extrapolate: error feedback crowds the exceedances just
+            # above th, so a tail fitted to them is too steep and the next count fell
+            # short again (or, after a swing, overflowed the fused buffer).
+            est = kernels.estimate_threshold(acc, k)
     if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
     else:  # never above this call's largest magnitude: the next call selects something
@@ -419,11 +431,12 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
 
 
 # ---- step 4: global selection ---------------------------------------------------
-#: Multiples of the reused global threshold counted in the one allgather of a reusing call,
-#: in order of preference (nearest first). Near the k-th largest, the count of reduced
-#: magnitudes can triple within 2.5% of threshold (entries selected by one rank only sit
-#: in a cluster just above the local thresholds), so the rungs are close together.
-GLOBAL_RUNGS = (1.0, 1 / 1.025, 1.025, 1 / 1.05, 1.05, 1 / 1.1, 1.1)
+#: Rungs counted either side of the reused global threshold in a reusing call's one
+#: allgather: the grid is threshold * exp(spacing * j), j = -GRID_HALF..GRID_HALF.
+GRID_HALF = 8
+#: Range of the grid's spacing (a log-ratio): it halves when the count jumps over the
+#: bounds between two rungs and doubles when k lies beyond the grid.
+SPACING_MIN, SPACING_MAX = 2.0 ** -9, 0.5
 
 
 def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
@@ -431,45 +444,63 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     """Mask of this rank's reduced entries in the global result, and every rank's count.
 
     1. Every ``tau`` calls (and the first): the exact global top-k (``global_topk_mask``).
-    2. In between, one allgather of every rank's counts above each of
-       ``GLOBAL_RUNGS`` times the reused threshold (one bucketing pass). While the
-       reused threshold's total is within ``count_bounds`` it stays: chasing k
-       every call makes error feedback swing the count from call to call (a call
-       that sends more leaves less behind for the next). Otherwise the first rung
-       within the bounds becomes the threshold (``global_moved``), at no extra round.
-    3. No rung within the bounds: the exact top-k, among the candidates of the
-       rung with the fewest that still hold k (``global_corrected``), or among all
-       reduced entries (``global_under``, then ``global_recomputed``). So every
-       call's result holds between ``low * k`` and ``high * k`` entries (fewer only
-       when fewer reduced entries are nonzero).
+    2. In between, one allgather of every rank's counts at each rung of a geometric grid
+       around the reused threshold (one bucketing pass). While the reused threshold's
+       total is within ``count_bounds`` it stays: chasing k every call makes error
+       feedback swing the count from call to call (a call that sends more leaves less
+       behind for the next). Otherwise the rung within the bounds whose total is nearest
+       k becomes the threshold (``global_moved``), at no extra round.
+    3. No rung within the bounds: the exact top-k, among the candidates of the rung
+       with the fewest that still hold k (``global_corrected``), or among all reduced
+       entries (``global_under``, then ``global_recomputed``). So every call's result
+       holds between ``low * k`` and ``high * k`` entries (fewer only when fewer
+       reduced entries are nonzero).
+    4. The grid adapts, the same on every rank (it depends only on the totals): its
+       spacing halves when the total jumps over the bounds between two neighbouring
+       rungs, and doubles when k lies beyond the grid or the threshold moved to its
+       outermost rung. Under error feedback the reduced magnitudes crowd just above the
+       local thresholds (an entry is sent soon after it crosses), so the total can fall
+       from 2k to 0.01k within 10% of the threshold, and that cluster moves every call
+       while the residuals build up.
     """
     lo, hi = st.count_bounds
     if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st.global_stale):
-        edges = torch.tensor([st.global_threshold * r for r in GLOBAL_RUNGS], dtype=mag.dtype, device=mag.device)
-        ascending, order = edges.sort()
-        # bucket > j: at or above ascending[j]. Counts and masks both come from the buckets, so
+        s = st.global_spacing
+        steps = torch.arange(-GRID_HALF, GRID_HALF + 1, dtype=torch.float64)
+        # Ascending (a cast to a narrow dtype may merge neighbours, which keeps it sorted).
+        edges = (st.global_threshold * torch.exp(s * steps)).to(dtype=mag.dtype, device=mag.device)
+        # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
         # would leave it out of the mask but not of the count), and zeros fall below every edge.
-        bucket = torch.bucketize(mag, ascending, right=True)
+        bucket = torch.bucketize(mag, edges, right=True)
         above = torch.bincount(bucket, minlength=edges.numel() + 1).flip(0).cumsum(0).flip(0)[1:]
-        local = torch.empty_like(above).scatter_(0, order, above)  # back to preference order
-        sorted_at = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        # int32 on the wire (the allgather is P x 7 counts, the only control traffic of a
+        nonzero = torch.count_nonzero(mag).reshape(1).to(above.dtype)
+        # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
-        local = local.clamp_(max=2**31 - 1).to(torch.int32)
-        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, edges.numel()).to(torch.int64)
-        totals = per_rank.sum(0).tolist()
-        for i, total in enumerate(totals):
-            if lo * k <= total <= hi * k and total > 0:
-                if i:
-                    st.global_threshold = float(edges[i])
-                    stats.events["global_moved"] = 1
-                return bucket > sorted_at[i], per_rank[:, i].tolist()
-        enough = [i for i, total in enumerate(totals) if total >= k]
+        local = torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32)
+        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).to(torch.int64)
+        *totals, available = per_rank.sum(0).tolist()
+        fits = [j for j, total in enumerate(totals) if lo * k <= total <= hi * k and total > 0]
+        if fits:
+            j = min(fits, key=lambda i: (i != GRID_HALF, abs(math.log(totals[i] / k)), abs(i - GRID_HALF)))
+            if j != GRID_HALF:
+                st.global_threshold = float(edges[j])
+                stats.events["global_moved"] = 1
+                if j in (0, 2 * GRID_HALF):
+                    st.global_spacing = min(2 * s, SPACING_MAX)
+            return bucket > j, per_rank[:, j].tolist()
+        # No rung fits: the grid is too coarse if the total jumps over the bounds between
+        # two rungs (it is non-increasing along the grid), else too narrow, unless too few
+        # reduced entries are nonzero for any threshold to fit.
+        if totals[0] > hi * k and totals[-1] < lo * k:
+            st.global_spacing = max(s / 2, SPACING_MIN)
+        elif available >= lo * k:
+            st.global_spacing = min(2 * s, SPACING_MAX)
+        enough = [j for j, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
-            i = min(enough, key=lambda j: totals[j])
-            masked = torch.where(bucket > sorted_at[i], mag, torch.zeros_like(mag))
-            mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[i])
+            j = enough[-1]
+            masked = torch.where(bucket > j, mag, torch.zeros_like(mag))
+            mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[j])
             stats.events["global_corrected"] = 1
             return mask, counts
         stats.events["global_under"] = 1
