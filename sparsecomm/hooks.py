@@ -16,9 +16,11 @@ Residuals are kept per *parameter*, not per bucket: DDP rebuilds its buckets
 after the first iteration (and a resumed run starts with the default layout
 again), so a new bucket layout picks up the residuals of the parameters it
 holds. Thresholds and region boundaries are per bucket layout and restart
-(exactly) when the set of parameters in a bucket changes; a bucket holding
-the same parameters in another order is put back in model order first, so
-it keeps them. A checkpoint therefore resumes bit-identically when the
+(exactly) when the set of parameters in a bucket changes. A bucket holding
+the same parameters in another order is copied into its state's layout and
+back, so it keeps them, until the same new order comes twice in a row (DDP's
+rebuilt buckets): then that order becomes the layout and the bucket is reduced
+in place from then on. A checkpoint therefore resumes bit-identically when the
 resumed run's buckets hold the same parameter sets (a model in one bucket,
 say); otherwise its first step re-evaluates thresholds exactly, and no
 residual is lost either way.
@@ -105,6 +107,7 @@ class SparseHookState:
         self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not yet in a bucket
         self._comm: Optional[Communicator] = None
         self._canonical: Dict[Tuple[int, ...], torch.Tensor] = {}  # per-layout reorder buffers
+        self._reordered: Dict[frozenset, Tuple[int, ...]] = {}  # per set: the last order not its layout
         # Statistics.
         self.stats: List[List[dict]] = [[]]
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0}
@@ -187,8 +190,35 @@ class SparseHookState:
         placed = {i for key in self.buckets for i in key}
         self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
 
+    def _layout(self, order: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The layout (parameter order) the algorithm sees for a bucket of parameters ``order``.
+
+        1. A state keyed by this very order: that order (the bucket is reduced in place).
+        2. A state for the same parameters in another order: that state's order (the
+           bucket is copied into it and back, ~15 ms per 100 MB on a CPU core), unless
+           the previous call of this set came in the same new order too. Then the new
+           order becomes the layout (a fresh state that inherits the residuals, as any
+           new layout does): DDP rebuilds its buckets once, in gradient-ready order,
+           after the first step; a resumed run starts once more in the initial order,
+           which is copied for that one step, so it goes on bit for bit.
+        3. New parameters: a new state in this order.
+        """
+        if order in self.buckets:
+            self.__dict__.setdefault("_reordered", {}).pop(frozenset(order), None)
+            return order
+        members = frozenset(order)
+        held = next((k for k in self.buckets if frozenset(k) == members), None)
+        reordered = self.__dict__.setdefault("_reordered", {})  # absent in states pickled before it existed
+        if held is not None and reordered.get(members) != order:
+            reordered[members] = order
+            return held
+        reordered.pop(members, None)
+        if held is not None:  # adopted: the old layout's copy buffer is not needed any more
+            self.__dict__.get("_canonical", {}).pop(held, None)
+        return order
+
     def _canonical_buffer(self, key: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A model-order buffer for the bucket of parameters ``key``, kept across steps."""
+        """A buffer in layout ``key`` for a bucket whose order differs, kept across steps."""
         buffers = self.__dict__.setdefault("_canonical", {})  # absent in states pickled before it existed
         buf = buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
@@ -230,12 +260,10 @@ def sparse_allreduce_hook(state: SparseHookState,
 def _reduce_bucket(state: SparseHookState, flat: torch.Tensor, order: List[int], index: int, last: bool,
                    comm: Communicator) -> torch.Tensor:
     """Steps 1-3 of :func:`sparse_allreduce_hook` for bucket ``index`` on ``comm``."""
-    key = tuple(sorted(order))
-    # Canonical layout: parameters in model order, so a bucket holding the same
-    # parameters in another order (DDP's rebuilt buckets, a resumed run) is the
-    # same vector to the algorithm and keeps its thresholds and boundaries.
-    # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or into a
-    # model-order copy kept per layout, so that no step allocates a bucket-sized tensor.
+    key = state._layout(tuple(order))
+    # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or, for a bucket
+    # whose order is not (yet) its state's layout, into a copy in that layout kept per layout,
+    # so that no step allocates a bucket-sized tensor.
     buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat))
     t0 = time.perf_counter()
     before = comm.stats.snapshot()

@@ -74,12 +74,12 @@ def conservation(rank: int, size: int, steps: int = 15) -> dict:
     params = list(model.parameters())
     fed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     results = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    layouts, step_layout = [], set()  # per step, the parameter sets of its buckets
+    layouts, step_layout = [], set()  # per step, its buckets' parameters in bucket order
 
     def recording_hook(st, bucket):
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             fed[st._param_index[id(p)]] += g.double()
-        step_layout.add(tuple(sorted(st._param_index[id(p)] for p in bucket.parameters())))
+        step_layout.add(tuple(st._param_index[id(p)] for p in bucket.parameters()))
         if bucket.is_last():
             layouts.append(frozenset(step_layout))
             step_layout.clear()
