@@ -80,13 +80,6 @@ def _allgatherv_counts(size: int) -> list[int]:
     return [i % 3 for i in range(size)]
 
 
-def check_comm_gloo_padding(rank: int, size: int) -> int:
-    """Bytes gloo moves in ``check_comm`` beyond the formulas: its allgatherv pads
-    every block to the largest (rows of 2 bfloat16 there)."""
-    counts = _allgatherv_counts(size)
-    return 2 * 2 * (max(counts) * (size - 1) - (sum(counts) - counts[rank]))
-
-
 def inputs(rank: int, n: int, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(12345 + 7919 * rank)
     if kind == "skewed":

@@ -134,21 +134,25 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
 
     with PhaseRecorder(comm, stats).phase("reduce_scatter"):
         scales = codec.agree_scales(comm, chunk)
-        payloads = [codec.pack(chunk[j], scales[j]) for j in range(P)]
+        payloads: list[torch.Tensor | None] = [None] * P
+        payloads[me] = codec.pack(chunk[me], scales[me])
+        width = payloads[me].numel()  # every rank's encoding of chunk ``me`` has this size
+        inbox = ws("inbox", width * (P - 1), torch.uint8)
+        sends: list[Request] = []
+        recvs = []
+        # Each peer's chunk is encoded and sent before anything else, so that decoding
+        # what this rank sent (its residual's ``sent``) overlaps the wire.
+        for s in range(1, P):
+            dst, src = (me + s) % P, (me - s) % P
+            buf = inbox[(s - 1) * width:s * width]
+            recvs.append((comm.irecv(buf, src, _TAG_RS), buf))
+            payloads[dst] = codec.pack(chunk[dst], scales[dst])
+            sends.append(comm.isend(payloads[dst], dst, _TAG_RS))
         sent = ws("sent", n)
         for j in range(P):
             codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype, out=sent[starts[j]:starts[j + 1]])
         mine = ws("mine", own.stop - own.start).copy_(sent[own])
         part = ws("part", mine.numel())
-        width = payloads[me].numel()
-        inbox = ws("inbox", width * (P - 1), torch.uint8)
-        sends: list[Request] = []
-        recvs = []
-        for s in range(1, P):
-            dst, src = (me + s) % P, (me - s) % P
-            buf = inbox[(s - 1) * width:s * width]
-            recvs.append((comm.irecv(buf, src, _TAG_RS), buf))
-            sends.append(comm.isend(payloads[dst], dst, _TAG_RS))
         for req, buf in recvs:
             req.wait()
             mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype, out=part)

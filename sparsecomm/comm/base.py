@@ -21,8 +21,8 @@ broadcast           m at non-roots (tree)          children in a binomial tree
 barrier             0                             ceil(log2 P)
 ==================  ============================  ==========================
 
-Where a backend physically moves more than that (gloo has no allgatherv, so
-the torch backend pads every block to the largest one) it counts what it moves.
+Where a backend physically moves more than that (NCCL has no allgatherv, so
+the torch backend pads every block to the largest one there) it counts what it moves.
 """
 
 from __future__ import annotations
