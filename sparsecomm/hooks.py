@@ -16,14 +16,16 @@ Residuals are kept per *parameter*, not per bucket: DDP rebuilds its buckets
 after the first iteration (and a resumed run starts with the default layout
 again), so a new bucket layout picks up the residuals of the parameters it
 holds. Thresholds and region boundaries are per bucket layout and restart
-(exactly) when the set of parameters in a bucket changes. A bucket holding
+(exactly) when the layout changes. A bucket holding
 the same parameters in another order is copied into its state's layout and
 back, so it keeps them, until the same new order comes twice in a row (DDP's
-rebuilt buckets): then that order becomes the layout and the bucket is reduced
-in place from then on. A checkpoint therefore resumes bit-identically when the
-resumed run's buckets hold the same parameter sets (a model in one bucket,
-say); otherwise its first step re-evaluates thresholds exactly, and no
-residual is lost either way.
+rebuilt buckets, from its second step on): then that order becomes the layout,
+with a fresh state that inherits the residuals, and the bucket is reduced in
+place from then on. A checkpoint taken after that (from the fourth step on)
+therefore resumes bit-identically when the resumed run's rebuilt buckets are
+the same (DDP rebuilds them the same way for the same model): its first step,
+in the initial order, is copied into the saved layout. Otherwise the first
+steps re-evaluate thresholds exactly, and no residual is lost either way.
 """
 
 # No "from __future__ import annotations" here: DDP checks the hook's annotations
@@ -143,6 +145,7 @@ class SparseHookState:
         found = {}
         for key in [k for k in self.buckets if wanted & set(k)]:
             old = self.buckets.pop(key)
+            self.__dict__.get("_canonical", {}).pop(key, None)  # its copy buffer, if it had one
             found.update(self._split(key, old.residual))
         return found
 
@@ -175,6 +178,7 @@ class SparseHookState:
 
     def load_state_dict(self, d: dict) -> None:
         self.step = d["step"]
+        self._canonical, self._reordered = {}, {}  # layouts start over from the saved ones
         self.totals = dict(d["totals"])
         self.buckets = {}
         for key, st in d["algorithm_states"].items():
@@ -213,8 +217,6 @@ class SparseHookState:
             reordered[members] = order
             return held
         reordered.pop(members, None)
-        if held is not None:  # adopted: the old layout's copy buffer is not needed any more
-            self.__dict__.get("_canonical", {}).pop(held, None)
         return order
 
     def _canonical_buffer(self, key: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -227,7 +229,7 @@ class SparseHookState:
 
     def __getstate__(self) -> dict:  # communicators do not pickle; buffers are rebuilt
         d = dict(self.__dict__)
-        d["_canonical"] = {}
+        d["_canonical"], d["_reordered"] = {}, {}
         d["_comm"] = d["_engine"] = None
         d["group"] = d["_comm_arg"] = None
         return d
@@ -237,9 +239,9 @@ def sparse_allreduce_hook(state: SparseHookState,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: sparse (or warm-up/small-bucket dense) allreduce of a bucket.
 
-    1. Put the bucket's parameters in model order and look up the algorithm
-       state by that set of parameters (new sets inherit the residuals of
-       their parameters).
+    1. Look up the algorithm state of the bucket's layout (``SparseHookState._layout``:
+       the bucket's own order once it has repeated; new layouts inherit the residuals
+       of their parameters), copying the bucket into that layout if it differs.
     2. Warm-up steps and small buckets: dense allreduce. Otherwise the
        state's algorithm, with error feedback and the compressor.
     3. Return a future of the reduced bucket (averaged for "avg"), written into
@@ -264,7 +266,8 @@ def _reduce_bucket(state: SparseHookState, flat: torch.Tensor, order: List[int],
     # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or, for a bucket
     # whose order is not (yet) its state's layout, into a copy in that layout kept per layout,
     # so that no step allocates a bucket-sized tensor.
-    buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat))
+    copy = key != tuple(order)
+    buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat) if copy else None)
     t0 = time.perf_counter()
     before = comm.stats.snapshot()
     dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements

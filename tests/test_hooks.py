@@ -184,12 +184,15 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
         assert set(st.buckets) == {(0, 1, 2)} and st.buckets[(0, 1, 2)] is first and first.iteration == 2
         call([2, 1, 0])  # twice in a row: the new layout
         assert set(st.buckets) == {(2, 1, 0)} and st.buckets[(2, 1, 0)].iteration == 1
+        assert not st._canonical  # reduced in place: no copy buffer kept
         rebuilt = st.buckets[(2, 1, 0)]
         call([0, 1, 2])  # a resumed run's first step: copied, the layout stays
         call([2, 1, 0])
         assert set(st.buckets) == {(2, 1, 0)} and st.buckets[(2, 1, 0)] is rebuilt and rebuilt.iteration == 3
         call([0, 1, 2])  # an order that alternates never takes over
-        assert st.buckets[(2, 1, 0)] is rebuilt
+        assert st.buckets[(2, 1, 0)] is rebuilt and set(st._canonical) == {(2, 1, 0)}
+        call([0, 1])  # other sets: the old layout, and its copy buffer, go
+        assert set(st.buckets) == {(0, 1)} and not st._canonical
         return fed, got, st.residuals()
 
     res = sparsecomm.simulate(3, body).results

@@ -231,6 +231,18 @@ def test_a_count_below_the_bounds_measures_the_next_threshold():
     assert 0.9 * k <= int((x.abs() >= st.local_threshold).sum()) <= 1.1 * k, st.local_threshold
 
 
+def test_an_all_zero_call_makes_the_next_one_select_exactly():
+    # Nothing to measure a threshold from: the next call re-evaluates exactly, rather than
+    # keep a threshold of ~0 that would take every nonzero entry as a candidate.
+    k, n = 100, 10_000
+    st = sparsecomm.OkTopkState(k / n, tau=100, error_feedback=False)
+    st.local_threshold, st.iteration = 1.0, 1
+    sparsecomm.allreduce(torch.zeros(n), state=st)
+    assert st.local_stale and st.last.local_selected == 0
+    sparsecomm.allreduce(torch.randn(n, generator=torch.Generator().manual_seed(0)), state=st)
+    assert "local_recomputed" in st.last.events and st.last.local_selected == k
+
+
 _T = 1.0  # the reused global threshold in the cases below; k = 100
 _S = 1 / 80  # the grid's default spacing: rung j is _T * exp(j * _S), j = -8..8
 

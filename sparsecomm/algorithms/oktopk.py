@@ -7,8 +7,8 @@ k largest-magnitude nonzero entries, ties broken by lower index
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 import torch
@@ -50,13 +50,14 @@ class OkTopkState(State):
             split phase and the global result never exceeds ``floor(hi * k)``
             entries: that is the hard cap on message size. Below the lower
             bound a local selection goes on with fewer entries, and the next
-            threshold is re-estimated from this call's exceedances (see
-            ``_checked_select``); only when nothing exceeded does the next
-            call re-evaluate exactly. The global result is held within the
-            bounds on every call (see ``_global_select``).
+            threshold is measured from this call's accumulator
+            (``kernels.estimate_threshold``, see ``_checked_select``); only
+            when it is (almost) all zero does the next call re-evaluate
+            exactly. The global result is held within the bounds on every
+            call (see ``_global_select``).
         bucket: split-and-reduce steps whose messages are posted at once.
         local_select: how the local threshold is re-evaluated every ``tau``
-            calls (and after a too-small count): ``"exact"`` selects exactly
+            calls (and when none could be estimated): ``"exact"`` selects exactly
             the top-k (the paper); ``"estimate"`` uses
             ``kernels.estimate_threshold`` (a sample plus one sampled
             counting pass: 28 ms against 30-38 ms for the exact select on CPU
@@ -71,11 +72,13 @@ class OkTopkState(State):
             the candidates to fewer bytes than the radix rounds (small k,
             P up to ~44), radix elsewhere. All three select the same entries.
 
-    Internal fields: ``local_threshold``, ``global_threshold``, ``boundaries``
-    (P+1 region starts), ``residual``, ``iteration``, ``local_stale`` (a count
-    fell below the bounds: the next call re-evaluates exactly) and
-    ``global_stale`` (set only in checkpoints older than the rungs); statistics
-    in ``last`` and ``totals`` (see :class:`~sparsecomm.state.State`).
+    Internal fields: ``local_threshold``, ``global_threshold``,
+    ``global_spacing`` (the global rungs' grid, see ``_global_select``),
+    ``boundaries`` (P+1 region starts), ``residual``, ``iteration``,
+    ``local_stale`` (no local threshold could be estimated: the next call
+    re-evaluates exactly) and ``global_stale`` (set only in checkpoints older
+    than the rungs); statistics in ``last`` and ``totals`` (see
+    :class:`~sparsecomm.state.State`).
     """
 
     #: Default for states pickled before the setting existed (checkpoints load as they were).
@@ -340,6 +343,8 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
             # above th, so a tail fitted to them is too steep and the next count fell
             # short again (or, after a swing, overflowed the fused buffer).
             est = kernels.estimate_threshold(acc, k)
+            if not est > torch.finfo(torch.float32).tiny:  # (almost) all zero: select exactly next call
+                est = None
     if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
     else:  # never above this call's largest magnitude: the next call selects something
@@ -467,8 +472,11 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st.global_stale):
         s = st.global_spacing
         steps = torch.arange(-GRID_HALF, GRID_HALF + 1, dtype=torch.float64)
-        # Ascending (a cast to a narrow dtype may merge neighbours, which keeps it sorted).
-        edges = (st.global_threshold * torch.exp(s * steps)).to(dtype=mag.dtype, device=mag.device)
+        # Ascending (a cast to a narrow dtype may merge neighbours, which keeps it sorted), on
+        # the host (the chosen rung is read without a device sync), positive and finite.
+        info = torch.finfo(mag.dtype)
+        grid = (st.global_threshold * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
+        edges = grid.to(mag.device)
         # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
         # would leave it out of the mask but not of the count), and zeros fall below every edge.
@@ -482,9 +490,12 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         *totals, available = per_rank.sum(0).tolist()
         fits = [j for j, total in enumerate(totals) if lo * k <= total <= hi * k and total > 0]
         if fits:
-            j = min(fits, key=lambda i: (i != GRID_HALF, abs(math.log(totals[i] / k)), abs(i - GRID_HALF)))
+            # Nearest k as a ratio, compared exactly (a float tie could fall differently on
+            # another rank's math library, and the ranks would then disagree on the counts).
+            j = min(fits, key=lambda i: (i != GRID_HALF, Fraction(max(totals[i], k), min(totals[i], k)),
+                                         abs(i - GRID_HALF)))
             if j != GRID_HALF:
-                st.global_threshold = float(edges[j])
+                st.global_threshold = float(grid[j])
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)
