@@ -306,3 +306,43 @@ def test_reused_global_threshold_takes_a_rung_or_selects_exactly(P, dtype, case,
         exact = {"global_corrected", "global_recomputed"} & events.keys()
         assert (want_event in events) if want_event else not events, events
         assert len(exact) <= 1 and (want_event in exact or not exact)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_finer_grid_finds_the_next_threshold_without_selecting_exactly(P, dtype):
+    # A cliff between two rungs: the first call selects exactly and halves the grid's spacing.
+    # The next call's count jumps over the bounds again, but within half the old spacing:
+    # the finer grid has a rung there, the old one (1.25%) would have selected exactly again.
+    from sparsecomm.algorithms.oktopk import _global_select
+    from sparsecomm.state import CallStats
+
+    k, n = 100, 3001
+    at = torch.randperm(n, generator=torch.Generator().manual_seed(6))
+    calls = [[(1.2, 30), (0.99, 150)], [(1.2, 30), (0.999, 60), (0.992, 150)]]
+    mags = []
+    for levels in calls:
+        mag, start = torch.zeros(n, dtype=dtype), 0
+        for value, count in levels:
+            mag[at[start:start + count]] = value
+            start += count
+        mags.append(mag)
+    cuts = [r * n // P for r in range(P + 1)]
+
+    def body(rank):
+        st = sparsecomm.OkTopkState(0.01, tau=100)
+        st.global_threshold = _T
+        seen = []
+        for t, mag in enumerate(mags, start=2):
+            stats = CallStats()
+            mask, _ = _global_select(mag[cuts[rank]:cuts[rank + 1]].clone(), k, st, t, sparsecomm.comm.resolve(), stats)
+            seen.append((set(stats.events), st.global_spacing, st.global_threshold, mask))
+        return seen
+
+    for seen in sparsecomm.simulate(P, body).results:
+        (ev1, s1, th1, _), (ev2, s2, th2, _) = seen
+        assert ev1 == {"global_corrected"} and s1 == _S / 2 and th1 == float(torch.tensor(0.99, dtype=dtype))
+        assert ev2 == {"global_moved"} and s2 == _S / 2
+        assert th2 == float(torch.tensor(th1 * math.exp(_S / 2), dtype=dtype))
+    mask2 = torch.cat([seen[1][3] for seen in sparsecomm.simulate(P, body).results])
+    assert int(mask2.sum()) == 90  # the 30 at 1.2 and the 60 at 0.999
