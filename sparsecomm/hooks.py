@@ -207,12 +207,12 @@ class SparseHookState:
            which is copied for that one step, so it goes on bit for bit.
         3. New parameters: a new state in this order.
         """
-        if order in self.buckets:
-            self.__dict__.setdefault("_reordered", {}).pop(frozenset(order), None)
-            return order
-        members = frozenset(order)
-        held = next((k for k in self.buckets if frozenset(k) == members), None)
         reordered = self.__dict__.setdefault("_reordered", {})  # absent in states pickled before it existed
+        members = frozenset(order)
+        if order in self.buckets:
+            reordered.pop(members, None)
+            return order
+        held = next((k for k in self.buckets if frozenset(k) == members), None)
         if held is not None and reordered.get(members) != order:
             reordered[members] = order
             return held

@@ -326,7 +326,15 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
     """
     lo, hi = st.count_bounds
     mag = val.abs()
-    if k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
+    under = idx.numel() < lo * k
+    if under and k < acc.numel():
+        # Measure rather than extrapolate: error feedback crowds the exceedances just
+        # above th, so a tail fitted to them is too steep and the next count fell
+        # short again (or, after a swing, overflowed the fused buffer).
+        est = kernels.estimate_threshold(acc, k)
+        if not est > torch.finfo(torch.float32).tiny:  # (almost) all zero: select exactly next call
+            est = None
+    elif k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
         est = kernels.kth_largest(mag, k)  # numpy's introselect on CPU: 8x torch.kthvalue
     else:  # fewer than k: extrapolate the tail downwards
         est = tail_threshold(mag, count, th, k)
@@ -335,16 +343,8 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
         keep = kernels.topk_of_candidates(idx, mag, k)
         idx, val = idx[keep], val[keep]
         stats.events["local_corrected"] = 1
-    under = idx.numel() < lo * k
     if under:
         stats.events["local_under"] = 1
-        if k < acc.numel():
-            # Measure rather than extrapolate: error feedback crowds the exceedances just
-            # above th, so a tail fitted to them is too steep and the next count fell
-            # short again (or, after a swing, overflowed the fused buffer).
-            est = kernels.estimate_threshold(acc, k)
-            if not est > torch.finfo(torch.float32).tiny:  # (almost) all zero: select exactly next call
-                est = None
     if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
         st.local_stale = True
     else:  # never above this call's largest magnitude: the next call selects something
