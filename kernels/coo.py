@@ -129,7 +129,7 @@ def _column(records: torch.Tensor, lo: int, hi: int | None, dtype: torch.dtype) 
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
-                backend: str | None = None) -> torch.Tensor:
+                backend: str | None = None, *, unique: bool = False) -> torch.Tensor:
     """``out[idx] += values``, duplicates summed in the order they appear; returns ``out``.
 
     Deterministic on every path, and bitwise equal across paths: each
@@ -140,7 +140,8 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     ``index_add_`` adds duplicates with atomics, in a different order on
     every run.
 
-    1. CPU (``torch`` path): ``index_add_``, a sequential loop.
+    1. CPU: ``index_add_``, a sequential loop (``torch`` path), or the same
+       loop in numba (``cpu``, the same bits).
     2. Elsewhere: a stable sort by index (duplicates keep their order), then
        one pass where the first entry of each run of equal indexes sums its
        run in order and writes once: no atomics (``triton``, ``cupy``, or
@@ -151,9 +152,14 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
         out: dense float tensor, updated in place.
         idx: int64 indexes into ``out`` (any order, duplicates allowed).
         values: same length as ``idx``; cast to ``out.dtype`` first.
-        backend: ``torch``/``triton``/``cupy``/``auto`` (``kernels.dispatch``).
+        backend: ``torch``/``triton``/``cupy``/``cpu``/``auto`` (``kernels.dispatch``).
+        unique: the caller knows ``idx`` has no duplicates: off the CPU there
+            is then no order to keep, and ``index_add_`` runs without the sort.
     """
     values = values.to(out.dtype)
+    if unique and out.device.type != "cpu" and backend is None:
+        out.index_add_(0, idx, values)
+        return out
     _SCATTER_ADD(out, idx, values, backend=backend)
     return out
 
@@ -203,10 +209,11 @@ def _wide_sum(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> boo
     return out.dtype in (torch.float32, torch.float64)
 
 
-# The GPU kernels sum in fp32/fp64: 16-bit outputs go to torch.
+# The GPU kernels sum in fp32/fp64 (numba has no 16-bit arithmetic): 16-bit outputs go to torch.
 _SCATTER_ADD = dispatch.KernelOp(
     "scatter_add", scatter_add_torch, triton="triton_backend:scatter_add",
-    cupy="cupy_backend:scatter_add", accepts={("triton", "cupy"): _wide_sum})
+    cupy="cupy_backend:scatter_add", cpu="numba_backend:scatter_add",
+    accepts={("triton", "cupy", "cpu"): _wide_sum})
 
 
 def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor,

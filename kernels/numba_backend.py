@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import threading
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -29,9 +30,13 @@ from .payload import decode_buffers, encode_buffers
 
 __all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
-           "unpack_records", "nonzero", "sum_sorted_runs"]
+           "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add"]
 
-_SMALL = 1 << 16  # below this, one span on the caller's thread (and numpy's introselect)
+_SMALL = 1 << 16  # below this, one span on the caller's thread
+#: From ``_SMALL`` to this many entries ``kth_largest`` is one thread's radix select (two
+#: passes and a small tail), not a sampled bracket spread over threads: at 475k entries 0.75 ms
+#: against 1.0 ms (k = n/100) to 4 ms (k = n/2, where the bracket is widest).
+_RADIX_MAX = 1 << 20
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
 _POOL_LOCK = threading.Lock()
 
@@ -222,6 +227,9 @@ def _rd_scalar(value: float, dtype: torch.dtype):
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     """Exact k-th largest of ``x`` (of ``|x|`` when ``use_abs``) on CPU.
 
+    Below ``_SMALL`` entries: numpy's introselect. Up to ``_RADIX_MAX``: a radix select over the bit patterns
+    (``_numba_jit.radix_kth``), on the calling thread. Beyond:
+
     1. Strided sample of about 64k elements; its order statistics around
        rank k*m/n (plus/minus 6 standard deviations of a binomial rank) give a
        bracket [lo, hi] that holds the k-th largest with near certainty.
@@ -239,6 +247,9 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     if n < _SMALL:
         return _partition_kth(arr, k, use_abs)
     impl = _jit()
+    if n < _RADIX_MAX:
+        bits, low, shift = _radix_view(arr)
+        return _radix_float(impl.radix_kth(bits, k, bool(use_abs), low, shift)[0], arr.dtype)
     stride = max(1, n // 65536)
     sample = arr[::stride]
     if use_abs:
@@ -268,6 +279,51 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     pieces = np.concatenate([cand[c * cap:c * cap + found[c][1]] for c in range(nch)])
     r = k - gt
     return float(np.partition(pieces, nc - r)[nc - r])
+
+
+def _radix_view(arr: np.ndarray) -> tuple[np.ndarray, Any, int]:
+    """float32/float64 ``arr`` as (same-width signed ints, the mask below the sign, key bits under the top 16)."""
+    if arr.dtype == np.float32:
+        return arr.view(np.int32), np.int32(0x7FFFFFFF), 16
+    return arr.view(np.int64), np.int64(0x7FFFFFFFFFFFFFFF), 48
+
+
+def _radix_float(key: int, dtype: np.dtype) -> float:
+    """The float whose order-preserving key (``_numba_jit._key``) is ``key``."""
+    ints = np.array([key], dtype=np.int64)
+    if ints[0] < 0:
+        ints ^= 0x7FFFFFFFFFFFFFFF if dtype == np.float64 else 0x7FFFFFFF
+    if dtype == np.float32:
+        return float(ints.astype(np.int32).view(np.float32)[0])
+    return float(ints.view(np.float64)[0])
+
+
+def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+    """numba ``kernels.topk_of_candidates``: a radix select of the k-th largest, then one
+    branch-free pass keeping what lies above it and the first ties (3 passes over the candidates)."""
+    impl = _jit()
+    if mag.dtype not in (torch.float32, torch.float64):
+        mag = mag.float()  # fp16/bf16 widen exactly
+    arr = mag.detach().reshape(-1).contiguous().numpy()
+    bits, low, shift = _radix_view(arr)
+    m = arr.size
+    kth, ties = 0, 0  # keep every nonzero candidate
+    if m > k:
+        key, above, zeros = impl.radix_kth(bits, k, True, low, shift)
+        if m - zeros > k:
+            kth, ties = key, k - above
+    out = np.empty(min(m, k) + 1, dtype=np.int64)
+    cnt = impl.keep_above(bits, True, low, np.int64(kth), np.int64(ties), out)
+    return torch.from_numpy(out[:cnt])
+
+
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """numba ``kernels.scatter_add``: one loop in input order (``index_add_``'s bits, 4x faster
+    at 250k indexes: torch's loop costs ~16 ns an index). Bounds are checked first, as torch does."""
+    i = idx.to(torch.int64).contiguous().numpy()
+    if i.size and (int(i.min()) < 0 or int(i.max()) >= out.numel()):
+        raise IndexError(f"scatter_add: an index lies outside [0, {out.numel()})")
+    _jit().add_at(out.numpy(), i, values.contiguous().numpy())
 
 
 def _partition_kth(arr: np.ndarray, k: int, use_abs: bool) -> float:

@@ -15,7 +15,7 @@ import torch
 from . import dispatch
 
 __all__ = ["kth_largest", "kth_largest_torch", "topk_indexes", "select_above", "select_above_torch",
-           "topk_of_candidates", "nonzero", "nonzero_torch"]
+           "topk_of_candidates", "topk_of_candidates_torch", "nonzero", "nonzero_torch"]
 
 
 def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
@@ -61,16 +61,23 @@ _KTH_LARGEST = dispatch.KernelOp(
     accepts={("triton", "cupy"): _radix_dtype}, prefer=dispatch.CUDA_SCANS)
 
 
-def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, backend: str | None = None) -> torch.Tensor:
     """Positions (into ``idx``) of the top-k of candidates with magnitudes ``mag``.
 
     1. If there are at most k nonzero candidates, keep all nonzero ones.
     2. Else th = k-th largest magnitude; keep every candidate above th and,
        of those equal to th, the ones with the lowest ``idx`` until k are kept.
 
-    ``idx`` must be sorted ascending so that "first" means "lowest index".
-    Returns a sorted int64 tensor of positions.
+    ``idx`` must be sorted ascending so that "first" means "lowest index";
+    ``mag`` is non-negative (finite). Returns a sorted int64 tensor of positions.
+    Paths: ``torch`` (the reference, a chain of masks), ``cpu`` (a numba radix
+    select and one pass, ``kernels.numba_backend``).
     """
+    return _TOPK_OF_CANDIDATES(idx, mag, k, backend=backend)
+
+
+def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference of :func:`topk_of_candidates`."""
     positive = mag > 0
     if int(positive.sum()) <= k:
         return nonzero(positive)
@@ -80,6 +87,10 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Te
     ties = mag == th
     keep = above | (ties & (torch.cumsum(ties, 0) <= need))
     return nonzero(keep)
+
+
+_TOPK_OF_CANDIDATES = dispatch.KernelOp("topk_of_candidates", topk_of_candidates_torch,
+                                        cpu="numba_backend:topk_of_candidates")
 
 
 def topk_indexes(mag: torch.Tensor, k: int, *, use_abs: bool = False) -> torch.Tensor:

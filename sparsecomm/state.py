@@ -306,10 +306,10 @@ class State:
         if result.contributed is None:
             residual.sub_(result.sent.to(acc.dtype))
         else:
-            # contributed indexes are unique: one in-place pass, bitwise r - v
-            residual.index_add_(0, result.contributed, result.sent.to(acc.dtype), alpha=-1)
+            # contributed indexes are unique: r + (-v) is bitwise r - v
+            kernels.scatter_add(residual, result.contributed, result.sent.to(acc.dtype).neg(), unique=True)
         if keep_errors and result.kept_idx is not None and result.kept_idx.numel():
-            residual.index_add_(0, result.kept_idx, result.kept_val.to(acc.dtype))
+            kernels.scatter_add(residual, result.kept_idx, result.kept_val, unique=True)
         elif keep_errors and result.kept_at is not None and result.kept_val is not None:
             residual[result.kept_at:result.kept_at + result.kept_val.numel()] += result.kept_val.to(acc.dtype)
         self.residual = residual

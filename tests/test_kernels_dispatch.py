@@ -81,8 +81,8 @@ def test_public_ops_raise_for_an_unavailable_backend():
     x = torch.rand(100)
     with pytest.raises(dispatch.BackendUnavailable, match="cannot run on a cpu tensor"):
         kernels.kth_largest(x, 3, backend="triton")
-    with pytest.raises(dispatch.BackendUnavailable, match="no 'cpu' path"):
-        kernels.scatter_add(torch.zeros(5), torch.arange(3), x[:3], backend="cpu")
+    with pytest.raises(dispatch.BackendUnavailable, match="no 'triton' path"):
+        kernels.select_above(x, 0.5, backend="triton")
 
 
 # (operation, backend asked for, arguments, backend that runs): every table's fallback rule.
@@ -107,6 +107,9 @@ _FALLBACKS = [
     ("scatter_add", "triton", (_F32, torch.zeros(1, dtype=torch.int64), _F32[:1]), "triton"),
     ("scatter_add", "cupy", (_F64, torch.zeros(1, dtype=torch.int64), _F64[:1]), "cupy"),
     ("scatter_add", "triton", (_F16, torch.zeros(1, dtype=torch.int64), _F16[:1]), "torch"),
+    ("scatter_add", "cpu", (_F64, torch.zeros(1, dtype=torch.int64), _F64[:1]), "cpu"),
+    ("scatter_add", "cpu", (_F16, torch.zeros(1, dtype=torch.int64), _F16[:1]), "torch"),
+    ("topk_of_candidates", "cpu", (torch.arange(8), _F16, 3), "cpu"),
     ("pack_records", "triton", (torch.arange(8), _F32, torch.int32, torch.float32, None), "triton"),
     ("pack_records", "cupy", (torch.arange(0), _EMPTY, torch.int32, torch.float32, None), "torch"),
     ("unpack_records", "triton", (torch.zeros(1, 8, dtype=torch.uint8), torch.int32, torch.float32), "triton"),
@@ -173,7 +176,7 @@ def test_optional_libraries_are_imported_only_by_the_paths_that_need_them():
         "opt = {'numba', 'triton', 'cupy'}\n"
         "assert not opt & set(sys.modules), opt & set(sys.modules)\n"
         "kernels.kth_largest(torch.rand(100), 3, backend='torch')\n"
-        "kernels.scatter_add(torch.zeros(4), torch.tensor([1]), torch.ones(1))\n"
+        "kernels.scatter_add(torch.zeros(4), torch.tensor([1]), torch.ones(1), backend='torch')\n"
         "for op in dispatch.OPS.values():\n"
         "    for b in op.backends: op.implementation(b)  # the backend modules, not their libraries\n"
         "assert not opt & set(sys.modules), opt & set(sys.modules)\n"

@@ -178,9 +178,9 @@ def test_kth_largest_matches_reference(backend, monkeypatch, dtype, use_abs):
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 @pytest.mark.parametrize("kind", ["gauss", "ties", "periodic", "zeros"])
-def test_kth_largest_cpu_exact(kind):
+@pytest.mark.parametrize("n", [300_000, 1_100_000], ids=["radix", "sampled"])  # either side of _RADIX_MAX
+def test_kth_largest_cpu_exact(kind, n):
     gen = torch.Generator().manual_seed(5)
-    n = 300_000
     if kind == "gauss":
         x = torch.randn(n, generator=gen)
     elif kind == "ties":
@@ -275,3 +275,48 @@ def test_cpu_kernels_with_different_thread_budgets_per_thread():
     finally:
         torch.set_num_threads(old)
     assert not errors, errors[0]
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kth_largest_cpu_radix_orders_signed_values(dtype):
+    # Without use_abs the radix keys keep the sign's order: negative values, -0.0 and +0.0 included.
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(100_000, generator=gen) * 3).to(dtype)
+    x[:500] = -0.0
+    x[500:1000] = 0.0
+    x[1000:3000] = -1.5
+    for k in (1, 2_500, 50_000, 99_000, 100_000):
+        assert kernels.kth_largest(x, k, backend="cpu") == kernels.kth_largest(x, k, backend="torch"), k
+        assert (kernels.kth_largest(x, k, backend="cpu", use_abs=True)
+                == kernels.kth_largest(x, k, backend="torch", use_abs=True)), k
+
+
+def _candidates(kind: str, m: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":
+        return torch.randint(0, 5, (m,), generator=gen).float()  # zeros too
+    if kind == "zeros":
+        return torch.zeros(m)
+    mag = torch.randn(m, generator=gen).abs()
+    mag[::11] = 0
+    mag[3::13] = mag[min(3, m - 1)]  # a tie class
+    return mag
+
+
+@pytest.mark.parametrize("backend", backend_params("topk_of_candidates"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["gauss", "ties", "zeros"])
+def test_topk_of_candidates_matches_reference(backend, monkeypatch, dtype, kind):
+    from sparsecomm.kernels.select import topk_of_candidates_torch
+
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(len(kind))
+    for m in (1, 37, 70_001):
+        mag = _candidates(kind, m, gen).to(dtype)
+        idx = torch.arange(m) * 3  # sorted, as the fused pass delivers them
+        for k in sorted({1, 2, m // 3 + 1, m - 1, m, m + 5} - {0}):
+            want = topk_of_candidates_torch(idx, mag, k)
+            got = run("topk_of_candidates", idx, mag, k)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (m, k)
+            positive = int((mag > 0).sum())
+            assert got.numel() == min(k, positive)

@@ -82,7 +82,29 @@ def test_scatter_add_keeps_negative_zero(backend, monkeypatch):
 
 def test_scatter_add_dispatch_rejects_unavailable_backend():
     with pytest.raises(kernels.BackendUnavailable):
-        kernels.scatter_add(torch.zeros(3), torch.tensor([0]), torch.ones(1), backend="cpu")
+        kernels.scatter_add(torch.zeros(3), torch.tensor([0]), torch.ones(1), backend="cupy")
+
+
+@pytest.mark.parametrize("backend", [b for b in backend_params("scatter_add") if b.values[0] in ("torch", "cpu")])
+def test_scatter_add_rejects_indexes_out_of_range(backend, monkeypatch):
+    # The numba loop checks bounds first, as index_add_ does: never a write past the buffer.
+    # (The GPU kernels trust their indexes: every caller passes indexes it computed.)
+    run = runner(backend, monkeypatch)
+    out = torch.zeros(4)
+    for bad in ([0, 4], [-1]):
+        with pytest.raises((IndexError, RuntimeError)):
+            run("scatter_add", out, torch.tensor(bad), torch.ones(len(bad)))
+    if backend == "cpu":  # checked before any write (torch's loop may have added index 0)
+        assert torch.equal(out, torch.zeros(4))
+
+
+def test_scatter_add_unique_gives_the_same_sums():
+    # unique=True only lets a GPU skip the sort; the sums are those of the sequential loop.
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.randperm(1000, generator=gen)[:300]
+    val = torch.randn(300, generator=gen)
+    out0 = torch.randn(1000, generator=gen)
+    assert torch.equal(kernels.scatter_add(out0.clone(), idx, val, unique=True), _sequential(out0, idx, val))
 
 
 @pytest.mark.parametrize("backend", backend_params("count_above"))

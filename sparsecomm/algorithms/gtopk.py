@@ -163,20 +163,21 @@ def _deliver_down(up: _Up, comm: Communicator, layout: _Layout) -> tuple[torch.T
     Returns (result indexes, result values, mask of ``up.idx`` that survived
     above, encoding error of what this rank sent up or delivered).
     """
+    children = up.tracked[1:]
     if up.parent is None:  # the root: the result is what it holds, as it will travel
         enc = layout.codec.encode_own(up.val)
         res_idx, res_val = up.idx, enc.decoded(layout.dtype)
         error = up.val - res_val
         survived_mask = torch.ones(up.idx.numel(), dtype=torch.bool, device=layout.device)
-        template = layout.pack(res_idx, enc)
+        template = layout.pack(res_idx, enc) if children else None  # P = 1: nothing to send
     else:  # forward the parent's encoding as it is, so every rank decodes the same bits
         template = layout.buffer()
         comm.irecv(template, up.parent, _TAG_DOWN).wait()
         res_idx, res_val, survived_mask = layout.unpack(template, up.idx.numel())
         error = up.error
-    survived = up.idx[survived_mask]
+    survived = up.idx[survived_mask] if children else None
     sends = []
-    for child, child_idx, alive in reversed(up.tracked[1:]):
+    for child, child_idx, alive in reversed(children):
         mask = alive & kernels.isin_sorted(child_idx, survived)
         buf = template.clone()
         buf[layout.mask_at:] = 0

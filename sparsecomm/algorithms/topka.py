@@ -57,6 +57,10 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
     n = acc.numel()
     stats.local_selected = idx.numel()
     index_dtype = kernels.index_dtype_for(n)
+    if comm.size == 1:  # nothing to exchange: the values as they would travel, summed into zeros
+        sent = codec.encode_shared(comm, acc[idx] if val is None else val).decoded(acc.dtype)
+        stats.global_selected = idx.numel()
+        return SparseResult(n=n, indexes=idx, values=sent + 0, contributed=idx, sent=sent, stats=stats)
     with rec.phase("allgatherv"):
         mine = codec.encode_shared(comm, acc[idx] if val is None else val)
         counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64,

@@ -82,6 +82,11 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
         vb = rb - torch.empty(0, dtype=index_dtype).element_size()
         dense = rel.numel() * rb >= sizes[me] * vb
         owned = codec.encode_shared(comm, val)
+        if P == 1 and not dense:  # one region, nothing to exchange: its records as they would arrive
+            stats.events["dense_regions"] = 0
+            stats.global_selected = rel.numel()
+            return SparseResult(n=acc.numel(), indexes=rel, values=owned.decoded(acc.dtype), contributed=r.idx,
+                                sent=r.sent, stats=stats, kept_idx=rel, kept_val=val - owned.decoded(acc.dtype))
         if dense:
             region = torch.zeros(sizes[me], dtype=codec.wire_dtype, device=acc.device)
             region[rel] = owned.wire
