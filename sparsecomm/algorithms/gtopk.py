@@ -79,6 +79,11 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
         idx, val = state.exact_topk(acc, k, preselected, stats)
         sent = codec.encode_own(val).decoded(acc.dtype)
     stats.local_selected = idx.numel()
+    if comm.size == 1:  # the root of a one-rank tree: its set, encoded as it would deliver it
+        res_val = codec.encode_own(sent).decoded(acc.dtype)
+        stats.global_selected = idx.numel()
+        return SparseResult(n=n, indexes=idx, values=res_val, contributed=idx, sent=sent, stats=stats,
+                            kept_idx=idx, kept_val=sent - res_val)
     with rec.phase("reduce"):
         up = _reduce_up(idx, sent, comm, layout)
     with rec.phase("deliver"):
