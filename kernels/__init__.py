@@ -5,7 +5,7 @@ package as ``sparsecomm.kernels`` (``package-dir`` in pyproject.toml): import
 it as ``sparsecomm.kernels``; modules inside it import each other relatively.
 A checkout that is not installed cannot import it (``import sparsecomm``
 says so). Every operation with fast paths
-(``kth_largest``, ``select_above``, ``ef_select``, ``count_above``,
+(``kth_largest``, ``select_above``, ``ef_select``, ``count_above``, ``bucketize``,
 ``scatter_add``, ``pack_records``/``unpack_records``, ``isin_sorted``,
 ``union_sorted_runs``, ``sum_sorted_runs``, ``take_and_zero``, ``scatter_dense``, ``nonzero``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
@@ -39,7 +39,7 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
                   unpack_records)
 from .dispatch import BackendUnavailable
 from .efselect import ef_select
-from .estimate import count_above, estimate_threshold
+from .estimate import bucketize, count_above, estimate_threshold
 from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
                       pack_unsigned, quantize, unpack_unsigned)
 from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_candidates
@@ -48,6 +48,6 @@ __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", 
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
            "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select",
-           "estimate_threshold", "count_above",
+           "estimate_threshold", "count_above", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

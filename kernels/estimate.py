@@ -14,7 +14,8 @@ import torch
 
 from . import dispatch
 
-__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "GRID"]
+__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "bucketize",
+           "bucketize_torch", "GRID"]
 
 # Candidate count targets, as fractions of k. Spaced ~7% apart near 1 so the
 # interpolation between neighbours lands within a few percent of k, wide
@@ -138,3 +139,28 @@ def _interpolate(th: np.ndarray, counts: np.ndarray, k: int) -> float:
         return float(th[j + 1] if c0 <= 0 else th[j])
     w = (math.log(k) - math.log(c0)) / (math.log(c1) - math.log(c0))
     return float(th[j] + w * (th[j + 1] - th[j]))
+
+
+def bucketize(x: torch.Tensor, edges: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket of each entry, entries per bucket) for ascending ``edges`` (m of them).
+
+    Bucket i holds edges[i-1] <= x < edges[i] (``torch.bucketize(right=True)``):
+    0 below every edge, m at or above the last, and NaN in m too. Returns an
+    int64 tensor like ``x`` and m + 1 int64 counts. Paths: ``torch`` (the
+    reference: ``bucketize`` and ``bincount``, any device); ``cpu`` (numba:
+    per entry a branch-free count of the edges it is not below, 6.7 -> 1.6 ms
+    for 290k entries and 17 edges, where torch's binary search mispredicts).
+    """
+    if edges.dim() != 1 or edges.dtype != x.dtype or edges.device != x.device:
+        raise ValueError("bucketize: edges must be a 1-D tensor of x's dtype and device")
+    return _BUCKETIZE(x.reshape(-1), edges, backend=backend)
+
+
+def bucketize_torch(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`bucketize`."""
+    bucket = torch.bucketize(x, edges, right=True)
+    return bucket, torch.bincount(bucket, minlength=edges.numel() + 1)
+
+
+_BUCKETIZE = dispatch.KernelOp("bucketize", bucketize_torch, cpu="numba_backend:bucketize",
+                               accepts={"cpu": lambda x, edges: x.dtype in (torch.float32, torch.float64)})

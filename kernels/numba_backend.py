@@ -30,7 +30,7 @@ from .payload import decode_buffers, encode_buffers
 
 __all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
-           "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add"]
+           "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add", "bucketize"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread
 #: From ``_SMALL`` to this many entries ``kth_largest`` is one thread's radix select (two
@@ -355,6 +355,14 @@ def count_above(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.n
         seen = sum(min(tile, arr.size - t0) for t0 in range(0, arr.size, tile * every))
         total = np.rint(total * (arr.size / seen)).astype(np.int64)
     return total
+
+
+def bucketize(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """numba ``kernels.bucketize``: one pass on the calling thread (its inputs are O(k))."""
+    out = torch.empty(x.numel(), dtype=torch.int64)
+    hist = torch.zeros(edges.numel() + 1, dtype=torch.int64)
+    _jit().bucket_span(x.contiguous().numpy(), edges.contiguous().numpy(), out.numpy(), hist.numpy())
+    return out, hist
 
 
 def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:

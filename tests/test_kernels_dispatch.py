@@ -110,6 +110,8 @@ _FALLBACKS = [
     ("scatter_add", "cpu", (_F64, torch.zeros(1, dtype=torch.int64), _F64[:1]), "cpu"),
     ("scatter_add", "cpu", (_F16, torch.zeros(1, dtype=torch.int64), _F16[:1]), "torch"),
     ("topk_of_candidates", "cpu", (torch.arange(8), _F16, 3), "cpu"),
+    ("bucketize", "cpu", (_F64, _F64[:3]), "cpu"),
+    ("bucketize", "cpu", (_F16, _F16[:3]), "torch"),
     ("pack_records", "triton", (torch.arange(8), _F32, torch.int32, torch.float32, None), "triton"),
     ("pack_records", "cupy", (torch.arange(0), _EMPTY, torch.int32, torch.float32, None), "torch"),
     ("unpack_records", "triton", (torch.zeros(1, 8, dtype=torch.uint8), torch.int32, torch.float32), "triton"),

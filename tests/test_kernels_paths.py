@@ -324,3 +324,26 @@ def test_sum_sorted_runs_is_the_accumulator_bit_for_bit(backend, monkeypatch, dt
     assert torch.equal(got_i, want)
     assert torch.equal(got_v, acc[want])
     assert torch.equal(torch.signbit(got_v), torch.signbit(acc[want]))  # zeros' signs too
+
+
+@pytest.mark.parametrize("backend", backend_params("bucketize"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_bucketize_paths_match_torch(backend, monkeypatch, dtype):
+    # Ok-Topk's grid counts: entries on an edge count at it, NaN lands above every edge,
+    # zeros below; fp16 goes to torch (the table's rule) and is still checked.
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    edges = (0.5 * torch.exp(torch.arange(-8, 9, dtype=torch.float64) / 40)).to(dtype)
+    for n in (0, 1, 4099):
+        x = (torch.randn(n, generator=gen).abs() * 0.7).to(dtype)
+        if n > 100:
+            x[:17] = edges  # exactly on every edge
+            x[17:20] = float("nan")
+            x[20:23] = 0.0
+            x[23] = float("inf")
+        bucket, hist = run("bucketize", x, edges)
+        want = torch.bucketize(x, edges, right=True)
+        assert torch.equal(bucket, want)
+        assert torch.equal(hist, torch.bincount(want, minlength=edges.numel() + 1))
+        if n > 100:
+            assert bucket[:17].tolist() == list(range(1, 18)) and bucket[17:20].tolist() == [17] * 3

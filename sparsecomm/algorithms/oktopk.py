@@ -480,8 +480,8 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
         # would leave it out of the mask but not of the count), and zeros fall below every edge.
-        bucket = torch.bucketize(mag, edges, right=True)
-        above = torch.bincount(bucket, minlength=edges.numel() + 1).flip(0).cumsum(0).flip(0)[1:]
+        bucket, hist = kernels.bucketize(mag, edges)
+        above = hist.flip(0).cumsum(0).flip(0)[1:]
         nonzero = torch.count_nonzero(mag).reshape(1).to(above.dtype)
         # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
