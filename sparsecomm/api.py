@@ -441,9 +441,11 @@ def _finish(started: _Started) -> SparseResult:
             "dtype or compressor='bf16'"
             + ("; this call's input stays in the residual" if state.error_feedback else ""))
     if started.private:
+        # Views count too (a dense result is a view of a padded buffer).
+        kept = [acc.untyped_storage().data_ptr()] + [buf.untyped_storage().data_ptr() for buf in state.buffers()]
         for name in ("values", "sent", "kept_val"):
             value = getattr(result, name)
-            if value is not None and (value is acc or any(value is buf for buf in state.buffers())):
+            if value is not None and value.untyped_storage().data_ptr() in kept:
                 setattr(result, name, value.clone())
     # A cast to the work dtype re-encodes exactly: the kept errors are all zero, and their
     # scatter into the residual (O(k) random writes, ~3 ms at k = 250k on CPU) is skipped.

@@ -52,8 +52,21 @@ def check_comm(comm: Communicator) -> dict:
         want += xs[q][5 * r:5 * r + 5]
     rs = comm.reduce_scatter(xs[r])
     assert torch.equal(rs, want) or (comm.name == "mpi" and torch.allclose(rs, want)), (rs, want)
+    into = torch.full((5,), 99.0)  # out=: written there, the input untouched
+    assert comm.reduce_scatter(xs[r], out=into) is into and torch.equal(into, rs)
+    assert torch.equal(xs[r], torch.randn(5 * P, generator=torch.Generator().manual_seed(r)))
     ag = comm.all_gather(torch.tensor([r, -r], dtype=torch.float32))
     assert ag.tolist() == [float(s * i) for i in range(P) for s in (1, -1)], ag
+    into = torch.full((2 * P,), 99.0)
+    assert comm.all_gather(torch.tensor([r, -r], dtype=torch.float32), out=into) is into
+    assert torch.equal(into, ag)
+    for bad in (torch.empty(3), torch.empty(5, dtype=torch.float64)):  # wrong length, wrong dtype
+        try:
+            comm.reduce_scatter(xs[r], out=bad)
+        except ValueError as e:
+            assert "out=" in str(e)
+        else:
+            raise AssertionError("reduce_scatter took a wrong out=")
 
     root = P - 1
     b = comm.broadcast(torch.tensor([r, 7], dtype=torch.float16), root)

@@ -66,7 +66,7 @@ def dense_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: DenseStat
         padded = state.workspace("padded", -(-n // P) * P, acc.dtype, acc.device)
         padded[:n].copy_(acc)
         padded[n:].zero_()
-        chunk = comm.reduce_scatter(padded)
+        chunk = comm.reduce_scatter(padded, out=state.workspace("chunk", padded.numel() // P, acc.dtype, acc.device))
     return _Half(acc, state, codec, stats, chunk=chunk, sent=acc)
 
 
@@ -77,7 +77,9 @@ def dense_gather(h: _Half, comm: Communicator) -> SparseResult:
     acc, n, stats = h.acc, h.acc.numel(), h.stats
     if h.chunk is not None:
         with PhaseRecorder(comm, stats).phase("allgather"):
-            total = h.state.workspace("sum", n, acc.dtype, acc.device).copy_(comm.all_gather(h.chunk)[:n])
+            # Straight into a buffer the state keeps (the padding is dropped by a view).
+            total = comm.all_gather(h.chunk, out=h.state.workspace("gathered", h.chunk.numel() * comm.size,
+                                                                   acc.dtype, acc.device))[:n]
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats)
     return _allgather(h, comm)
 

@@ -133,12 +133,13 @@ class Communicator(abc.ABC):
         when given (contiguous, like ``t``; may be ``t`` itself)."""
 
     @abc.abstractmethod
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, rank r keeps chunk r of ``size`` equal chunks."""
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum over ranks, rank r keeps chunk r of ``size`` equal chunks (into ``out`` when given)."""
 
     @abc.abstractmethod
-    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's equal-size chunk (inverse of reduce_scatter)."""
+    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's equal-size chunk (inverse of reduce_scatter), into ``out``
+        when given."""
 
     @abc.abstractmethod
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
@@ -220,20 +221,27 @@ class Communicator(abc.ABC):
         self._count(2 * _nbytes(t) * (p - 1) // p, 2 * _log2ceil(p))
         return self._allreduce(t.contiguous(), op, out)
 
-    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks of 1-D ``t`` (length divisible by size); rank r gets chunk r."""
+    def reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum over ranks of 1-D ``t`` (length divisible by size); rank r gets chunk r.
+
+        ``out``: where to write it (contiguous, 1-D, ``t``'s dtype and device, a
+        chunk long), so that a large call allocates nothing of its size.
+        """
         if t.dim() != 1 or t.numel() % self.size:
             raise ValueError(f"reduce_scatter: need a 1-D tensor whose length is a multiple of "
                              f"{self.size}, got shape {tuple(t.shape)}")
+        _check_out("reduce_scatter", out, t, t.numel() // self.size)
         p = self.size
         self._count(_nbytes(t) * (p - 1) // p, _log2ceil(p))
-        return self._reduce_scatter(t.contiguous())
+        return self._reduce_scatter(t.contiguous(), out)
 
-    def all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Concatenation of every rank's equal-size 1-D ``chunk`` in rank order."""
+    def all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenation of every rank's equal-size 1-D ``chunk`` in rank order (into ``out``,
+        contiguous, 1-D, ``size`` chunks long, when given)."""
+        _check_out("all_gather", out, chunk, chunk.numel() * self.size)
         p = self.size
         self._count(_nbytes(chunk) * (p - 1), _log2ceil(p))
-        return self._all_gather(chunk.contiguous())
+        return self._all_gather(chunk.contiguous(), out)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Root's ``t`` on every rank (binomial tree accounting)."""
@@ -270,6 +278,13 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} rank {self.rank} of {self.size}>"
+
+
+def _check_out(what: str, out: torch.Tensor | None, like: torch.Tensor, numel: int) -> None:
+    if out is not None and (out.dim() != 1 or out.numel() != numel or out.dtype != like.dtype
+                            or out.device != like.device or not out.is_contiguous()):
+        raise ValueError(f"{what}: out= must be a contiguous 1-D tensor of {numel} elements with the "
+                         f"input's dtype and device ({like.dtype}, {like.device})")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -152,15 +152,20 @@ class MPICommunicator(Communicator):
         self._run(f"allreduce/{op}", self.comm.Iallreduce(src.numpy(), res.numpy(), op=mop))
         return res.to(t.device, t.dtype) if out is None else out.copy_(res)
 
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
-        src, _ = self._reduce_buffers(t)
-        out = torch.empty(t.numel() // self.size, dtype=src.dtype)
-        self._run("reduce_scatter", self.comm.Ireduce_scatter_block(src.numpy(), out.numpy(),
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # Only read: no copy of a float32/float64 host tensor (and no result-sized spare).
+        src = t.detach().to("cpu", torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype)
+        direct = out is not None and out.device.type == "cpu" and out.dtype == src.dtype
+        res = out if direct else torch.empty(t.numel() // self.size, dtype=src.dtype)
+        self._run("reduce_scatter", self.comm.Ireduce_scatter_block(src.numpy(), res.numpy(),
                                                                    op=self._MPI.SUM))
-        return out.to(t.device, t.dtype)
+        if direct:
+            return out
+        return res.to(t.device, t.dtype) if out is None else out.copy_(res)
 
-    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        return self._allgather(chunk).reshape(-1)
+    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gathered = self._allgather(chunk).reshape(-1)
+        return gathered if out is None else out.copy_(gathered)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         out = t.detach().cpu().clone().contiguous()

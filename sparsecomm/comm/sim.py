@@ -317,13 +317,15 @@ class SimCommunicator(Communicator):
         total = self._exchange(f"allreduce/{op}", t, lambda parts: _fold(fn, parts))
         return total.clone() if out is None else out.copy_(total)
 
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         total = self._exchange("reduce_scatter", t, lambda parts: _fold(torch.add, parts))
         m = t.numel() // self.size
-        return total[self.rank * m:(self.rank + 1) * m].clone()
+        mine = total[self.rank * m:(self.rank + 1) * m]
+        return mine.clone() if out is None else out.copy_(mine)
 
-    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        return self._exchange("all_gather", chunk, torch.cat)
+    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gathered = self._exchange("all_gather", chunk, torch.cat)
+        return gathered if out is None else out.copy_(gathered)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         return self._exchange(f"broadcast/{root}", t)[root].clone()

@@ -184,15 +184,28 @@ class TorchCommunicator(Communicator):
         self._run(f"allreduce/{op}", self._dist.all_reduce, res, op=red)
         return res.to(t.device) if out is None else out.copy_(res)
 
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend == "gloo" and self.size > 1:
-            return self._reduce_scatter_p2p(t)
+            res = self._reduce_scatter_p2p(t, out if out is not None and self._host(out) is out else None)
+            return res if out is None or res is out else out.copy_(res)
         device, t = t.device, self._host(t)
-        out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
-        self._run("reduce_scatter", self._reduce_scatter_t, out, t)
-        return out.to(device)
+        direct = out is not None and self._host(out) is out
+        res = out if direct else torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
+        self._run("reduce_scatter", self._reduce_scatter_t, res, t)
+        if direct:
+            return out
+        return res.to(device) if out is None else out.copy_(res)
 
-    def _reduce_scatter_p2p(self, t: torch.Tensor) -> torch.Tensor:
+    def _inbox(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer this communicator keeps (its calls run one at a time): a fresh
+        one per call of a 50 MB reduce-scatter cost more in page faults than the sum."""
+        nbytes = numel * dtype.itemsize
+        buf = self.__dict__.get("_inbox_buf")
+        if buf is None or buf.numel() < nbytes:
+            buf = self._inbox_buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def _reduce_scatter_p2p(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce-scatter by point-to-point: chunk j of every rank goes straight to rank j.
 
         gloo's own reduce-scatter is an allreduce with the other chunks thrown
@@ -206,22 +219,23 @@ class TorchCommunicator(Communicator):
         P, me = self.size, self.rank
         m = t.numel() // P
         chunks = t.view(P, m)
+        inbox = self._inbox((P - 1) * m, t.dtype)
         parts: list[torch.Tensor | None] = [None] * P
         parts[me] = chunks[me]
         sends, recvs = [], []
         for s in range(1, P):
             dst, src = (me + s) % P, (me - s) % P
-            parts[src] = torch.empty(m, dtype=t.dtype)
+            parts[src] = inbox[(s - 1) * m:s * m]
             recvs.append((self._dist.irecv(parts[src], self._global(src), group=self.group, tag=_TAG_RS), src))
             sends.append((self._dist.isend(chunks[dst], self._global(dst), group=self.group, tag=_TAG_RS), dst))
         for work, src in recvs:
             self._wait(work, f"reduce-scatter: receiving chunk {me} from rank {src}")
         for work, dst in sends:
             self._wait(work, f"reduce-scatter: sending chunk {dst} to rank {dst}")
-        out = parts[0].clone()
-        for part in parts[1:]:
-            out += part
-        return out.to(device)
+        res = torch.add(parts[0], parts[1], out=out)  # in rank order, as the simulated world sums
+        for part in parts[2:]:
+            res += part
+        return res.to(device)
 
     def _gather_p2p(self, t: torch.Tensor, out: "torch.Tensor | Sequence[torch.Tensor]") -> None:
         """``out[r]`` = rank r's ``t`` (each ``out[r]`` contiguous, sized as rank r's ``t``), by
@@ -244,14 +258,17 @@ class TorchCommunicator(Communicator):
         for work, dst in sends:
             self._wait(work, f"all-gather: sending to rank {dst}")
 
-    def _all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
+    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         device, chunk = chunk.device, self._host(chunk)
-        out = torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
+        direct = out is not None and self._host(out) is out
+        res = out if direct else torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
         if self.backend == "gloo" and self.size > 1:
-            self._gather_p2p(chunk, out.view(self.size, -1))
+            self._gather_p2p(chunk, res.view(self.size, -1))
         else:
-            self._run("all_gather", self._all_gather_t, out, chunk)
-        return out.to(device)
+            self._run("all_gather", self._all_gather_t, res, chunk)
+        if direct:
+            return out
+        return res.to(device) if out is None else out.copy_(res)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         out = self._copy_on_host(t)
