@@ -32,7 +32,7 @@ from numba import njit  # noqa: E402
 
 __all__ = ["ef_select_span", "select_span", "bracket_span", "count_above_span", "encode_codes_span",
            "decode_codes_span", "merge_runs", "merge_sum", "member_mask", "take_and_zero", "is_strictly_increasing",
-           "densify_span", "radix_kth", "keep_above", "add_at", "chunk_bounds", "BLOCK"]
+           "densify_span", "radix_kth", "keep_above", "add_at", "bucket_span", "chunk_bounds", "BLOCK"]
 
 # Block of the fused select: one vectorised pass builds a bit mask of the block's
 # selections (32 bits: 4 AVX2 vectors of fp32); at density 1% two blocks in three
@@ -424,25 +424,32 @@ def _key(b, absolute, low_mask):
 
 
 @njit(nogil=True, cache=True)
-def radix_kth(bits, k, absolute, low_mask, shift):
-    """Radix select over float bit patterns: (key of the k-th largest, #keys above it, #keys <= +0).
+def radix_kth(bits, k, absolute, low_mask, shift, inf_bits):
+    """Radix select over float bit patterns: (key of the k-th largest, #keys above it,
+    #keys <= +0, #NaN).
 
     ``bits``: the floats viewed as int32/int64; ``shift``: key bits below the
-    top 16 (16 for float32, 48 for float64). 1 <= k <= bits.size.
+    top 16 (16 for float32, 48 for float64); ``inf_bits``: +inf's pattern
+    (a NaN's magnitude bits lie above it). 1 <= k <= bits.size. The keys rank
+    NaN beyond +-inf, unlike numpy and torch: a caller that finds NaN takes
+    its reference instead.
 
     1. A histogram of the keys' top 16 bits (one pass); walking it from the top
        finds the digit holding rank k and how many keys lie above it.
-    2. The keys with that digit are collected (usually a few thousand), and
-       16 bits at a time the same walk narrows them to one key: O(n), no sort,
-       exact whatever the ties.
+    2. The keys with that digit are collected (a few thousand for float32 at
+       the densities used; float64's top 16 bits hold only 4 mantissa bits,
+       so up to ~n/16), and 16 bits at a time the same walk narrows them to
+       one key: O(n), no sort, exact whatever the ties.
     """
     hist = np.zeros(1 << 16, dtype=np.int64)
     top_off = np.int64(1 << 15)  # signed top digits [-2^15, 2^15) -> [0, 2^16)
     nonpos = 0
+    nans = 0
     for i in range(bits.size):
         key = _key(bits[i], absolute, low_mask)
         hist[(key >> shift) + top_off] += 1
         nonpos += key <= 0
+        nans += (bits[i] & low_mask) > inf_bits
     above = 0
     d = hist.size - 1
     while above + hist[d] < k:
@@ -476,7 +483,7 @@ def radix_kth(bits, k, absolute, low_mask, shift):
                 cand[kept] = cand[t]
                 kept += 1
         c = kept
-    return cand[0], above, nonpos
+    return cand[0], above, nonpos, nans
 
 
 @njit(nogil=True, cache=True)

@@ -210,10 +210,15 @@ def _wide_sum(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> boo
 
 
 # The GPU kernels sum in fp32/fp64 (numba has no 16-bit arithmetic): 16-bit outputs go to torch.
+def _flat_wide_sum(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> bool:
+    # The numba loop trusts shapes: anything else goes to index_add_, which checks them.
+    return _wide_sum(out, idx, values) and out.dim() == 1 and idx.dim() == 1 and idx.numel() == values.numel()
+
+
 _SCATTER_ADD = dispatch.KernelOp(
     "scatter_add", scatter_add_torch, triton="triton_backend:scatter_add",
     cupy="cupy_backend:scatter_add", cpu="numba_backend:scatter_add",
-    accepts={("triton", "cupy", "cpu"): _wide_sum})
+    accepts={("triton", "cupy"): _wide_sum, "cpu": _flat_wide_sum})
 
 
 def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor,

@@ -197,7 +197,7 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
                 return name
             _warn_once(f"{_ENV}={env}: cannot run on {dev.type} tensors here, using auto"
                        + (f" (install: {install_hint(name)})" if install_hint(name) else ""))
-        # An operation without that backend (e.g. scatter_add has no numba path)
+        # An operation without that backend (e.g. select_above has no Triton path)
         # simply takes its auto choice: the variable is a process-wide preference.
     return _auto(dev, supported, prefer)
 

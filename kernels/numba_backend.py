@@ -248,8 +248,10 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
         return _partition_kth(arr, k, use_abs)
     impl = _jit()
     if n < _RADIX_MAX:
-        bits, low, shift = _radix_view(arr)
-        return _radix_float(impl.radix_kth(bits, k, bool(use_abs), low, shift)[0], arr.dtype)
+        bits, low, shift, inf = _radix_view(arr)
+        key, _, _, nans = impl.radix_kth(bits, k, bool(use_abs), low, shift, inf)
+        # NaN: numpy's order (every NaN largest), which the keys do not follow.
+        return _radix_float(key, arr.dtype) if not nans else _partition_kth(arr, k, use_abs)
     stride = max(1, n // 65536)
     sample = arr[::stride]
     if use_abs:
@@ -281,11 +283,12 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     return float(np.partition(pieces, nc - r)[nc - r])
 
 
-def _radix_view(arr: np.ndarray) -> tuple[np.ndarray, Any, int]:
-    """float32/float64 ``arr`` as (same-width signed ints, the mask below the sign, key bits under the top 16)."""
+def _radix_view(arr: np.ndarray) -> tuple[np.ndarray, Any, int, Any]:
+    """float32/float64 ``arr`` as (same-width signed ints, the mask below the sign, key bits
+    under the top 16, +inf's bits)."""
     if arr.dtype == np.float32:
-        return arr.view(np.int32), np.int32(0x7FFFFFFF), 16
-    return arr.view(np.int64), np.int64(0x7FFFFFFFFFFFFFFF), 48
+        return arr.view(np.int32), np.int32(0x7FFFFFFF), 16, np.int32(0x7F800000)
+    return arr.view(np.int64), np.int64(0x7FFFFFFFFFFFFFFF), 48, np.int64(0x7FF0000000000000)
 
 
 def _radix_float(key: int, dtype: np.dtype) -> float:
@@ -301,17 +304,23 @@ def _radix_float(key: int, dtype: np.dtype) -> float:
 def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
     """numba ``kernels.topk_of_candidates``: a radix select of the k-th largest, then one
     branch-free pass keeping what lies above it and the first ties (3 passes over the candidates)."""
+    from .select import topk_of_candidates_torch
+
     impl = _jit()
     if mag.dtype not in (torch.float32, torch.float64):
         mag = mag.float()  # fp16/bf16 widen exactly
     arr = mag.detach().reshape(-1).contiguous().numpy()
-    bits, low, shift = _radix_view(arr)
+    bits, low, shift, inf = _radix_view(arr)
     m = arr.size
     kth, ties = 0, 0  # keep every nonzero candidate
     if m > k:
-        key, above, zeros = impl.radix_kth(bits, k, True, low, shift)
+        key, above, zeros, nans = impl.radix_kth(bits, k, True, low, shift, inf)
+        if nans:  # never kept by the reference (NaN > th is False): its rules, not the keys'
+            return topk_of_candidates_torch(idx, mag, k)
         if m - zeros > k:
             kth, ties = key, k - above
+    elif np.isnan(arr).any():
+        return topk_of_candidates_torch(idx, mag, k)
     out = np.empty(min(m, k) + 1, dtype=np.int64)
     cnt = impl.keep_above(bits, True, low, np.int64(kth), np.int64(ties), out)
     return torch.from_numpy(out[:cnt])
@@ -323,7 +332,7 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> N
     i = idx.to(torch.int64).contiguous().numpy()
     if i.size and (int(i.min()) < 0 or int(i.max()) >= out.numel()):
         raise IndexError(f"scatter_add: an index lies outside [0, {out.numel()})")
-    _jit().add_at(out.numpy(), i, values.contiguous().numpy())
+    _jit().add_at(out.detach().numpy(), i, values.detach().contiguous().numpy())
 
 
 def _partition_kth(arr: np.ndarray, k: int, use_abs: bool) -> float:

@@ -23,8 +23,9 @@ def kth_largest(mag: torch.Tensor, k: int, backend: str | None = None, *,
     """The k-th largest value of 1-D ``mag`` (of ``|mag|`` with ``use_abs``), 1 <= k <= numel.
 
     Exact. Paths (``kernels.dispatch``): ``torch`` is numpy's introselect on
-    CPU and ``torch.topk`` elsewhere (the reference); ``cpu`` is a sampled
-    bracket plus one numba pass (``kernels.numba_backend``); ``triton``/``cupy`` are
+    CPU and ``torch.topk`` elsewhere (the reference); ``cpu`` is a radix
+    select up to 2^20 entries, beyond a sampled bracket plus one numba pass
+    (``kernels.numba_backend``); ``triton``/``cupy`` are
     8-bit radix selects over the float bit patterns without the sign bit
     (fp16/bf16/fp32; other dtypes use the torch path), i.e. over |x|. The
     fast paths rank magnitudes, so without ``use_abs`` they equal the
@@ -69,7 +70,7 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, backend: st
        of those equal to th, the ones with the lowest ``idx`` until k are kept.
 
     ``idx`` must be sorted ascending so that "first" means "lowest index";
-    ``mag`` is non-negative (finite). Returns a sorted int64 tensor of positions.
+    ``mag`` is non-negative (a NaN is never kept). Returns a sorted int64 tensor of positions.
     Paths: ``torch`` (the reference, a chain of masks), ``cpu`` (a numba radix
     select and one pass, ``kernels.numba_backend``).
     """
@@ -89,8 +90,11 @@ def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int) -> to
     return nonzero(keep)
 
 
+# cpu: from 4096 candidates (below, the radix select's 64k-bin histogram costs more than torch's
+# few passes) and for k >= 1 (the reference's errors for the rest).
 _TOPK_OF_CANDIDATES = dispatch.KernelOp("topk_of_candidates", topk_of_candidates_torch,
-                                        cpu="numba_backend:topk_of_candidates")
+                                        cpu="numba_backend:topk_of_candidates",
+                                        accepts={"cpu": lambda idx, mag, k: k >= 1 and mag.numel() >= 4096})
 
 
 def topk_indexes(mag: torch.Tensor, k: int, *, use_abs: bool = False) -> torch.Tensor:

@@ -85,8 +85,9 @@ def test_16_bit_values(algorithm, dtype):
 
 
 @pytest.mark.parametrize("algorithm", SPARSE + ["oktopk", "dense"])
-@pytest.mark.parametrize("P", [3, 5])
-def test_error_feedback_conserves_everything(algorithm, P):
+@pytest.mark.parametrize("P,compressor", [(1, None), (1, "q8"), (3, None), (5, None)])
+def test_error_feedback_conserves_everything(algorithm, P, compressor):
+    # P = 1 too: TopkA, TopkDSA and gTopk take shortcuts there (no exchange, no tree).
     steps, n = 12, 3000
 
     def body(rank):
@@ -96,7 +97,7 @@ def test_error_feedback_conserves_everything(algorithm, P):
         for s in range(steps):
             g = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + s))
             fed += g.double()
-            results += sparsecomm.allreduce(g, state=st).double()
+            results += sparsecomm.allreduce(g, state=st, compressor=compressor).double()
         return fed, results, st.residual.double()
 
     out = sparsecomm.simulate(P, body).results

@@ -70,8 +70,12 @@ def test_environment_variable_rules(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch.choose(x, supported=("torch", "triton", "cupy")) == "torch"
-        # The same through a table: scatter_add has no cpu path.
-        assert kernels.scatter_add(torch.zeros(3), torch.tensor([1]), torch.ones(1)).tolist() == [0, 1, 0]
+        # The same through a table without a cpu path.
+        op = dispatch.KernelOp("toy_no_cpu", lambda t: "torch", triton="triton_backend:kth_largest")
+        try:
+            assert op(x) == "torch"
+        finally:
+            del dispatch.OPS["toy_no_cpu"]
     monkeypatch.setenv("SPARSECOMM_KERNELS", "fortran")
     with pytest.raises(ValueError, match="SPARSECOMM_KERNELS"):
         dispatch.choose(x)
@@ -109,7 +113,11 @@ _FALLBACKS = [
     ("scatter_add", "triton", (_F16, torch.zeros(1, dtype=torch.int64), _F16[:1]), "torch"),
     ("scatter_add", "cpu", (_F64, torch.zeros(1, dtype=torch.int64), _F64[:1]), "cpu"),
     ("scatter_add", "cpu", (_F16, torch.zeros(1, dtype=torch.int64), _F16[:1]), "torch"),
-    ("topk_of_candidates", "cpu", (torch.arange(8), _F16, 3), "cpu"),
+    ("scatter_add", "cpu", (_F32, torch.zeros(2, dtype=torch.int64), _F32[:1]), "torch"),  # lengths differ
+    ("scatter_add", "cpu", (_F32.reshape(2, 4), torch.zeros(1, dtype=torch.int64), _F32[:1]), "torch"),
+    ("topk_of_candidates", "cpu", (torch.arange(8), _F16, 3), "torch"),  # below 4096 candidates
+    ("topk_of_candidates", "cpu", (torch.arange(5000), torch.ones(5000, dtype=torch.float16), 3), "cpu"),
+    ("topk_of_candidates", "cpu", (torch.arange(5000), torch.ones(5000), 0), "torch"),
     ("bucketize", "cpu", (_F64, _F64[:3]), "cpu"),
     ("bucketize", "cpu", (_F16, _F16[:3]), "torch"),
     ("pack_records", "triton", (torch.arange(8), _F32, torch.int32, torch.float32, None), "triton"),

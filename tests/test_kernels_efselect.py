@@ -311,7 +311,7 @@ def test_topk_of_candidates_matches_reference(backend, monkeypatch, dtype, kind)
 
     run = runner(backend, monkeypatch)
     gen = torch.Generator().manual_seed(len(kind))
-    for m in (1, 37, 70_001):
+    for m in (1, 37, 70_001):  # the cpu path from 4096 candidates
         mag = _candidates(kind, m, gen).to(dtype)
         idx = torch.arange(m) * 3  # sorted, as the fused pass delivers them
         for k in sorted({1, 2, m // 3 + 1, m - 1, m, m + 5} - {0}):
@@ -320,3 +320,31 @@ def test_topk_of_candidates_matches_reference(backend, monkeypatch, dtype, kind)
             assert got.dtype == torch.int64 and torch.equal(got, want), (m, k)
             positive = int((mag > 0).sum())
             assert got.numel() == min(k, positive)
+
+
+@pytest.mark.parametrize("backend", backend_params("topk_of_candidates"))
+def test_topk_of_candidates_never_keeps_nan(backend, monkeypatch):
+    # The fused pass selects non-finite entries (a call that skips the input check passes
+    # them on), and a gTopk merge of +inf and -inf makes a NaN: the reference keeps none.
+    from sparsecomm.kernels.select import topk_of_candidates_torch
+
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    for m, nans in ((5000, 3), (5000, 4000)):
+        mag = torch.randn(m, generator=gen).abs()
+        mag[torch.randperm(m, generator=gen)[:nans]] = float("nan")
+        idx = torch.arange(m)
+        for k in (1, 100, 999, 4990, 6000):
+            want = topk_of_candidates_torch(idx, mag, k)
+            got = run("topk_of_candidates", idx, mag, k)
+            assert torch.equal(got, want), (m, nans, k)
+            assert not torch.isnan(mag[got]).any()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
+def test_kth_largest_cpu_radix_with_nan_follows_numpy():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(4))
+    x[::1000] = float("nan")
+    for k in (1, 50, 101, 5_000):
+        a, b = kernels.kth_largest(x, k, backend="cpu"), kernels.kth_largest(x, k, backend="torch")
+        assert a == b or (a != a and b != b), k  # NaN ranks largest, as in np.partition

@@ -85,8 +85,9 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
         if P == 1 and not dense:  # one region, nothing to exchange: its records as they would arrive
             stats.events["dense_regions"] = 0
             stats.global_selected = rel.numel()
-            return SparseResult(n=acc.numel(), indexes=rel, values=owned.decoded(acc.dtype), contributed=r.idx,
-                                sent=r.sent, stats=stats, kept_idx=rel, kept_val=val - owned.decoded(acc.dtype))
+            delivered = owned.decoded(acc.dtype)
+            return SparseResult(n=acc.numel(), indexes=rel, values=delivered, contributed=r.idx,
+                                sent=r.sent, stats=stats, kept_idx=rel, kept_val=val - delivered)
         if dense:
             region = torch.zeros(sizes[me], dtype=codec.wire_dtype, device=acc.device)
             region[rel] = owned.wire

@@ -89,6 +89,10 @@ class TorchCommunicator(Communicator):
         """``t``, or a host copy of it where this backend stages device buffers."""
         return t.cpu() if self._staged and t.device.type != "cpu" else t
 
+    def _direct(self, out: torch.Tensor | None) -> bool:
+        """Whether the backend can write into ``out`` itself (not staged through the host)."""
+        return out is not None and not (self._staged and out.device.type != "cpu")
+
     # ---- waiting ---------------------------------------------------------------
     def _wait(self, work: Any, what: str) -> None:
         t0 = time.monotonic()
@@ -175,7 +179,7 @@ class TorchCommunicator(Communicator):
     def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX,
                "min": self._dist.ReduceOp.MIN}[op]
-        if out is not None and self._host(out) is out:  # reduce in the caller's buffer
+        if self._direct(out):  # reduce in the caller's buffer
             if out is not t:
                 out.copy_(t)
             self._run(f"allreduce/{op}", self._dist.all_reduce, out, op=red)
@@ -186,10 +190,10 @@ class TorchCommunicator(Communicator):
 
     def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend == "gloo" and self.size > 1:
-            res = self._reduce_scatter_p2p(t, out if out is not None and self._host(out) is out else None)
+            res = self._reduce_scatter_p2p(t, out if self._direct(out) else None)
             return res if out is None or res is out else out.copy_(res)
         device, t = t.device, self._host(t)
-        direct = out is not None and self._host(out) is out
+        direct = self._direct(out)
         res = out if direct else torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
         self._run("reduce_scatter", self._reduce_scatter_t, res, t)
         if direct:
@@ -197,8 +201,9 @@ class TorchCommunicator(Communicator):
         return res.to(device) if out is None else out.copy_(res)
 
     def _inbox(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A receive buffer this communicator keeps (its calls run one at a time): a fresh
-        one per call of a 50 MB reduce-scatter cost more in page faults than the sum."""
+        """A receive buffer this communicator keeps (its calls run one at a time; it holds
+        (P-1)/P of the largest reduce-scatter so far): a fresh one per call of a 50 MB
+        reduce-scatter cost more in page faults than the sum."""
         nbytes = numel * dtype.itemsize
         buf = self.__dict__.get("_inbox_buf")
         if buf is None or buf.numel() < nbytes:
@@ -228,10 +233,14 @@ class TorchCommunicator(Communicator):
             parts[src] = inbox[(s - 1) * m:s * m]
             recvs.append((self._dist.irecv(parts[src], self._global(src), group=self.group, tag=_TAG_RS), src))
             sends.append((self._dist.isend(chunks[dst], self._global(dst), group=self.group, tag=_TAG_RS), dst))
-        for work, src in recvs:
-            self._wait(work, f"reduce-scatter: receiving chunk {me} from rank {src}")
-        for work, dst in sends:
-            self._wait(work, f"reduce-scatter: sending chunk {dst} to rank {dst}")
+        try:
+            for work, src in recvs:
+                self._wait(work, f"reduce-scatter: receiving chunk {me} from rank {src}")
+            for work, dst in sends:
+                self._wait(work, f"reduce-scatter: sending chunk {dst} to rank {dst}")
+        except BaseException:
+            self._inbox_buf = None  # a late message must not land in the next call's buffer
+            raise
         res = torch.add(parts[0], parts[1], out=out)  # in rank order, as the simulated world sums
         for part in parts[2:]:
             res += part
@@ -260,7 +269,7 @@ class TorchCommunicator(Communicator):
 
     def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         device, chunk = chunk.device, self._host(chunk)
-        direct = out is not None and self._host(out) is out
+        direct = self._direct(out)
         res = out if direct else torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
         if self.backend == "gloo" and self.size > 1:
             self._gather_p2p(chunk, res.view(self.size, -1))
