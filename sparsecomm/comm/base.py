@@ -225,7 +225,8 @@ class Communicator(abc.ABC):
         """Sum over ranks of 1-D ``t`` (length divisible by size); rank r gets chunk r.
 
         ``out``: where to write it (contiguous, 1-D, ``t``'s dtype and device, a
-        chunk long), so that a large call allocates nothing of its size.
+        chunk long, not overlapping ``t``), so that a large call allocates nothing
+        of its size.
         """
         if t.dim() != 1 or t.numel() % self.size:
             raise ValueError(f"reduce_scatter: need a 1-D tensor whose length is a multiple of "
