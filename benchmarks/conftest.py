@@ -180,5 +180,8 @@ def pytest_terminal_summary(terminalreporter):
             # replaced by the plan's end of the last allreduce), against the measured one.
             planned = (f"{none - r['backward_ms'] + r['planned_comm_ms']:>10.2f}"
                        if "planned_comm_ms" in r else "")
+            # The step without communication timed next to this row's rounds, where it was.
+            yardstick = r.get("none_ms", none)
             terminalreporter.write_line(f"{r['config']:<28} {r['ranks']:>5} {r['time_ms']:>9.2f} "
-                                        f"{r['time_ms'] / none:>7.2f} {planned}")
+                                        f"{r['time_ms'] / yardstick:>7.2f} {planned}"
+                                        + (f"  (none beside: {yardstick:.2f})" if "none_ms" in r else ""))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -81,17 +82,41 @@ def batch(net: torch.nn.Module, rank: int, device: torch.device) -> tuple[torch.
 
 
 def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None], warmup: int,
-               device: torch.device, **extra) -> dict:
-    """Time ``step`` through ``benchmark.pedantic`` (barrier before each round), record the row."""
+               device: torch.device, beside: Callable[[], None] | None = None, **extra) -> dict:
+    """Time ``step`` through ``benchmark.pedantic`` (barrier before each round), record the row.
+
+    ``beside``: the same step without communication, timed on its own timer before every
+    timed round (the benchmark's timer covers ``step`` only); its slowest rank's median is the
+    row's ``none_ms``, the yardstick of its ``/none``. On a shared machine the step without
+    communication drifted by 20% between runs (154 to 196 ms), so a ratio to a "none" row
+    timed minutes earlier is not one run's ratio.
+    """
     def timed() -> None:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    benchmark.pedantic(timed, setup=comm.barrier, rounds=ROUNDS, warmup_rounds=warmup, iterations=1)
+    nones: list[float] = []
+
+    def setup() -> None:
+        if beside is not None and warmed[0] >= warmup:
+            comm.barrier()
+            t0 = time.perf_counter()
+            beside()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            nones.append(time.perf_counter() - t0)
+        warmed[0] += 1
+        comm.barrier()
+
+    warmed = [0]
+    benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=warmup, iterations=1)
     times = list(benchmark.stats.stats.data)
     t = float(comm.allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64,
                                           device=comm.control_device), "max"))
+    if nones:
+        extra["none_ms"] = 1e3 * float(comm.allreduce(torch.tensor([statistics.median(nones)], dtype=torch.float64,
+                                                                   device=comm.control_device), "max"))
     row = {"suite": suite, "config": config, "ranks": comm.size, "backend": comm.name,
            "model": _BUILT["name"], "time_ms": 1e3 * t, "calls": len(times),
            "times_s": times, **extra}

@@ -1,7 +1,8 @@
 """The DDP suite: one training step (forward, backward with the hook, SGD step) with each hook.
 
 "none" is the step without communication (``no_sync``), the floor every hook
-is compared with; then PyTorch's default, fp16 and PowerSGD (rank 1) hooks and
+is compared with (each hook's row also times it beside its own rounds, on the
+same model, and its ratio is to that); then PyTorch's default, fp16 and PowerSGD (rank 1) hooks and
 sparsecomm's hook with Ok-Topk 1% (synchronous and overlapping) and dense q8.
 Needs torch.distributed: under torchrun it is the launcher's group; under
 mpiexec/srun the ``torch_group`` fixture starts one over the same ranks.
@@ -65,13 +66,16 @@ def test_ddp_step(benchmark, comm, torch_group, hook):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = batch(net, comm.rank, device)
 
-    def step() -> None:
+    def step(communicate: bool = hook != "none") -> None:
         opt.zero_grad(set_to_none=False)
-        if hook == "none":
+        if communicate:
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        else:
             with ddp.no_sync():
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        else:
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
 
-    time_steps(benchmark, comm, "ddp", hook, step, warmup=WARMUP, device=device)
+    # Every hook's row also times the step without communication beside its rounds (the same
+    # model and buffers, ``no_sync``): its /none is then one run's ratio.
+    time_steps(benchmark, comm, "ddp", hook, step, warmup=WARMUP, device=device,
+               beside=None if hook == "none" else lambda: step(False))
