@@ -10,7 +10,10 @@ benchmarks; the DDP and schedule scripts that lived here are now those suites.
 
 Each configuration gets 20 untimed warm-up calls (thresholds and residuals
 settle), then ``ROUNDS`` timed calls, each after a barrier; the slowest rank's
-median is what a training step would wait for. Rank 0 prints one JSON line.
+median is what a training step would wait for. Before each timed call a
+``dist.all_reduce`` of the same gradient is timed too, so each configuration's
+ratio to dense is one run's (the dense time drifts 5-10% over a run). Rank 0
+prints JSON lines: times, those ratios, the last call's phases.
 """
 
 from __future__ import annotations
@@ -42,19 +45,30 @@ def main() -> None:
     def drift() -> torch.Tensor:  # the issue's workload: x = 0.9 x + 0.1 randn
         return x.mul_(0.9).add_(torch.randn(n, generator=gen, out=noise), alpha=0.1)
 
-    def timed(call) -> float:
-        ts = []
+    def dense(g: torch.Tensor) -> None:
+        dist.all_reduce(buf.copy_(g))
+
+    def timed(call, beside=None) -> tuple[float, float | None]:
+        """Slowest rank's median of ``call``; with ``beside``, also of ``beside`` timed before
+        each round (the dense yardstick next to the call, so the ratio is one run's)."""
+        ts, bs = [], []
         for _ in range(rounds):
             g = drift()
+            if beside is not None:
+                dist.barrier()
+                t0 = time.perf_counter()
+                beside(g)
+                bs.append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
             call(g)
             ts.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+        t = torch.tensor([statistics.median(ts), statistics.median(bs) if bs else 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return float(t[0]), (float(t[1]) if bs else None)
 
-    res = {"dense dist.all_reduce": timed(lambda g: dist.all_reduce(buf.copy_(g)))}
+    res = {"dense dist.all_reduce": timed(dense)[0]}
+    ratios = {}
     phases = {}
     for name, kw in CONFIGS.items():
         if ONLY and name not in ONLY:
@@ -63,10 +77,12 @@ def main() -> None:
         extra = {k: v for k, v in kw.items() if k != "algorithm"}
         for _ in range(warm):
             sparsecomm.allreduce(drift(), state=st, out=out, **extra)
-        res[name] = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra))
+        res[name], beside = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra), dense)
+        ratios[name] = round(res[name] / beside, 4)
         phases[name] = {p: round(s.seconds * 1e3, 1) for p, s in st.last.phases.items()}
     if rank == 0:
         print(json.dumps(res))
+        print(json.dumps({"ratio to dist.all_reduce timed beside each round": ratios}))
         print(json.dumps({"last call's phases on rank 0, ms": phases}))
     dist.destroy_process_group()
 
