@@ -347,3 +347,10 @@ def test_bucketize_paths_match_torch(backend, monkeypatch, dtype):
         assert torch.equal(hist, torch.bincount(want, minlength=edges.numel() + 1))
         if n > 100:
             assert bucket[:17].tolist() == list(range(1, 18)) and bucket[17:20].tolist() == [17] * 3
+
+
+def test_bucketize_rejects_edges_unlike_the_input():
+    x = torch.rand(10)
+    for edges in (torch.rand(3, dtype=torch.float64), torch.rand(2, 2)):
+        with pytest.raises(ValueError, match="edges"):
+            kernels.bucketize(x, edges)
