@@ -97,6 +97,7 @@ def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None
             torch.cuda.synchronize(device)
 
     nones: list[float] = []
+    warmed = [0]  # rounds set up so far (pedantic sets up its warm-up rounds too)
 
     def setup() -> None:
         if beside is not None and warmed[0] >= warmup:
@@ -109,7 +110,6 @@ def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None
         warmed[0] += 1
         comm.barrier()
 
-    warmed = [0]
     benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=warmup, iterations=1)
     times = list(benchmark.stats.stats.data)
     t = float(comm.allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64,

@@ -327,8 +327,8 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Te
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """numba ``kernels.scatter_add``: one loop in input order (``index_add_``'s bits, 4x faster
-    at 250k indexes: torch's loop costs ~16 ns an index). Bounds are checked first, as torch does."""
+    """numba ``kernels.scatter_add``: one loop in input order (``index_add_``'s bits; 250k indexes
+    into 25M: 3.8 ms against 5.6 with cold caches). Bounds are checked first, as torch does."""
     i = idx.to(torch.int64).contiguous().numpy()
     if i.size and (int(i.min()) < 0 or int(i.max()) >= out.numel()):
         raise IndexError(f"scatter_add: an index lies outside [0, {out.numel()})")
