@@ -230,8 +230,10 @@ def _round_half_even(x):
 
 
 @triton.jit
-def encode_codes_kernel(v_ptr, out_ptr, n, nbytes, f, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK output bytes of ``kernels.payload.encode_codes``: each gathers its 8/BITS codes."""
+def encode_codes_kernel(v_ptr, out_ptr, n, nbytes, f, g, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        KEEP: tl.constexpr):
+    """BLOCK output bytes of ``kernels.payload.encode_codes``: each gathers its 8/BITS codes.
+    With KEEP, each value becomes its quantisation error v - q * g (g = scale / L)."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
@@ -239,8 +241,11 @@ def encode_codes_kernel(v_ptr, out_ptr, n, nbytes, f, BITS: tl.constexpr, BLOCK:
     j = tl.arange(0, PER)
     i = ob[:, None] * PER + j[None, :]
     m = i < n
-    x = tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32) * f
-    q = tl.minimum(tl.maximum(_round_half_even(x), -LEVELS), LEVELS).to(tl.int32)
+    v = tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32)
+    qf = tl.minimum(tl.maximum(_round_half_even(v * f), -LEVELS), LEVELS)
+    if KEEP:
+        tl.store(v_ptr + i, v - qf * g, mask=m)
+    q = qf.to(tl.int32)
     if BITS == 8:
         u = q & 255
     else:
@@ -250,8 +255,9 @@ def encode_codes_kernel(v_ptr, out_ptr, n, nbytes, f, BITS: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def decode_codes_kernel(packed_ptr, out_ptr, count, g, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK values of ``kernels.payload.decode_codes`` (float32)."""
+def decode_codes_kernel(packed_ptr, out_ptr, count, g, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        ACC: tl.constexpr):
+    """BLOCK values of ``kernels.payload.decode_codes`` (float32), added to out with ACC."""
     PER: tl.constexpr = 8 // BITS
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -262,4 +268,7 @@ def decode_codes_kernel(packed_ptr, out_ptr, count, g, BITS: tl.constexpr, BLOCK
         q = tl.where(u > 127, u - 256, u)
     else:
         q = u - (1 << (BITS - 1))
-    tl.store(out_ptr + i, q.to(tl.float32) * g, mask=m)
+    x = q.to(tl.float32) * g
+    if ACC:
+        x += tl.load(out_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, x, mask=m)

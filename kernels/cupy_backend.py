@@ -171,21 +171,30 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
     return idx, bits.view(value_dtype)
 
 
-def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
-    """``kernels.payload.encode_codes`` of flat ``values``, one thread per output byte."""
+def encode_codes(values: torch.Tensor, bits: int, scale: float, keep_error: bool = False) -> torch.Tensor:
+    """``kernels.payload.encode_codes`` of flat ``values``, one thread per output byte.
+
+    ``keep_error`` is a second kernel here (the decode) and a subtraction, where
+    the numba and Triton paths keep the error in the encoding pass itself.
+    """
     values, f, out = encode_buffers(values, bits, scale)
-    values = values.contiguous()
+    flat = values.contiguous()
     nbytes = out.numel()
     if nbytes:
         _launch(f"encode_codes_b{bits}", -(-nbytes // SCATTER_THREADS), SCATTER_THREADS,
-                (_ptr(values), _ptr(out), np.int64(values.numel()), np.int64(nbytes), np.float32(float(f))),
-                values.device)
+                (_ptr(flat), _ptr(out), np.int64(flat.numel()), np.int64(nbytes), np.float32(float(f))),
+                flat.device)
+        if keep_error:
+            values.sub_(decode_codes(out, bits, values.numel(), scale, torch.float32))
     return out
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.payload.decode_codes`` to float32 (``dtype``), one thread per value."""
+                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """``kernels.payload.decode_codes`` to float32 (``dtype``), one thread per value
+    (``accumulate``: into a temporary, then added)."""
+    if accumulate:
+        return out.add_(decode_codes(packed, bits, count, scale, dtype))
     g, out = decode_buffers(packed, bits, count, scale, out)
     packed = packed.contiguous()
     if count:

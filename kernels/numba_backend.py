@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .payload import decode_buffers, encode_buffers
+from .payload import decode_buffers, decode_factor, encode_buffers
 
 __all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
@@ -374,26 +374,27 @@ def bucketize(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch
     return out, hist
 
 
-def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+def encode_codes(values: torch.Tensor, bits: int, scale: float, keep_error: bool = False) -> torch.Tensor:
     """numba ``kernels.payload.encode_codes`` of flat ``values``, by spans of output bytes."""
     impl = _jit()
     values, f, out = encode_buffers(values, bits, scale)
+    g = decode_factor(bits, scale)
     v, o = values.numpy(), out.numpy()
     bounds = impl.chunk_bounds(o.size, _spans(values.numel()))
-    _map(impl.encode_codes_span, [(v, f, bits, o, int(bounds[c]), int(bounds[c + 1]))
+    _map(impl.encode_codes_span, [(v, f, g, bits, o, int(bounds[c]), int(bounds[c + 1]), keep_error)
                                   for c in range(bounds.size - 1)])
     return out
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """numba ``kernels.payload.decode_codes`` to float32 (``dtype``), by spans of bytes."""
     impl = _jit()
     g, out = decode_buffers(packed, bits, count, scale, out)
     p, o = packed.numpy(), out.numpy()
     nbytes = -(-o.size * bits // 8)
     bounds = impl.chunk_bounds(nbytes, _spans(o.size))
-    _map(impl.decode_codes_span, [(p, bits, g, o, int(bounds[c]), int(bounds[c + 1]))
+    _map(impl.decode_codes_span, [(p, bits, g, o, int(bounds[c]), int(bounds[c + 1]), accumulate)
                                   for c in range(bounds.size - 1)])
     return out
 

@@ -16,7 +16,7 @@ from . import dispatch
 
 __all__ = ["cast_values", "quantize", "dequantize", "delta_encode", "delta_decode",
            "encode_codes", "decode_codes", "encode_codes_torch", "decode_codes_torch",
-           "encode_buffers", "decode_buffers",
+           "encode_buffers", "decode_buffers", "decode_factor",
            "pack_unsigned", "unpack_unsigned", "QUANT_BITS"]
 
 QUANT_BITS = (2, 4, 8)
@@ -121,18 +121,22 @@ def _factor(bits: int, scale: float) -> tuple[int, float]:
     return levels, (levels / scale if scale > 0 else 0.0)
 
 
-def encode_codes_torch(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+def encode_codes_torch(values: torch.Tensor, bits: int, scale: float, keep_error: bool = False) -> torch.Tensor:
     """Reference of :func:`encode_codes`, as a chain of torch ops (``compress.Quantize``'s
-    encode followed by ``compress.pack_bits``)."""
+    encode followed by ``compress.pack_bits``; with ``keep_error``, then the decode subtracted)."""
     levels, f = _factor(bits, scale)
-    q = torch.round(values.reshape(-1).to(torch.float32) * f).clamp_(-levels, levels).to(torch.int8)
+    flat = values.reshape(-1)
+    q = torch.round(flat.to(torch.float32) * f).clamp_(-levels, levels).to(torch.int8)
+    if keep_error:
+        flat.sub_(q.to(torch.float32) * (scale / levels))  # decode_codes_torch's decode
     if bits == 8:
         return q.view(torch.uint8)
     return pack_unsigned((q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8), bits)
 
 
 def decode_codes_torch(packed: torch.Tensor, bits: int, count: int, scale: float,
-                       dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                       dtype: torch.dtype, out: torch.Tensor | None = None, accumulate: bool = False
+                       ) -> torch.Tensor:
     """Reference of :func:`decode_codes`."""
     if bits == 8:
         q = packed[:count].view(torch.int8)
@@ -140,11 +144,13 @@ def decode_codes_torch(packed: torch.Tensor, bits: int, count: int, scale: float
         q = (unpack_unsigned(packed, bits, count).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
     levels = 2 ** (bits - 1) - 1
     values = (q.to(torch.float32) * (scale / levels)).to(dtype)
+    if accumulate:
+        return out.add_(values)
     return values if out is None else out.copy_(values)
 
 
-def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | None = None
-                 ) -> torch.Tensor:
+def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | None = None, *,
+                 keep_error: bool = False) -> torch.Tensor:
     """Quantise ``values`` to signed ``bits``-bit codes with ``scale`` and pack them, in one pass.
 
     1. q = round_half_even(float32(v) * float32(L / scale)), clamped to
@@ -152,38 +158,51 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float, backend: str | N
     2. 8 bits: the int8 code's byte. 2 and 4 bits: q + 2**(bits-1), packed
        8/bits per byte, the first code in the low bits, the last byte padded
        with zero bits.
+    3. With ``keep_error``: v <- v - q * float32(scale / L) in place, the
+       quantisation error (what :func:`decode_codes` will not give back), in
+       the same pass. Error feedback then needs no decode of what was sent.
 
     Args:
-        values: float tensor (any shape; read flat).
+        values: float tensor (any shape; read flat); with ``keep_error``
+            contiguous float32, written in place.
         bits: 2, 4 or 8.
         scale: the magnitude mapped to L (max |v| agreed by the ranks).
         backend: ``torch``/``cpu``/``triton``/``cupy``/``auto`` (``kernels.dispatch``).
+        keep_error: leave the quantisation error in ``values``.
 
     Returns:
         ``ceil(n * bits / 8)`` uint8 bytes, bitwise equal on every path.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"encode_codes: bits must be one of {QUANT_BITS}, got {bits}")
-    return _ENCODE_CODES(values.reshape(-1), bits, scale, backend=backend)
+    if keep_error and (values.dtype != torch.float32 or not values.is_contiguous()):
+        raise ValueError(f"encode_codes: keep_error writes the error in place, so values must be contiguous "
+                         f"float32, got {values.dtype}{'' if values.is_contiguous() else ' (not contiguous)'}")
+    return _ENCODE_CODES(values.reshape(-1), bits, scale, keep_error, backend=backend)
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 backend: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                 backend: str | None = None, *, out: torch.Tensor | None = None,
+                 accumulate: bool = False) -> torch.Tensor:
     """Inverse of :func:`encode_codes`: ``count`` values q * (scale / L) in ``dtype``.
 
     Written into ``out`` (contiguous, ``count`` values of ``dtype``) when given:
     a large decode then touches no fresh memory (a new 100 MB tensor costs more
-    in page faults than the decode). The fast paths cover float32 output;
-    others go through the reference.
+    in page faults than the decode). With ``accumulate`` they are added to
+    ``out`` instead (out += decoded, one rounding per value, as decoding
+    first and adding after): a reduction sums what it receives in one pass.
+    The fast paths cover float32 output; others go through the reference.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"decode_codes: bits must be one of {QUANT_BITS}, got {bits}")
+    if accumulate and out is None:
+        raise ValueError("decode_codes: accumulate adds the values to out, so out must be given")
     if packed.numel() * 8 < count * bits:
         raise ValueError(f"decode_codes: {packed.numel()} bytes cannot hold {count} {bits}-bit codes")
     if out is not None and (out.numel() != count or out.dtype != dtype or not out.is_contiguous()
                             or out.device != packed.device):
         raise ValueError(f"decode_codes: out must be {count} contiguous {dtype} values on {packed.device}")
-    return _DECODE_CODES(packed, bits, count, scale, dtype, out, backend=backend)
+    return _DECODE_CODES(packed, bits, count, scale, dtype, out, accumulate, backend=backend)
 
 
 def encode_buffers(flat: torch.Tensor, bits: int, scale: float
@@ -195,20 +214,25 @@ def encode_buffers(flat: torch.Tensor, bits: int, scale: float
     return flat, np.float32(_factor(bits, scale)[1]), out
 
 
+def decode_factor(bits: int, scale: float) -> np.float32:
+    """The float32 factor scale / L that decoding multiplies codes by."""
+    return np.float32(scale / (2 ** (bits - 1) - 1))
+
+
 def decode_buffers(packed: torch.Tensor, bits: int, count: int, scale: float, out: torch.Tensor | None = None
                    ) -> tuple[np.float32, torch.Tensor]:
     """What the decode kernels take: the float32 factor scale / L and the float32 output (``out``
     or a new tensor)."""
-    g = np.float32(scale / (2 ** (bits - 1) - 1))
+    g = decode_factor(bits, scale)
     return g, torch.empty(count, dtype=torch.float32, device=packed.device) if out is None else out
 
 
-def _nonempty(values: torch.Tensor, bits: int, scale: float) -> bool:
+def _nonempty(values: torch.Tensor, bits: int, scale: float, keep_error: bool = False) -> bool:
     return values.numel() > 0
 
 
 def _float32_out(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> bool:
+                 out: torch.Tensor | None = None, accumulate: bool = False) -> bool:
     return count > 0 and dtype == torch.float32
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .coo import record_buffers, record_fields, sort_by_index
-from .payload import decode_buffers, encode_buffers
+from .payload import decode_buffers, decode_factor, encode_buffers
 from .radix import radix_select
 
 __all__ = ["ef_select", "kth_largest", "scatter_add", "count_above", "pack_records", "unpack_records",
@@ -158,23 +158,27 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
     return idx, bits.view(value_dtype)
 
 
-def encode_codes(values: torch.Tensor, bits: int, scale: float) -> torch.Tensor:
+def encode_codes(values: torch.Tensor, bits: int, scale: float, keep_error: bool = False) -> torch.Tensor:
     """``kernels.payload.encode_codes`` of flat ``values``, one kernel."""
     values, f, out = encode_buffers(values, bits, scale)
     nbytes = out.numel()
     if nbytes:
-        # No FMA contraction: the rounding must see the rounded float32 product, as torch does.
+        # No FMA contraction: the rounding must see the rounded float32 product, as torch does,
+        # and the kept error the rounded decode.
+        # keep_error: values are contiguous float32 (encode_codes checks), written in place.
+        flat = values if keep_error else values.contiguous()
         _jit().encode_codes_kernel[(-(-nbytes // CODES_BLOCK),)](
-            values.contiguous(), out, values.numel(), nbytes, float(f), BITS=bits, BLOCK=CODES_BLOCK,
-            num_warps=CODES_WARPS, enable_fp_fusion=False)
+            flat, out, flat.numel(), nbytes, float(f), float(decode_factor(bits, scale)), BITS=bits,
+            BLOCK=CODES_BLOCK, KEEP=keep_error, num_warps=CODES_WARPS, enable_fp_fusion=False)
     return out
 
 
 def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """``kernels.payload.decode_codes`` to float32 (``dtype``), one kernel."""
     g, out = decode_buffers(packed, bits, count, scale, out)
     if count:
         _jit().decode_codes_kernel[(-(-count // CODES_BLOCK),)](
-            packed.contiguous(), out, count, float(g), BITS=bits, BLOCK=CODES_BLOCK, num_warps=CODES_WARPS)
+            packed.contiguous(), out, count, float(g), BITS=bits, BLOCK=CODES_BLOCK, ACC=accumulate,
+            num_warps=CODES_WARPS, enable_fp_fusion=False)
     return out

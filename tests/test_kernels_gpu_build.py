@@ -31,10 +31,10 @@ _PACK_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "out_ptr": "*u8", "count": "
              "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNPACK_SIG = {"rec_ptr": "*u8", "idx_ptr": "*i64", "bits_ptr": "*{b}", "count": "i64",
                "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
-_ENCODE_SIG = {"v_ptr": "*fp32", "out_ptr": "*u8", "n": "i64", "nbytes": "i64", "f": "fp32",
-               "BITS": "constexpr", "BLOCK": "constexpr"}
+_ENCODE_SIG = {"v_ptr": "*fp32", "out_ptr": "*u8", "n": "i64", "nbytes": "i64", "f": "fp32", "g": "fp32",
+               "BITS": "constexpr", "BLOCK": "constexpr", "KEEP": "constexpr"}
 _DECODE_SIG = {"packed_ptr": "*u8", "out_ptr": "*fp32", "count": "i64", "g": "fp32",
-               "BITS": "constexpr", "BLOCK": "constexpr"}
+               "BITS": "constexpr", "BLOCK": "constexpr", "ACC": "constexpr"}
 _SCATTER_SIG = {"out_ptr": "*{t}", "idx_ptr": "*i64", "val_ptr": "*{t}", "m": "i64", "BLOCK": "constexpr"}
 
 
@@ -113,12 +113,15 @@ for arch in (80, 90):
                 assert k.asm["cubin"]
                 record(k, arch)
     for bits in (2, 4, 8):
-        for fn, sig in ((impl.encode_codes_kernel, ENCODE_SIG), (impl.decode_codes_kernel, DECODE_SIG)):
-            # As launched: encode without FP fusion, so no FMA feeds the rounding.
-            k = triton.compile(ASTSource(fn, sig, {"BITS": bits, "BLOCK": CODES_BLOCK}), target=target,
-                               options={"num_warps": CODES_WARPS, "enable_fp_fusion": False})
-            assert k.asm["cubin"] and "fma" not in k.asm["ptx"]
-            record(k, arch)
+        for flag in (False, True):
+            for fn, sig, name in ((impl.encode_codes_kernel, ENCODE_SIG, "KEEP"),
+                                  (impl.decode_codes_kernel, DECODE_SIG, "ACC")):
+                # As launched: without FP fusion, so no FMA feeds the rounding, the kept
+                # error or the accumulated sum (each must be the reference's two roundings).
+                k = triton.compile(ASTSource(fn, sig, {"BITS": bits, "BLOCK": CODES_BLOCK, name: flag}),
+                                   target=target, options={"num_warps": CODES_WARPS, "enable_fp_fusion": False})
+                assert k.asm["cubin"] and "fma" not in k.asm["ptx"]
+                record(k, arch)
 with open(REPORT, "w") as f:
     json.dump(built, f)
 print("built", len(built))
@@ -155,7 +158,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 82 and "built 82" in out.stdout
+    assert len(built) == 94 and "built 94" in out.stdout  # 2 archs x 47 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 

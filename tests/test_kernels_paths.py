@@ -204,6 +204,43 @@ def test_encode_decode_codes_match_torch_bytewise(backend, monkeypatch, bits, n,
         assert q.tolist() == [0.0, 2.0, -2.0, 2.0]
 
 
+
+@pytest.mark.parametrize("backend", backend_params("encode_codes"))
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 4099, 200_003])
+def test_encode_keeping_the_error_and_decode_accumulating_match_torch_bitwise(backend, monkeypatch, bits, n):
+    # keep_error: v becomes v - decode(code) in the encoding pass; accumulate: out += decode.
+    # Both must equal the reference's separate steps bit for bit (no FMA, same roundings);
+    # 200,003 entries cut into several spans on the CPU path (odd, so the last byte is partial).
+    if backend == "triton" and n > 100_000:
+        pytest.skip("the Triton interpreter is too slow for this size")
+    run = runner(backend, monkeypatch)
+    levels = 2 ** (bits - 1) - 1
+    gen = torch.Generator().manual_seed(bits + n)
+    v = torch.randn(n, generator=gen) * 3
+    v[: min(n, 4)] = torch.tensor([0.5, -2.5, 1e6, -1e6])[: min(n, 4)]  # ties and clamped values
+    for scale in (float(levels), float(v.abs().max()) / 2 if n else 1.0, 0.0):
+        expect_err = v.clone()
+        expect = payload.encode_codes_torch(expect_err, bits, scale, keep_error=True)
+        assert torch.equal(expect, payload.encode_codes_torch(v, bits, scale)), "the codes do not depend on keep"
+        torch.testing.assert_close(expect_err, v - payload.decode_codes_torch(expect, bits, n, scale, torch.float32),
+                                   rtol=0, atol=0)
+        err = v.clone()
+        got = run("encode_codes", err, bits, scale, True)
+        assert torch.equal(got, expect) and torch.equal(err, expect_err), scale
+        base = torch.randn(n, generator=gen)
+        want = base + payload.decode_codes_torch(expect, bits, n, scale, torch.float32)
+        into = base.clone()
+        assert run("decode_codes", expect, bits, n, scale, torch.float32, into, True) is into
+        assert torch.equal(into, want), scale
+    # The public checks: the error is written in place, so only contiguous float32 can keep it.
+    with pytest.raises(ValueError, match="contiguous float32"):
+        payload.encode_codes(torch.zeros(4, dtype=torch.bfloat16), bits, 1.0, keep_error=True)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        payload.encode_codes(torch.zeros(8)[::2], bits, 1.0, keep_error=True)
+    with pytest.raises(ValueError, match="out must be given"):
+        payload.decode_codes(torch.zeros(4, dtype=torch.uint8), bits, 4, 1.0, torch.float32, accumulate=True)
+
 # ---- the O(k) index work of a sparse reduction: merges, take-and-zero, densify ------------
 def _runs(gen: torch.Generator, R: int, n: int, m: int) -> tuple[torch.Tensor, list[int]]:
     """R ascending duplicate-free runs of up to m indexes below n, overlapping each other."""
