@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import struct
 import time
 import zlib
@@ -405,6 +406,11 @@ def _start(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bo
         early = (state.compensate(flat), time.perf_counter() - t0)
     compensated, accumulate = early
     acc = compensated.acc
+    # What the overflow check in _finish will allow: an algorithm that bounds its result
+    # below this may settle the residual before the check (State.result_limit).
+    dtype = out_dtype or acc.dtype
+    state.result_limit = min(torch.finfo(acc.dtype).max,
+                             torch.finfo(dtype).max / abs(scale) if scale else math.inf)
     k = topk_count(state.density, flat.numel())
     # With op="avg", 16-bit float values travel pre-divided by P (as PyTorch's
     # fp16 hook does): sums whose average fits float16 must not overflow on the wire.

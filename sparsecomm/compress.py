@@ -129,15 +129,26 @@ class Compressor:
         return self.decode(self.encode(values, scale), scale, values.dtype)
 
     # ---- dense payloads ----------------------------------------------------------
-    def pack(self, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """A dense payload (uint8) of ``values``: ``value_bits`` per value."""
-        return self.encode(values, scale).contiguous().view(torch.uint8)
+    def pack(self, values: torch.Tensor, scale: float, keep_error: bool = False) -> torch.Tensor:
+        """A dense payload (uint8) of ``values``: ``value_bits`` per value.
+
+        ``keep_error``: ``values`` (contiguous, written in place) become
+        ``values - unpack(payload)``, what the receivers will not see: the
+        error feedback of a dense sender without decoding what it sent.
+        """
+        payload = self.encode(values, scale).contiguous().view(torch.uint8)
+        if keep_error:
+            values.sub_(self.unpack(payload, values.numel(), scale, values.dtype))
+        return payload
 
     def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """The ``count`` values of a :meth:`pack`-ed payload, decoded to ``dtype`` (into ``out``)."""
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """The ``count`` values of a :meth:`pack`-ed payload, decoded to ``dtype`` (into ``out``,
+        or added to ``out`` with ``accumulate``)."""
         # clone: a slice of a gathered byte buffer may be misaligned for the wire dtype
         values = self.decode(payload.clone().view(self.wire_dtype), scale, dtype)
+        if accumulate:
+            return out.add_(values)
         return values if out is None else out.copy_(values)
 
     def __repr__(self) -> str:
@@ -244,15 +255,23 @@ class Quantize(Compressor):
     def decode(self, wire: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         return (wire.to(torch.float32) * (scale / self.levels)).to(dtype)
 
-    def pack(self, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """Codes packed to b bits: in one fused pass when rounding to nearest."""
-        if self.stochastic:
-            return pack_bits(self.encode(values, scale), self.bits)
-        return kernels.encode_codes(values, self.bits, scale)
+    def pack(self, values: torch.Tensor, scale: float, keep_error: bool = False) -> torch.Tensor:
+        """Codes packed to b bits: in one fused pass when rounding to nearest (which keeps
+        the error in the same pass for float32 values)."""
+        fused = not self.stochastic and (not keep_error or values.dtype == torch.float32)
+        if fused:
+            payload = kernels.encode_codes(values, self.bits, scale, keep_error=keep_error)
+        elif self.stochastic:
+            payload = pack_bits(self.encode(values, scale), self.bits)
+        else:
+            payload = kernels.encode_codes(values, self.bits, scale)
+        if keep_error and not fused:
+            values.sub_(self.unpack(payload, values.numel(), scale, values.dtype))
+        return payload
 
     def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.decode_codes(payload, self.bits, count, scale, dtype, out=out)
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        return kernels.decode_codes(payload, self.bits, count, scale, dtype, out=out, accumulate=accumulate)
 
 
 class Divided(Compressor):

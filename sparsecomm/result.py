@@ -36,6 +36,12 @@ class SparseResult:
         kept_at: with ``kept_idx`` None, ``kept_val`` covers the contiguous
             positions ``kept_at, kept_at + 1, ...`` (a dense owner's chunk: an
             index per entry would cost an n-sized ``arange`` per call).
+        settled: the algorithm already subtracted what this rank sent from its
+            residual (acc), in the pass that encoded it; ``sent`` is then None
+            (what was sent is the accumulated input less the residual).
+        bound: no |value| exceeds this, known without reading the values (from
+            the scales they were decoded with): the overflow check then skips
+            its pass over n values. None: unknown.
     """
 
     n: int
@@ -47,6 +53,8 @@ class SparseResult:
     kept_idx: torch.Tensor | None = None
     kept_val: torch.Tensor | None = None
     kept_at: int | None = None
+    settled: bool = False
+    bound: float | None = None
 
     def _scaled(self, scale: float) -> torch.Tensor:
         vals = self.values
@@ -59,6 +67,8 @@ class SparseResult:
 
         One min/max pass when all is well (a dense result has n values); counts only when not.
         """
+        if self.bound is not None and self.bound * abs(scale) < torch.finfo(dtype).max:
+            return 0  # every value is within the bound, so finite in dtype
         vals = self._scaled(scale)
         if vals.numel() == 0:
             return 0

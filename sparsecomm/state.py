@@ -157,6 +157,11 @@ class State:
     #: TopkDSA): with error feedback, :meth:`compensate` then also collects every entry above
     #: ``topk_guide`` and :meth:`exact_topk` finds the top-k among those few candidates.
     guided_topk = False
+    #: The largest |value| the caller can take from this call's result (its dtype and scale),
+    #: set by ``sparsecomm.api`` before each call. An algorithm that can bound its result
+    #: below it knows the call cannot be refused for overflow, so it may settle the residual
+    #: early (:class:`~sparsecomm.result.SparseResult` ``settled``); not saved in checkpoints.
+    result_limit = math.inf
     #: Where the next call starts collecting candidates (None: select over all n next call).
     topk_guide: float | None = None
     #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its
@@ -298,16 +303,18 @@ class State:
         with ``keep_errors=False``, when the caller knows them to be zero).
 
         ``result.contributed`` None means every entry was contributed
-        (``result.sent`` then holds all n values).
+        (``result.sent`` then holds all n values); ``result.settled``: the
+        algorithm already left acc minus what it sent in acc.
         """
         if not self.error_feedback:
             return
         residual = acc  # the residual itself (compensate accumulated in place): O(k) updates
-        if result.contributed is None:
-            residual.sub_(result.sent.to(acc.dtype))
-        else:
-            # contributed indexes are unique: r + (-v) is bitwise r - v
-            kernels.scatter_add(residual, result.contributed, result.sent.to(acc.dtype).neg(), unique=True)
+        if not result.settled:
+            if result.contributed is None:
+                residual.sub_(result.sent.to(acc.dtype))
+            else:
+                # contributed indexes are unique: r + (-v) is bitwise r - v
+                kernels.scatter_add(residual, result.contributed, result.sent.to(acc.dtype).neg(), unique=True)
         if keep_errors and result.kept_idx is not None and result.kept_idx.numel():
             kernels.scatter_add(residual, result.kept_idx, result.kept_val, unique=True)
         elif keep_errors and result.kept_at is not None and result.kept_val is not None:
@@ -340,7 +347,7 @@ class State:
         return buf
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_workspace")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_workspace", "result_limit")}
 
     def keep_all(self, acc: torch.Tensor) -> None:
         """After a call that delivered nothing: the whole accumulated input stays in the residual."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 
 import pytest
@@ -156,3 +157,63 @@ def test_stochastic_rounding_is_reproducible_from_its_seed_across_a_checkpoint()
         assert all(torch.equal(x, y) for x, y in zip(ra, rb))
     other = _stochastic_run(2, 4, seed=8)
     assert not torch.equal(other[0][0][0], a[0][0][0])
+
+
+# ---- the compressed dense allreduce settles its residual while encoding -------------------
+@pytest.mark.parametrize("compressor", ["q8", "q4", "q2s"])
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dense_settling_while_encoding_changes_no_bit(monkeypatch, compressor, P, dtype):
+    # With error feedback, each chunk keeps its quantisation error in the residual in the
+    # encoding pass (SparseResult.settled), instead of the update subtracting the decoded
+    # values after. The results, residuals and kept errors must be those of the old order.
+    dense_module = importlib.import_module("sparsecomm.algorithms.dense")  # the package re-exports the function
+
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        outs, settled = [], []
+        for step in range(4):
+            g = (torch.randn(5003, generator=torch.Generator().manual_seed(10 * rank + step)) * 3).to(dtype)
+            outs.append(sparsecomm.allreduce(g, state=st, compressor=compressor, algorithm="dense"))
+            settled.append(st.residual.clone())
+        return outs, settled
+
+    def runs():
+        return sparsecomm.simulate(P, body).results
+
+    fused = runs()
+    last = {}
+    real = dense_module._allgather
+
+    def spy(h, comm):  # the settled path really ran
+        result = real(h, comm)
+        last[comm.rank] = result.settled
+        return result
+
+    monkeypatch.setattr(dense_module, "_allgather", spy)
+    assert [o[0] for o in runs()] and all(last.values()) and len(last) == P
+    monkeypatch.setattr(dense_module, "_BOUND_MARGIN", float("inf"))  # no bound: never settle
+    last.clear()
+    unfused = runs()
+    assert not any(last.values())
+    for (outs_a, res_a), (outs_b, res_b) in zip(fused, unfused):
+        assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
+        assert all(torch.equal(a, b) for a, b in zip(res_a, res_b))
+
+
+def test_dense_q8_sum_that_overflows_float16_is_refused_and_keeps_the_gradient():
+    # The scales bound the sum above float16's range: the call must not settle (a refused
+    # call puts the whole input back in the residual), and the overflow check must run.
+    def body(rank):
+        x = torch.zeros(40, dtype=torch.float16)
+        x[3], x[5] = 30000, 1.0
+        st = sparsecomm.DenseState(error_feedback=True)
+        try:
+            sparsecomm.allreduce(x, state=st, compressor="q8", algorithm="dense")
+        except sparsecomm.InputError as exc:
+            return str(exc), st.residual
+        return "returned", None
+
+    for msg, residual in sparsecomm.simulate(3, body).results:
+        assert "overflows torch.float16" in msg, msg
+        assert residual[3] == 30000 and residual[5] == 1.0 and int(torch.count_nonzero(residual)) == 2

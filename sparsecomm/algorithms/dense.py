@@ -48,6 +48,7 @@ class _Half:
     sent: torch.Tensor | None = None
     mine: torch.Tensor | None = None  # compressed: this owner's summed chunk, decoded
     starts: list[int] | None = None
+    settled: bool = False  # compressed: the errors of what was sent are already in acc
 
 
 def dense_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
@@ -121,9 +122,22 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
     return dense_gather(_reduce_scatter(acc, comm, codec, stats, state), comm)
 
 
+# Headroom of a bound on decoded values: decoding rounds a value up by at most a float32
+# ulp of the scale, and a sum of P of them adds P more roundings (relative 2^-24 each).
+_BOUND_MARGIN = 1.01
+
+
 def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
                     state: DenseState) -> _Half:
-    """With a compressor: rank j receives chunk j of every rank encoded, and sums it."""
+    """With a compressor: rank j receives chunk j of every rank encoded, and sums it.
+
+    With error feedback, each chunk is encoded keeping its error in ``acc``
+    (the residual) in the same pass, so the update has nothing left to
+    subtract and nothing of size n is decoded for it (``SparseResult.settled``),
+    when the scales bound the result below ``state.result_limit``: such a call
+    cannot be refused for overflow, the one case that must put acc back whole.
+    Otherwise (casts carry no scale) what was sent is decoded into ``sent``.
+    """
     P, me, n = comm.size, comm.rank, acc.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
     chunk = [acc[starts[j]:starts[j + 1]] for j in range(P)]
@@ -136,55 +150,63 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
 
     with PhaseRecorder(comm, stats).phase("reduce_scatter"):
         scales = codec.agree_scales(comm, chunk)
+        # Every decoded value is within its chunk's scale, so a sum of P within P times it;
+        # the scales are agreed, so every rank decides the same.
+        settle = (state.error_feedback and codec.needs_scale
+                  and P * max(scales, default=0.0) * _BOUND_MARGIN < state.result_limit)
         payloads: list[torch.Tensor | None] = [None] * P
-        payloads[me] = codec.pack(chunk[me], scales[me])
+        payloads[me] = codec.pack(chunk[me], scales[me], keep_error=settle)
         width = payloads[me].numel()  # every rank's encoding of chunk ``me`` has this size
         inbox = ws("inbox", width * (P - 1), torch.uint8)
         sends: list[Request] = []
         recvs = []
         # Each peer's chunk is encoded and sent before anything else, so that decoding
-        # what this rank sent (its residual's ``sent``) overlaps the wire.
+        # this rank's own share overlaps the wire.
         for s in range(1, P):
             dst, src = (me + s) % P, (me - s) % P
             buf = inbox[(s - 1) * width:s * width]
             recvs.append((comm.irecv(buf, src, _TAG_RS), buf))
-            payloads[dst] = codec.pack(chunk[dst], scales[dst])
+            payloads[dst] = codec.pack(chunk[dst], scales[dst], keep_error=settle)
             sends.append(comm.isend(payloads[dst], dst, _TAG_RS))
-        sent = ws("sent", n)
-        for j in range(P):
-            codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype, out=sent[starts[j]:starts[j + 1]])
-        mine = ws("mine", own.stop - own.start).copy_(sent[own])
-        part = ws("part", mine.numel())
+        sent = None
+        if not settle:
+            sent = ws("sent", n)
+            for j in range(P):
+                codec.unpack(payloads[j], chunk[j].numel(), scales[j], acc.dtype, out=sent[starts[j]:starts[j + 1]])
+        # The sum in rank order from this rank on: its own share, then each received one
+        # decoded straight into it.
+        mine = codec.unpack(payloads[me], own.stop - own.start, scales[me], acc.dtype,
+                            out=ws("mine", own.stop - own.start))
         for req, buf in recvs:
             req.wait()
-            mine += codec.unpack(buf, mine.numel(), scales[me], acc.dtype, out=part)
+            codec.unpack(buf, mine.numel(), scales[me], acc.dtype, out=mine, accumulate=True)
         for req in sends:
             req.wait()
-    return _Half(acc, state, codec, stats, sent=sent, mine=mine, starts=starts)
+    return _Half(acc, state, codec, stats, sent=sent, mine=mine, starts=starts, settled=settle)
 
 
 def _allgather(h: _Half, comm: Communicator) -> SparseResult:
-    """With a compressor: every owner re-encodes its sum (keeping the error); one allgatherv."""
+    """With a compressor: every owner re-encodes its sum (keeping the error in place); one allgatherv."""
     P, me, n = comm.size, comm.rank, h.acc.numel()
     acc, codec, mine, starts, stats = h.acc, h.codec, h.mine, h.starts, h.stats
     rec = PhaseRecorder(comm, stats)
-    part = h.state.workspace("part", mine.numel(), acc.dtype, acc.device)
     with rec.phase("allgather"):
         scale = codec.own_scale(mine)
-        owner_payload = codec.pack(mine, scale)
-        delivered = codec.unpack(owner_payload, mine.numel(), scale, acc.dtype, out=part)
+        owner_payload = codec.pack(mine, scale, keep_error=True)  # mine: this owner's re-encoding error
         header = torch.tensor([scale], dtype=torch.float64).view(torch.uint8).to(owner_payload.device)
         message = torch.cat([header, owner_payload])
         sizes = comm.allgather(torch.tensor([message.numel()], dtype=torch.int64,
                                             device=comm.control_device)).flatten().tolist()
         gathered = comm.allgatherv(message, sizes)
     with rec.phase("decode"):
-        total, pos = h.state.workspace("total", n, acc.dtype, acc.device), 0
+        total, pos, owner_scales = h.state.workspace("total", n, acc.dtype, acc.device), 0, []
         for j in range(P):
             msg = gathered[pos:pos + sizes[j]]
             pos += sizes[j]
             s = float(msg[:8].clone().view(torch.float64))
+            owner_scales.append(s)
             codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype, out=total[starts[j]:starts[j + 1]])
-    kept = mine.sub_(delivered)  # this owner's re-encoding error, in place
+    # Decoded values lie within their owner's scale: the overflow check needs no pass over them.
+    bound = max(owner_scales) * _BOUND_MARGIN if codec.needs_scale else None
     return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats,
-                        kept_at=starts[me], kept_val=kept)
+                        kept_at=starts[me], kept_val=mine, settled=h.settled, bound=bound)
