@@ -56,8 +56,9 @@ class SparseResult:
     settled: bool = False
     bound: float | None = None
 
-    def _scaled(self, scale: float) -> torch.Tensor:
-        vals = self.values
+    def _scaled(self, scale: float, vals: torch.Tensor | None = None) -> torch.Tensor:
+        """``vals`` (default: the values) times ``scale``, in at least float32."""
+        vals = self.values if vals is None else vals
         if scale != 1.0:
             vals = vals.to(torch.promote_types(vals.dtype, torch.float32)) * scale
         return vals
@@ -66,27 +67,37 @@ class SparseResult:
         """How many result values are NaN/Inf once scaled and cast to ``dtype`` (O(k) when sparse).
 
         One min/max pass when all is well (a dense result has n values); counts only when not.
+        Only the two extremes are scaled: scaling and casting are monotonic, roundings
+        included, so the values are finite once scaled if their extremes are (no n-sized
+        temporary; with ``bound`` not even the pass).
         """
         if self.bound is not None and self.bound * abs(scale) < torch.finfo(dtype).max:
             return 0  # every value is within the bound, so finite in dtype
-        vals = self._scaled(scale)
-        if vals.numel() == 0:
+        if self.values.numel() == 0:
             return 0
-        lo, hi = torch.aminmax(vals.reshape(-1))
-        if bool(torch.isfinite(torch.stack([lo, hi]).to(dtype)).all()):  # one host read, not two
+        lo, hi = torch.aminmax(self.values.reshape(-1))
+        if bool(torch.isfinite(self._scaled(scale, torch.stack([lo, hi])).to(dtype)).all()):  # one host read
             return 0
-        return int((~torch.isfinite(vals.to(dtype))).sum())
+        return int((~torch.isfinite(self._scaled(scale).to(dtype))).sum())
 
     def to_dense(self, dtype: torch.dtype, scale: float = 1.0,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """A dense tensor of n entries holding the result times ``scale``: new, or ``out``.
 
         ``out`` (flat, contiguous, n elements of ``dtype``) is written once
-        (``kernels.scatter_dense``: zeros and the result's entries together).
+        (``kernels.scatter_dense``: zeros and the result's entries together; a
+        dense result's product goes straight into it, with no n-sized temporary).
         """
-        vals = self._scaled(scale)
         if self.indexes is None:
-            return vals.to(dtype, copy=True) if out is None else out.copy_(vals)
+            if out is None:
+                return self._scaled(scale).to(dtype, copy=True)
+            if scale == 1.0:
+                return out.copy_(self.values)
+            if self.values.dtype == torch.promote_types(self.values.dtype, torch.float32):
+                # The product in the values' dtype, cast as it is stored: _scaled's bits.
+                return torch.mul(self.values, scale, out=out)
+            return out.copy_(self._scaled(scale))
+        vals = self._scaled(scale)
         if out is None:
             out = torch.empty(self.n, dtype=dtype, device=self.values.device)
         return kernels.scatter_dense(out, self.indexes, vals.to(dtype))

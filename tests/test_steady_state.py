@@ -169,3 +169,31 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     # Only the calls that were not fused, or whose candidate buffer overflowed, read it.
     assert len(reads) == 2 * (6 - fused[0]) + sum(overflowed), (reads, overflowed)
     assert sum(overflowed) < len(overflowed) / 2
+
+
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3, -1 / 7])
+def test_a_dense_result_scales_into_out_and_checks_its_extremes_with_the_old_bits(values_dtype, dtype, scale):
+    # to_dense(out=) multiplies straight into out, and count_nonfinite scales only the two
+    # extremes (no n-sized temporary for op="avg"): the bits and the counts of the old way,
+    # the product in at least float32, then the cast.
+    from sparsecomm.result import SparseResult
+    from sparsecomm.state import CallStats
+
+    v = (torch.randn(10_007, generator=torch.Generator().manual_seed(3)) * 1000).to(values_dtype)
+    v[5], v[9] = 7e4, -1e5  # beyond float16 once scaled by 1 or 1/2, within it by 1/3 and 1/7
+
+    def result(values):
+        return SparseResult(n=values.numel(), indexes=None, values=values, contributed=None, sent=None,
+                            stats=CallStats())
+
+    def old(values):
+        return values.to(torch.promote_types(values.dtype, torch.float32)) * scale
+
+    res = result(v)
+    assert torch.equal(res.to_dense(dtype, scale, out=torch.empty(v.numel(), dtype=dtype)), old(v).to(dtype))
+    assert torch.equal(res.to_dense(dtype, scale), old(v).to(dtype))
+    assert res.count_nonfinite(dtype, scale) == int((~torch.isfinite(old(v).to(dtype))).sum())
+    v[11] = float("nan")
+    assert result(v).count_nonfinite(dtype, scale) == int((~torch.isfinite(old(v).to(dtype))).sum())
