@@ -5,7 +5,7 @@ package as ``sparsecomm.kernels`` (``package-dir`` in pyproject.toml): import
 it as ``sparsecomm.kernels``; modules inside it import each other relatively.
 A checkout that is not installed cannot import it (``import sparsecomm``
 says so). Every operation with fast paths
-(``kth_largest``, ``select_above``, ``ef_select``, ``count_above``, ``bucketize``,
+(``kth_largest``, ``select_above``, ``ef_select``, ``ef_accumulate``, ``count_above``, ``bucketize``,
 ``scatter_add``, ``topk_of_candidates``, ``pack_records``/``unpack_records``, ``isin_sorted``,
 ``union_sorted_runs``, ``sum_sorted_runs``, ``take_and_zero``, ``scatter_dense``, ``nonzero``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
@@ -38,7 +38,7 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
                   split_by_boundaries, sum_sorted_runs, take_and_zero, union_sorted_runs, unique_indexes,
                   unpack_records)
 from .dispatch import BackendUnavailable
-from .efselect import ef_select
+from .efselect import ef_accumulate, ef_select
 from .estimate import bucketize, count_above, estimate_threshold
 from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
                       pack_unsigned, quantize, unpack_unsigned)
@@ -47,7 +47,7 @@ from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_ca
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
-           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select",
+           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_accumulate",
            "estimate_threshold", "count_above", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

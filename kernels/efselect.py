@@ -1,4 +1,5 @@
-"""Fused error-feedback select: accumulate, threshold, compact into COO, in one pass.
+"""Fused error-feedback select: accumulate, threshold, compact into COO, in one pass;
+and the fused accumulate of dense error feedback (``ef_accumulate``).
 
 ``ef_select`` replaces the torch chain ``r += s*g; m = |r| >= th; idx =
 nonzero(m); val = r[idx]; r[idx] = 0`` (five passes and three temporaries)
@@ -13,7 +14,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["ef_select", "ef_select_torch"]
+__all__ = ["ef_select", "ef_select_torch", "ef_accumulate", "ef_accumulate_torch"]
 
 
 def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
@@ -125,3 +126,58 @@ _EF_SELECT = dispatch.KernelOp(
     "ef_select", ef_select_torch, on=1, cpu="numba_backend:ef_select",
     triton="triton_backend:ef_select", cupy="cupy_backend:ef_select",
     accepts={"cpu": _positive_threshold}, prefer=dispatch.CUDA_SCANS)
+
+
+# ---- dense error feedback: accumulate, and the block maxima a quantiser's scales need -------
+def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
+    """The reference: the unfused torch chain with the same contract as :func:`ef_accumulate`."""
+    acc = residual + grad.to(residual.dtype)
+    finite = torch.isfinite(acc)
+    residual.copy_(torch.where(finite, acc, residual))
+    padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
+    padded[:residual.numel()] = residual.abs()
+    maxima.copy_(padded.view(-1, block).amax(dim=1))
+    return int((~finite).sum())
+
+
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int = 4096, *,
+                  backend: str | None = None) -> tuple[torch.Tensor, int]:
+    """Error-feedback accumulate with the largest magnitude of every block, in one pass.
+
+    1. acc = residual + grad, computed in the residual's dtype and written
+       back into ``residual`` where it is finite (as :func:`ef_select`: a
+       non-finite sum leaves its entry, so a rejected call can take the
+       gradient back out, ``State.rollback``).
+    2. maxima[b] = max |residual| over entries [b * block, (b + 1) * block),
+       after step 1 (the last block may be short).
+    3. The count of non-finite sums: the input's finite check, folded in.
+
+    What a dense quantising allreduce needs before it encodes: the max |acc|
+    of any chunk (its scale) from the maxima of the blocks inside it and the
+    few entries at its edges, instead of a pass over acc per call, and the
+    finite check, instead of a pass over the gradient.
+
+    Args:
+        grad: gradient, any float dtype, ``residual.numel()`` elements, same device.
+        residual: contiguous 1-D float32/float64 error-feedback memory, updated in place.
+        block: entries per maximum (>= 1).
+        backend: ``torch``/``cpu``/``auto`` (``kernels.dispatch``).
+
+    Returns:
+        ``(maxima, nonfinite)``: ``ceil(n / block)`` maxima in the residual's
+        dtype, and how many sums were not finite.
+    """
+    if residual.dim() != 1 or not residual.is_contiguous() or residual.dtype not in (torch.float32, torch.float64):
+        raise ValueError("ef_accumulate: residual must be a contiguous 1-D float32/float64 tensor "
+                         f"(it is written in place), got {residual.dtype} of shape {tuple(residual.shape)}")
+    if grad.numel() != residual.numel() or grad.device != residual.device or not grad.is_floating_point():
+        raise ValueError("ef_accumulate: grad must be floating point, with the residual's size and device")
+    if block < 1:
+        raise ValueError(f"ef_accumulate: block must be >= 1, got {block}")
+    maxima = torch.empty(-(-residual.numel() // block), dtype=residual.dtype, device=residual.device)
+    nonfinite = _EF_ACCUMULATE(grad.reshape(-1).contiguous(), residual, int(block), maxima, backend=backend)
+    return maxima, nonfinite
+
+
+# No GPU kernel: on a GPU the torch chain is a few memory-speed passes.
+_EF_ACCUMULATE = dispatch.KernelOp("ef_accumulate", ef_accumulate_torch, on=1, cpu="numba_backend:ef_accumulate")

@@ -28,7 +28,7 @@ import torch
 
 from .payload import decode_buffers, decode_factor, encode_buffers
 
-__all__ = ["ef_select", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
+__all__ = ["ef_select", "ef_accumulate", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
            "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add", "bucketize"]
 
@@ -222,6 +222,21 @@ def select_above(x: torch.Tensor, threshold: float, use_abs: bool = False) -> to
 def _rd_scalar(value: float, dtype: torch.dtype):
     """``value`` as a numpy scalar of ``dtype`` (so numba does float32 math for float32)."""
     return np.float32(value) if dtype == torch.float32 else np.float64(value)
+
+
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
+    """numba ``kernels.ef_accumulate``: spans of whole blocks over threads."""
+    impl = _jit()
+    if grad.dtype != residual.dtype:  # numba has no bf16 and slow fp16: widen (as ef_select does)
+        grad = grad.to(residual.dtype)
+    n = residual.numel()
+    g, r, mx = grad.numpy(), residual.numpy(), maxima.numpy()
+    ints, mask = (np.int32, np.int32(0x7FFFFFFF)) if r.dtype == np.float32 else (np.int64, np.int64(2**63 - 1))
+    bits = r.view(ints)
+    bounds = impl.chunk_bounds(n, _spans(n), align=block)
+    return sum(_map(impl.ef_accumulate_span,
+                    [(g[lo:hi], r[lo:hi], bits[lo:hi], mask, block, mx.view(ints)[lo // block:-(-hi // block)])
+                     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if hi > lo]))
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

@@ -99,8 +99,13 @@ class Compressor:
         return self.wire_dtype == dtype
 
     # ---- scales ------------------------------------------------------------------
-    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
-        """One scale per part, the same on every rank (collective when scales are needed)."""
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor],
+                     local: Sequence[float] | None = None) -> list[float]:
+        """One scale per part, the same on every rank (collective when scales are needed).
+
+        ``local``: each part's :meth:`own_scale`, when the caller knows them already
+        (``DenseState.chunk_maxima``), which saves a pass over the parts.
+        """
         return [1.0] * len(parts)
 
     def own_scale(self, values: torch.Tensor) -> float:
@@ -227,11 +232,13 @@ class Quantize(Compressor):
         bound._stream, bound._messages = (self.seed, int(rank), int(step)), 0
         return bound
 
-    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
-        local = torch.tensor([self.own_scale(p) for p in parts], dtype=torch.float64, device=comm.control_device)
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor],
+                     local: Sequence[float] | None = None) -> list[float]:
+        mine = torch.tensor(list(local) if local is not None else [self.own_scale(p) for p in parts],
+                            dtype=torch.float64, device=comm.control_device)
         if comm.size > 1:
-            local = comm.allreduce(local, "max")
-        return local.tolist()
+            mine = comm.allreduce(mine, "max")
+        return mine.tolist()
 
     def own_scale(self, values: torch.Tensor) -> float:
         if not values.numel():
@@ -304,8 +311,9 @@ class Divided(Compressor):
         inner = self.inner.for_call(rank, step)
         return self if inner is self.inner else Divided(inner, self.divisor)
 
-    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor]) -> list[float]:
-        return self.inner.agree_scales(comm, parts)
+    def agree_scales(self, comm: Communicator, parts: Sequence[torch.Tensor],
+                     local: Sequence[float] | None = None) -> list[float]:
+        return self.inner.agree_scales(comm, parts, local)
 
     def own_scale(self, values: torch.Tensor) -> float:
         return self.inner.own_scale(values)

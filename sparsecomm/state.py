@@ -162,6 +162,8 @@ class State:
     #: below it knows the call cannot be refused for overflow, so it may settle the residual
     #: early (:class:`~sparsecomm.result.SparseResult` ``settled``); not saved in checkpoints.
     result_limit = math.inf
+    #: Attributes that live for one call or are buffers: never saved in checkpoints.
+    _TRANSIENT = ("_scratch", "_workspace", "result_limit", "_maxima")
     #: Where the next call starts collecting candidates (None: select over all n next call).
     topk_guide: float | None = None
     #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its
@@ -347,7 +349,7 @@ class State:
         return buf
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_workspace", "result_limit")}
+        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
     def keep_all(self, acc: torch.Tensor) -> None:
         """After a call that delivered nothing: the whole accumulated input stays in the residual."""

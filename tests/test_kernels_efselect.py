@@ -349,3 +349,57 @@ def test_kth_largest_cpu_radix_with_nan_follows_numpy():
     for k in (1, 50, 101, 5_000):
         a, b = kernels.kth_largest(x, k, backend="cpu"), kernels.kth_largest(x, k, backend="torch")
         assert a == b or (a != a and b != b), k  # NaN ranks largest, as in np.partition
+
+
+# ---- dense error feedback: accumulate with block maxima ----------------------------------
+@pytest.mark.parametrize("backend", backend_params("ef_accumulate"))
+@pytest.mark.parametrize("rdtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gdtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(0, 4), (1, 4), (4097, 4096), (300_001, 4096), (1000, 1), (1000, 7)])
+def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n, block):
+    # 300,001 entries run as several spans of whole blocks on the CPU path (2 threads);
+    # non-finite sums (NaN, Inf, an overflowing sum) leave their residual and are counted.
+    from sparsecomm.kernels.efselect import ef_accumulate_torch
+
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(n + block)
+    g = torch.randn(n, generator=gen, dtype=rdtype) * 5
+    r = torch.randn(n, generator=gen, dtype=rdtype)
+    if n > 20:
+        big = torch.finfo(rdtype).max
+        g[3], g[8], g[n - 1] = float("inf"), float("nan"), -3e3
+        r[5], g[5] = big, big  # the sum overflows
+        r[n - 2] = -1e4  # the largest magnitude, in the last (short) block
+    g = g.to(gdtype) if gdtype is not None else g
+    want_r = r.clone()
+    want_m = torch.empty(-(-n // block), dtype=rdtype)
+    want_c = ef_accumulate_torch(g, want_r, block, want_m)
+    got_r = r.clone()
+    got_m = torch.full_like(want_m, float("nan"))  # every maximum must be written
+    got_c = run("ef_accumulate", g.contiguous(), got_r, block, got_m)
+    assert got_c == want_c == (3 if n > 20 else 0)
+    assert torch.equal(got_r, want_r) and torch.equal(got_m, want_m)
+    if n > 20:
+        assert got_r[5] == r[5] and got_r[3] == r[3]  # the non-finite sums left their entries
+
+
+def test_dense_chunk_scales_from_block_maxima_equal_a_pass_over_each_chunk(monkeypatch):
+    # DenseState reads a quantiser's chunk scales from its accumulation's block maxima and
+    # the entries at the chunks' edges: the same floats as max |chunk| (own_scale), for
+    # chunks inside one block, across many, empty, or ending in the short last block.
+    import sparsecomm
+    from sparsecomm.compress import Quantize
+
+    monkeypatch.setattr(sparsecomm.DenseState, "MAXIMA_BLOCK", 16)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        st = sparsecomm.DenseState(error_feedback=True)
+        acc = st.compensate(torch.randn(1003, generator=gen, dtype=dtype)).acc
+        acc[500] = -40.0  # a negative maximum
+        st.compensate(torch.zeros(1003, dtype=dtype))  # the maxima of the acc as it is now
+        for starts in ([0, 1003], [0, 5, 9, 1003], [0, 16, 32, 32, 1000, 1003], [0, 17, 495, 501, 502, 1003],
+                       [0, 334, 668, 1003]):
+            want = [Quantize(8).own_scale(acc[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+            assert st.chunk_maxima(acc, starts) == want, starts
+        st.iteration += 1  # maxima of an earlier call are never used
+        assert st.chunk_maxima(acc, [0, 1003]) is None

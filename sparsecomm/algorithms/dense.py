@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..comm.base import Communicator, Request
 from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
-from ..state import CallStats, Preselection, State
+from ..state import CallStats, Compensated, Preselection, State
 from .exchange import equal_boundaries
 
 __all__ = ["DenseState", "dense", "dense_reduce", "dense_gather"]
@@ -29,10 +30,48 @@ class DenseState(State):
     """State of the dense allreduce: error feedback of the compression error only.
 
     ``density`` is accepted for a uniform interface and ignored (k = n).
+
+    With error feedback the accumulation is one fused pass
+    (``kernels.ef_accumulate``): residual += gradient where finite, the
+    input's finite check, and the max |acc| of every ``MAXIMA_BLOCK``
+    entries, from which a quantiser's chunk scales are read
+    (:meth:`chunk_maxima`) instead of a pass over acc per call.
     """
+
+    #: Entries per block maximum: the scale of a chunk reads the maxima of its whole blocks
+    #: and at most 2 * MAXIMA_BLOCK entries at its edges.
+    MAXIMA_BLOCK = 4096
 
     def __init__(self, density: float = 1.0, error_feedback: bool = False) -> None:
         super().__init__(density, error_feedback)
+
+    def fuses_next(self) -> bool:
+        return self.error_feedback
+
+    def compensate(self, flat: torch.Tensor) -> Compensated:
+        if not self.error_feedback:
+            return super().compensate(flat)
+        self.n = flat.numel()
+        residual = self.residual_on(flat)
+        maxima, nonfinite = kernels.ef_accumulate(flat, residual, self.MAXIMA_BLOCK)
+        self._maxima = (self.iteration, maxima)  # for this call only
+        return Compensated(residual, finite=nonfinite == 0)
+
+    def chunk_maxima(self, acc: torch.Tensor, starts: list[int]) -> list[float] | None:
+        """max |acc| over each chunk ``[starts[j], starts[j + 1])``, from this call's block maxima
+        (None when this call's accumulation kept none): exactly what a pass over each chunk gives."""
+        kept = self.__dict__.get("_maxima")
+        if kept is None or kept[0] != self.iteration:
+            return None
+        maxima, B = kept[1], self.MAXIMA_BLOCK
+        out = []
+        for lo, hi in zip(starts[:-1], starts[1:]):
+            first, last = -(-lo // B), hi // B  # the whole blocks inside: [first, last)
+            parts = [maxima[first:last].max()] if first < last else []
+            edges = ((lo, first * B), (last * B, hi)) if first < last else ((lo, hi),)
+            parts += [acc[a:b].abs().max() for a, b in edges if b > a]
+            out.append(float(torch.stack(parts).max()) if parts else 0.0)  # one host read per chunk
+        return out
 
 
 @dataclass
@@ -149,7 +188,7 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
         return state.workspace(name, numel, dtype, acc.device)
 
     with PhaseRecorder(comm, stats).phase("reduce_scatter"):
-        scales = codec.agree_scales(comm, chunk)
+        scales = codec.agree_scales(comm, chunk, state.chunk_maxima(acc, starts))
         # Every decoded value is within its chunk's scale, so a sum of P within P times it;
         # the scales are agreed, so every rank decides the same.
         settle = (state.error_feedback and codec.needs_scale
