@@ -58,7 +58,8 @@ class SparseHookState:
             sparsification, no residual), as is usual before sparsifying.
         min_bucket_elements: buckets smaller than this always go dense
             (sparsifying a few thousand values saves nothing).
-        error_feedback: keep what was not sent in per-parameter residuals.
+        error_feedback: keep what was not sent in per-parameter residuals (for
+            ``"dense"`` only with a compressor: without one nothing is lost).
         overlap: reduce buckets on a communication thread while backward goes
             on (an engine made here: collective, every rank must build its state
             at the same point). Results are bit for bit those of ``overlap=False``.
@@ -116,7 +117,9 @@ class SparseHookState:
 
     def _state_kwargs(self) -> dict:
         kwargs = dict(self.algorithm_options)
-        if self.algorithm != "dense":
+        # Dense keeps a residual only when a compressor loses something (q8, fp16, ...):
+        # without one it would hold zeros, one more pass per bucket for nothing.
+        if self.algorithm != "dense" or self.compressor is not None:
             kwargs.setdefault("error_feedback", self.error_feedback)
         return kwargs
 

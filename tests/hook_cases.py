@@ -66,11 +66,11 @@ def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tup
     return worst, dict(state.totals)
 
 
-def conservation(rank: int, size: int, steps: int = 15) -> dict:
+def conservation(rank: int, size: int, steps: int = 15, algorithm: str = "oktopk", compressor=None) -> dict:
     """Local gradients fed to the hook, results, residuals and layouts seen, over many steps."""
     model = DDP(_model(Shuffled), bucket_cap_mb=0.01)  # several small buckets
-    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0,
-                            algorithm_options={"tau": 4, "tau_prime": 8})
+    state = SparseHookState(model, algorithm, 0.05, min_bucket_elements=0, compressor=compressor,
+                            algorithm_options={"tau": 4, "tau_prime": 8} if algorithm == "oktopk" else None)
     params = list(model.parameters())
     fed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     results = [torch.zeros_like(p, dtype=torch.float64) for p in params]

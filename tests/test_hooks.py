@@ -49,6 +49,23 @@ def test_residual_conservation_across_bucket_rebuilds():
 
 @pytest.mark.slow
 @pytest.mark.gloo
+def test_dense_q8_hook_keeps_its_quantisation_error():
+    # A compressed dense hook has error feedback too: what q8 rounds away stays in the
+    # residuals, so results plus residuals are every gradient fed (3 ranks: not a power of 2).
+    out = engines.run_gloo(3, hook_cases.conservation, 6, "dense", "q8")
+    residual_mass = 0.0
+    for i in range(len(out[0]["fed"])):
+        fed = sum(o["fed"][i] for o in out)
+        residual = sum(o["residuals"][i] for o in out)
+        residual_mass += float(residual.abs().sum())
+        torch.testing.assert_close(out[0]["results"][i] + residual, fed, rtol=1e-4, atol=1e-4)
+        for o in out:
+            assert torch.equal(o["results"][i], out[0]["results"][i])
+    assert residual_mass > 0  # the rounding was kept, not dropped
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_overlapping_hook_equals_the_synchronous_one():
     out = engines.run_gloo(3, hook_cases.overlap_equals_sync)
     for o in out:
