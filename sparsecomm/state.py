@@ -132,7 +132,9 @@ class Compensated:
         """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
         kept = min(count, capacity)
         val = val[:kept]
-        finite = bool(torch.isfinite(val).all()) if count <= capacity else None  # O(k)
+        finite = None  # the buffer overflowed: the pass cannot tell
+        if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
+            finite = bool(torch.isfinite(val.sum())) or bool(torch.isfinite(val).all())
         return cls(acc, Preselection(idx[:kept], count, val), finite)
 
     acc: torch.Tensor
