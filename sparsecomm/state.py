@@ -165,7 +165,7 @@ class State:
     #: early (:class:`~sparsecomm.result.SparseResult` ``settled``); not saved in checkpoints.
     result_limit = math.inf
     #: Attributes that live for one call or are buffers: never saved in checkpoints.
-    _TRANSIENT = ("_scratch", "_workspace", "result_limit", "_maxima")
+    _TRANSIENT = ("_scratch", "_workspace", "result_limit", "_maxima", "_scales_wanted")
     #: Where the next call starts collecting candidates (None: select over all n next call).
     topk_guide: float | None = None
     #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its

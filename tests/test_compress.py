@@ -217,3 +217,32 @@ def test_dense_q8_sum_that_overflows_float16_is_refused_and_keeps_the_gradient()
     for msg, residual in sparsecomm.simulate(3, body).results:
         assert "overflows torch.float16" in msg, msg
         assert residual[3] == 30000 and residual[5] == 1.0 and int(torch.count_nonzero(residual)) == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dense_q8_fused_accumulation_rejects_a_nonfinite_gradient_and_takes_it_back_out(bad):
+    # After its first call the dense q8 state accumulates in the fused pass (with the
+    # finite check folded in): a NaN/Inf gradient on one rank is refused on every rank,
+    # and every residual is what it was before the call (up to the rounding of adding the
+    # gradient and taking it back out; the entry whose sum was not finite never changed).
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        for step in range(3):
+            sparsecomm.allreduce(torch.randn(3001, generator=torch.Generator().manual_seed(rank + 10 * step)),
+                                 state=st, compressor="q8", algorithm="dense")
+        assert st.fuses_next()
+        before = st.residual.clone()
+        g = torch.randn(3001, generator=torch.Generator().manual_seed(99))
+        if rank == 1:
+            g[17] = bad
+        try:
+            sparsecomm.allreduce(g, state=st, compressor="q8", algorithm="dense")
+        except sparsecomm.InputError as exc:
+            return str(exc), st.residual, before
+        return "returned", None, None
+
+    for rank, (msg, residual, before) in enumerate(sparsecomm.simulate(3, body).results):
+        assert "NaN or Inf on rank(s) [1]" in msg, msg
+        torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
+        if rank == 1:
+            assert residual[17] == before[17]
