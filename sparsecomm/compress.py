@@ -112,6 +112,11 @@ class Compressor:
         """The scale of a message from these values alone."""
         return 1.0
 
+    def decoded_bound(self, scale: float) -> float | None:
+        """No value decoded from a payload encoded with ``scale`` exceeds this in magnitude
+        (up to one rounding); None when the scale does not bound them (casts)."""
+        return None
+
     # ---- the protocol ------------------------------------------------------------
     def encode_shared(self, comm: Communicator, values: torch.Tensor) -> Encoded:
         """Encode with the scale every rank agrees on for this step (see the module docstring)."""
@@ -247,6 +252,9 @@ class Quantize(Compressor):
         lo, hi = torch.aminmax(values.reshape(-1))
         return float(torch.maximum(hi, -lo))
 
+    def decoded_bound(self, scale: float) -> float | None:
+        return scale  # codes are clamped to [-L, L], and decode to code * scale / L
+
     def _noise(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         gen = torch.Generator().manual_seed(_stream_seed(*self._stream, self._messages))
         self._messages += 1
@@ -317,6 +325,10 @@ class Divided(Compressor):
 
     def own_scale(self, values: torch.Tensor) -> float:
         return self.inner.own_scale(values)
+
+    def decoded_bound(self, scale: float) -> float | None:
+        inner = self.inner.decoded_bound(scale)
+        return None if inner is None else inner * self.divisor
 
     def encode(self, values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return self.inner.encode(values / self.divisor, scale)

@@ -7,9 +7,14 @@ SparseResult`` registered under a name with the State class it uses::
     def oktopk(acc, k, comm, state, codec, preselected): ...
 
 ``acc`` is the (error-compensated) flat input in the work dtype, which the
-algorithm must not modify; ``codec`` (a :class:`~sparsecomm.compress.Compressor`,
-bound to this call) is how values travel: a cast to the input's dtype unless
-the caller chose a compressor; ``preselected`` is what the state's
+algorithm must not modify, with one exception: with error feedback ``acc`` is
+the residual, and an algorithm may leave in it what it did not send while it
+encodes, saying so with ``SparseResult.settled`` (dense with a quantiser does;
+a call that fails after that leaves the residual settled for a result that was
+never delivered, so a state is not reused after a communication error);
+``codec`` (a :class:`~sparsecomm.compress.Compressor`, bound to this call)
+is how values travel: a cast to the input's dtype unless the caller chose a
+compressor; ``preselected`` is what the state's
 ``compensate`` selected while accumulating (a
 :class:`~sparsecomm.state.Preselection`, Ok-Topk's fused pass), else None.
 

@@ -38,7 +38,7 @@ class SparseResult:
             index per entry would cost an n-sized ``arange`` per call).
         settled: the algorithm already subtracted what this rank sent from its
             residual (acc), in the pass that encoded it; ``sent`` is then None
-            (what was sent is the accumulated input less the residual).
+            (the update only adds ``kept_*`` back).
         bound: no |value| exceeds this, known without reading the values (from
             the scales they were decoded with): the overflow check then skips
             its pass over n values. None: unknown.

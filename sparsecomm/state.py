@@ -122,8 +122,9 @@ class Compensated:
     """What :meth:`State.compensate` hands to the algorithm.
 
     ``acc``: the error-compensated flat input in the work dtype (the algorithm
-    must not modify it). ``preselected``: a :class:`Preselection`, when the
-    state selected while accumulating, else None.
+    must not modify it, but to settle the residual: see ``sparsecomm.registry``).
+    ``preselected``: a :class:`Preselection`, when the state selected while
+    accumulating, else None.
     """
 
     @classmethod
@@ -139,8 +140,9 @@ class Compensated:
 
     acc: torch.Tensor
     preselected: Preselection | None = None
-    #: Whether every accumulated entry is finite, when the fused pass can tell (it selects
-    #: every non-finite one): True/False, or None when it did not run or its buffer overflowed.
+    #: Whether every accumulated entry is finite, when a fused pass can tell (``ef_select``
+    #: selects every non-finite one, ``ef_accumulate`` counts them): True/False, or None
+    #: when none ran or its buffer overflowed.
     finite: bool | None = None
 
 
@@ -232,8 +234,8 @@ class State:
         return Compensated(residual.add_(flat))
 
     def fuses_next(self) -> bool:
-        """Whether the next :meth:`compensate` is the fused accumulate-and-select pass
-        (``kernels.ef_select``), which also tells whether the input was finite."""
+        """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select`` here,
+        ``kernels.ef_accumulate`` for ``DenseState``), which also tells whether the input was finite."""
         return self.error_feedback and self.guided_topk and self.topk_guide is not None
 
     def rollback(self, flat: torch.Tensor) -> None:

@@ -205,9 +205,14 @@ def test_dense_q8_sum_that_overflows_float16_is_refused_and_keeps_the_gradient()
     # The scales bound the sum above float16's range: the call must not settle (a refused
     # call puts the whole input back in the residual), and the overflow check must run.
     def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        for _ in range(2):  # small calls first: the refused one runs the fused accumulation
+            sparsecomm.allreduce(torch.full((40,), 0.5, dtype=torch.float16), state=st, compressor="q8",
+                                 algorithm="dense")
+        assert st.fuses_next()
+        st.residual.zero_()
         x = torch.zeros(40, dtype=torch.float16)
         x[3], x[5] = 30000, 1.0
-        st = sparsecomm.DenseState(error_feedback=True)
         try:
             sparsecomm.allreduce(x, state=st, compressor="q8", algorithm="dense")
         except sparsecomm.InputError as exc:
@@ -246,3 +251,90 @@ def test_dense_q8_fused_accumulation_rejects_a_nonfinite_gradient_and_takes_it_b
         torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
         if rank == 1:
             assert residual[17] == before[17]
+
+
+
+def test_dense_q8_result_decoded_from_an_infinite_scale_is_refused_not_returned():
+    # A residual plus gradient can overflow even when every gradient is finite (here on
+    # rank 2, which owns the last chunk: not the first owner, so a NaN scale is not the
+    # first one max() sees). That chunk's scale is inf and its decode NaN: the call must
+    # be refused on every rank, as without the bound, never return NaN.
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        g = torch.ones(300)
+        if rank == 2:
+            st.residual = torch.zeros(300)
+            st.residual[250], g[250] = 3e38, 3e38
+        try:
+            out = sparsecomm.allreduce(g, state=st, compressor="q8", algorithm="dense")
+        except sparsecomm.InputError as exc:
+            return str(exc)
+        return f"returned, finite: {bool(torch.isfinite(out).all())}"
+
+    for msg in sparsecomm.simulate(3, body).results:
+        assert "reduced result overflows" in msg, msg
+
+
+@pytest.mark.parametrize("compressor", ["q8", "q4"])
+def test_dense_quantised_call_matches_a_hand_written_reference(compressor):
+    # The semantics, written out: per chunk a scale agreed as the max over ranks of max |acc|;
+    # each rank sends its chunks quantised; each owner sums what it received in rank order
+    # from itself on, re-encodes the sum with its own scale and keeps that error; everyone
+    # decodes every owner's payload. With error feedback a rank's residual is acc minus what
+    # it sent (as decoded), plus its owner's re-encoding error.
+    from sparsecomm.algorithms.exchange import equal_boundaries
+    from sparsecomm.kernels import payload
+
+    P, n, steps, bits = 3, 1001, 3, int(compressor[1:])
+    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(7 * r + s)) * (r + 1) for s in range(steps)]
+             for r in range(P)]
+
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        return [(sparsecomm.allreduce(grads[rank][s], state=st, compressor=compressor, algorithm="dense"),
+                 st.residual.clone()) for s in range(steps)]
+
+    got = sparsecomm.simulate(P, body).results
+    starts = equal_boundaries(n, P, torch.device("cpu")).tolist()
+    chunks = [slice(starts[j], starts[j + 1]) for j in range(P)]
+
+    def enc(v, scale):
+        return payload.encode_codes_torch(v, bits, scale)
+
+    def dec(p, count, scale):
+        return payload.decode_codes_torch(p, bits, count, scale, torch.float32)
+
+    residual = [torch.zeros(n) for _ in range(P)]
+    for s in range(steps):
+        acc = [residual[r] + grads[r][s] for r in range(P)]
+        scales = [max(float(acc[r][c].abs().max()) for r in range(P)) for c in chunks]
+        sent = [[dec(enc(acc[r][c], scales[j]), c.stop - c.start, scales[j]) for j, c in enumerate(chunks)]
+                for r in range(P)]
+        result, kept = torch.empty(n), []
+        for j, c in enumerate(chunks):
+            mine = sent[j][j].clone()
+            for t in range(1, P):
+                mine += sent[(j - t) % P][j]
+            own = float(mine.abs().max())
+            delivered = dec(enc(mine, own), mine.numel(), own)
+            result[c] = delivered  # op="sum", the default
+            kept.append(mine - delivered)
+        for r in range(P):
+            residual[r] = acc[r] - torch.cat(sent[r])
+            residual[r][chunks[r]] += kept[r]
+        for r in range(P):
+            out, res = got[r][s]
+            assert torch.equal(out, result), (s, r)
+            assert torch.equal(res, residual[r]), (s, r)
+
+
+@pytest.mark.parametrize("compressor", ["q8", "q4", "q8s"])
+def test_dense_quantised_at_world_size_one_is_not_clipped_to_one(compressor):
+    # A world of one round-trips acc through the quantiser with acc's own scale; with the
+    # default scale 1.0 every |value| above 1 came back as 1.
+    x = torch.linspace(-100, 100, 1001)
+    out = sparsecomm.simulate(1, lambda r: sparsecomm.allreduce(x, algorithm="dense", compressor=compressor)
+                              ).results[0]
+    levels = 2 ** (int(compressor[1]) - 1) - 1
+    assert float((out - x).abs().max()) <= 100 / levels  # half a step to nearest, a step stochastic
+    assert float(out.abs().max()) > 50

@@ -394,9 +394,9 @@ def test_dense_chunk_scales_from_block_maxima_equal_a_pass_over_each_chunk(monke
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         st = sparsecomm.DenseState(error_feedback=True)
-        assert not st.fuses_next() and st.chunk_maxima(torch.zeros(3), [0, 3]) is None  # none asked for yet
+        acc = st.compensate(torch.randn(1003, generator=gen, dtype=dtype)).acc  # the plain add
+        assert not st.fuses_next() and st.chunk_maxima(acc, [0, 1003]) is None  # none asked for before
         assert st.fuses_next()  # asked once: the accumulation keeps them from now on
-        acc = st.compensate(torch.randn(1003, generator=gen, dtype=dtype)).acc
         acc[500] = -40.0  # a negative maximum
         st.compensate(torch.zeros(1003, dtype=dtype))  # the maxima of the acc as it is now
         for starts in ([0, 1003], [0, 5, 9, 1003], [0, 16, 32, 32, 1000, 1003], [0, 17, 495, 501, 502, 1003],

@@ -9,6 +9,7 @@ Volume: 2 n (P-1)/P values of the compressed size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,10 @@ class DenseState(State):
         super().__init__(density, error_feedback)
 
     def fuses_next(self) -> bool:
-        return self.error_feedback and self.__dict__.get("_scales_wanted", False)
+        # On CPU only: on a GPU the torch chain of ef_accumulate costs more passes and
+        # temporaries than the add, the check and the scales it would replace.
+        return (self.error_feedback and self.__dict__.get("_scales_wanted", False)
+                and self.residual is not None and self.residual.device.type == "cpu")
 
     def compensate(self, flat: torch.Tensor) -> Compensated:
         if not self.fuses_next():
@@ -153,7 +157,8 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
             # it in place), and the sum goes into a buffer the state keeps, so a steady-state
             # call allocates nothing of size n (two fresh 100 MB tensors per call at 25M
             # cost more in page faults than the allreduce on a 10 Gbit/s link).
-            sent = codec.roundtrip(acc)
+            # A quantiser's own scale: the default 1.0 would clip every |value| above 1.
+            sent = codec.roundtrip(acc, codec.own_scale(acc) if codec.needs_scale else 1.0)
             if comm.size == 1:
                 total = state.workspace("sum", n, acc.dtype, acc.device).copy_(acc) if sent is acc else sent
             elif sent is acc:
@@ -169,6 +174,16 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
 _BOUND_MARGIN = 1.01
 
 
+def _decoded_bound(codec: Compressor, scales: list[float]) -> float | None:
+    """The largest |value| a payload encoded with any of ``scales`` decodes to, with headroom;
+    None when the codec has no such bound or a scale is not finite (Python's ``max`` would
+    skip a NaN that is not first, and an infinite scale decodes to NaN)."""
+    if not all(math.isfinite(s) for s in scales):
+        return None
+    bound = codec.decoded_bound(max(scales, default=0.0))
+    return None if bound is None else bound * _BOUND_MARGIN
+
+
 def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
                     state: DenseState) -> _Half:
     """With a compressor: rank j receives chunk j of every rank encoded, and sums it.
@@ -178,7 +193,9 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
     subtract and nothing of size n is decoded for it (``SparseResult.settled``),
     when the scales bound the result below ``state.result_limit``: such a call
     cannot be refused for overflow, the one case that must put acc back whole.
-    Otherwise (casts carry no scale) what was sent is decoded into ``sent``.
+    Otherwise (no error feedback, a cast, whose scale bounds nothing, a scale
+    that is not finite, or a bound above the limit) what was sent is decoded
+    into ``sent`` and acc is left as it was.
     """
     P, me, n = comm.size, comm.rank, acc.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
@@ -194,8 +211,8 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
         scales = codec.agree_scales(comm, chunk, state.chunk_maxima(acc, starts) if codec.needs_scale else None)
         # Every decoded value is within its chunk's scale, so a sum of P within P times it;
         # the scales are agreed, so every rank decides the same.
-        settle = (state.error_feedback and codec.needs_scale
-                  and P * max(scales, default=0.0) * _BOUND_MARGIN < state.result_limit)
+        bound = _decoded_bound(codec, scales)
+        settle = state.error_feedback and bound is not None and P * bound < state.result_limit
         payloads: list[torch.Tensor | None] = [None] * P
         payloads[me] = codec.pack(chunk[me], scales[me], keep_error=settle)
         width = payloads[me].numel()  # every rank's encoding of chunk ``me`` has this size
@@ -249,6 +266,6 @@ def _allgather(h: _Half, comm: Communicator) -> SparseResult:
             owner_scales.append(s)
             codec.unpack(msg[8:], starts[j + 1] - starts[j], s, acc.dtype, out=total[starts[j]:starts[j + 1]])
     # Decoded values lie within their owner's scale: the overflow check needs no pass over them.
-    bound = max(owner_scales) * _BOUND_MARGIN if codec.needs_scale else None
+    bound = _decoded_bound(codec, owner_scales)
     return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats,
                         kept_at=starts[me], kept_val=mine, settled=h.settled, bound=bound)
