@@ -117,6 +117,13 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     out["oktopk/equal-split-skewed"] = sparsecomm.allreduce(inputs(rank, n, "skewed"), state=eq, comm=comm)
     out["oktopk/avg"] = sparsecomm.allreduce(inputs(rank, 999, "gaussian").reshape(27, 37), 0.05, op="avg", comm=comm)
     out["dense"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", comm=comm)
+    st = sparsecomm.DenseState(error_feedback=True)
+    for step in range(3):  # from the second call on: the fused accumulation, settled while encoding
+        out[f"dense/q8/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "gaussian"), state=st,
+                                                           algorithm="dense", compressor="q8", comm=comm)
+    out["dense/q8/residual"] = st.residual.clone()
+    out["dense/q4/avg"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", compressor="q4",
+                                               op="avg", comm=comm)
     for name in ("topka", "topkdsa", "gtopk", "gaussiank"):
         st = sparsecomm.registry.get(name).state_class(0.01, error_feedback=True)
         for step in range(2):
