@@ -30,7 +30,7 @@ import_numba()
 
 from numba import njit  # noqa: E402
 
-__all__ = ["ef_select_span", "ef_accumulate_span", "select_span", "bracket_span", "count_above_span",
+__all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "select_span", "bracket_span", "count_above_span",
            "encode_codes_span",
            "decode_codes_span", "merge_runs", "merge_sum", "member_mask", "take_and_zero", "is_strictly_increasing",
            "densify_span", "radix_kth", "keep_above", "add_at", "bucket_span", "chunk_bounds", "BLOCK"]
@@ -126,6 +126,22 @@ def ef_select_span(g, r, scale, th, capacity, zero, offset, out_idx, out_val):
     if m:
         cnt = _compact_bits(g, r, scale, nb * BLOCK, m, bad, capacity, zero, offset, out_idx, out_val, cnt)
     return cnt
+
+
+@njit(nogil=True, cache=True)
+def ef_add_span(g, r):
+    """``kernels.ef_accumulate`` without maxima over one span: r += g where the sum is
+    finite; returns the count of the others. (Its own function: the same loop inside
+    ``ef_accumulate_span`` ran 1.5x slower, not vectorised.)"""
+    top = r.dtype.type(np.finfo(r.dtype).max)
+    bad = 0
+    for i in range(r.size):
+        old = r[i]
+        a = old + g[i]
+        ok = abs(a) <= top  # False for NaN and +-Inf
+        r[i] = a if ok else old
+        bad += not ok
+    return bad
 
 
 @njit(nogil=True, cache=True)

@@ -134,14 +134,16 @@ def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, 
     acc = residual + grad.to(residual.dtype)
     finite = torch.isfinite(acc)
     residual.copy_(torch.where(finite, acc, residual))
+    if block == 0:
+        return int((~finite).sum())
     padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
     padded[:residual.numel()] = residual.abs()
     maxima.copy_(padded.view(-1, block).amax(dim=1))
     return int((~finite).sum())
 
 
-def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int = 4096, *,
-                  backend: str | None = None) -> tuple[torch.Tensor, int]:
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None = 4096, *,
+                  backend: str | None = None) -> tuple[torch.Tensor | None, int]:
     """Error-feedback accumulate with the largest magnitude of every block, in one pass.
 
     1. acc = residual + grad, computed in the residual's dtype and written
@@ -149,34 +151,37 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int = 4096,
        non-finite sum leaves its entry, so a rejected call can take the
        gradient back out, ``State.rollback``).
     2. maxima[b] = max |residual| over entries [b * block, (b + 1) * block),
-       after step 1 (the last block may be short).
+       after step 1 (the last block may be short); none with ``block=None``.
     3. The count of non-finite sums: the input's finite check, folded in.
 
     What a dense quantising allreduce needs before it encodes: the max |acc|
     of any chunk (its scale) from the maxima of the blocks inside it and the
     few entries at its edges, instead of a pass over acc per call, and the
-    finite check, instead of a pass over the gradient.
+    finite check, instead of a pass over the gradient. Without maxima it is
+    the plain accumulation of every other state, with its finite check folded
+    in and no overflowing sum ever written into the residual.
 
     Args:
         grad: gradient, any float dtype, ``residual.numel()`` elements, same device.
         residual: contiguous 1-D float32/float64 error-feedback memory, updated in place.
-        block: entries per maximum (>= 1).
+        block: entries per maximum (>= 1), or None for no maxima.
         backend: ``torch``/``cpu``/``auto`` (``kernels.dispatch``).
 
     Returns:
         ``(maxima, nonfinite)``: ``ceil(n / block)`` maxima in the residual's
-        dtype, and how many sums were not finite.
+        dtype (None without a block), and how many sums were not finite.
     """
     if residual.dim() != 1 or not residual.is_contiguous() or residual.dtype not in (torch.float32, torch.float64):
         raise ValueError("ef_accumulate: residual must be a contiguous 1-D float32/float64 tensor "
                          f"(it is written in place), got {residual.dtype} of shape {tuple(residual.shape)}")
     if grad.numel() != residual.numel() or grad.device != residual.device or not grad.is_floating_point():
         raise ValueError("ef_accumulate: grad must be floating point, with the residual's size and device")
-    if block < 1:
-        raise ValueError(f"ef_accumulate: block must be >= 1, got {block}")
-    maxima = torch.empty(-(-residual.numel() // block), dtype=residual.dtype, device=residual.device)
-    nonfinite = _EF_ACCUMULATE(grad.reshape(-1).contiguous(), residual, int(block), maxima, backend=backend)
-    return maxima, nonfinite
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"ef_accumulate: block must be an integer >= 1 or None, got {block!r}")
+    b = block or 0  # 0: no maxima, as the implementations take it
+    maxima = torch.empty(-(-residual.numel() // b) if b else 0, dtype=residual.dtype, device=residual.device)
+    nonfinite = _EF_ACCUMULATE(grad.reshape(-1).contiguous(), residual, b, maxima, backend=backend)
+    return (maxima if block else None), nonfinite
 
 
 # No GPU kernel: on a GPU the torch chain is a few memory-speed passes.

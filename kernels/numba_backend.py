@@ -225,7 +225,7 @@ def _rd_scalar(value: float, dtype: torch.dtype):
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
-    """numba ``kernels.ef_accumulate``: spans of whole blocks over threads."""
+    """numba ``kernels.ef_accumulate``: spans of whole blocks over threads (``block`` 0: no maxima)."""
     impl = _jit()
     if grad.dtype != residual.dtype:  # numba has no bf16 and slow fp16: widen (as ef_select does)
         grad = grad.to(residual.dtype)
@@ -233,10 +233,13 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima
     g, r, mx = grad.numpy(), residual.numpy(), maxima.numpy()
     ints, mask = (np.int32, np.int32(0x7FFFFFFF)) if r.dtype == np.float32 else (np.int64, np.int64(2**63 - 1))
     bits = r.view(ints)
-    bounds = impl.chunk_bounds(n, _spans(n), align=block)
-    return sum(_map(impl.ef_accumulate_span,
-                    [(g[lo:hi], r[lo:hi], bits[lo:hi], mask, block, mx.view(ints)[lo // block:-(-hi // block)])
-                     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if hi > lo]))
+    bounds = impl.chunk_bounds(n, _spans(n), align=block or 64)
+    spans = [(lo, hi) for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if hi > lo]
+    if not block:
+        return sum(_map(impl.ef_add_span, [(g[lo:hi], r[lo:hi]) for lo, hi in spans]))
+    mb = mx.view(ints)
+    return sum(_map(impl.ef_accumulate_span, [(g[lo:hi], r[lo:hi], bits[lo:hi], mask, block,
+                                               mb[lo // block:-(-hi // block)]) for lo, hi in spans]))
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

@@ -230,13 +230,31 @@ class State:
             idx, val, count = kernels.ef_select(flat, residual, self.topk_guide, capacity,
                                                 zero_selected=False)
             return Compensated.fused(residual, idx, val, count, capacity)
-        # In place: a fresh n-element tensor per call costs more in page faults than the add.
-        return Compensated(residual.add_(flat))
+        return self._accumulate(flat, residual)
+
+    def _accumulate(self, flat: torch.Tensor, residual: torch.Tensor, block: int | None = None) -> Compensated:
+        """residual += flat in place (a fresh n-element tensor per call costs more in page
+        faults than the add). On CPU one pass (``kernels.ef_accumulate``, with block maxima
+        when ``block`` is given) writes only the finite sums and counts the others, so the
+        input needs no finite check of its own and an overflowing sum never reaches the
+        residual; elsewhere a plain add, which the call's own check precedes."""
+        if residual.device.type != "cpu":
+            return Compensated(residual.add_(flat))
+        maxima, nonfinite = kernels.ef_accumulate(flat, residual, block)
+        if maxima is not None:
+            self._maxima = (self.iteration, maxima)  # for this call only
+        return Compensated(residual, finite=nonfinite == 0)
 
     def fuses_next(self) -> bool:
-        """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select`` here,
-        ``kernels.ef_accumulate`` for ``DenseState``), which also tells whether the input was finite."""
-        return self.error_feedback and self.guided_topk and self.topk_guide is not None
+        """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select``, or on CPU
+        ``kernels.ef_accumulate``), which also tells whether the input was finite."""
+        if not self.error_feedback:
+            return False
+        if self.guided_topk and self.topk_guide is not None:
+            return True
+        # The residual's device decides the accumulation's path (a first call has none yet:
+        # it is checked first, then accumulates into zeros, which cannot overflow).
+        return self.residual is not None and self.residual.device.type == "cpu"
 
     def rollback(self, flat: torch.Tensor) -> None:
         """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).

@@ -254,25 +254,40 @@ def test_dense_q8_fused_accumulation_rejects_a_nonfinite_gradient_and_takes_it_b
 
 
 
-def test_dense_q8_result_decoded_from_an_infinite_scale_is_refused_not_returned():
+def test_dense_q8_residual_plus_gradient_that_overflows_is_refused_and_left_as_it_was():
     # A residual plus gradient can overflow even when every gradient is finite (here on
-    # rank 2, which owns the last chunk: not the first owner, so a NaN scale is not the
-    # first one max() sees). That chunk's scale is inf and its decode NaN: the call must
-    # be refused on every rank, as without the bound, never return NaN.
+    # rank 2, which owns the last chunk). The accumulation writes only finite sums and counts
+    # the others, so the call is refused on every rank and no inf enters the residual.
     def body(rank):
         st = sparsecomm.DenseState(error_feedback=True)
+        sparsecomm.allreduce(torch.ones(300), state=st, compressor="q8", algorithm="dense")
         g = torch.ones(300)
         if rank == 2:
-            st.residual = torch.zeros(300)
             st.residual[250], g[250] = 3e38, 3e38
+        before = st.residual.clone()
         try:
             out = sparsecomm.allreduce(g, state=st, compressor="q8", algorithm="dense")
         except sparsecomm.InputError as exc:
-            return str(exc)
-        return f"returned, finite: {bool(torch.isfinite(out).all())}"
+            return str(exc), before, st.residual
+        return f"returned, finite: {bool(torch.isfinite(out).all())}", None, None
 
-    for msg in sparsecomm.simulate(3, body).results:
-        assert "reduced result overflows" in msg, msg
+    for rank, (msg, before, residual) in enumerate(sparsecomm.simulate(3, body).results):
+        assert "overflows on rank(s) [2]" in msg, msg
+        assert torch.isfinite(residual).all()
+        torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
+
+
+def test_a_bound_comes_only_from_finite_scales():
+    # An infinite chunk scale decodes to NaN, and Python's max() skips a NaN that is not
+    # first: either must leave the result unbounded, so that the overflow check runs.
+    from sparsecomm.compress import Divided, get_compressor
+
+    bound = importlib.import_module("sparsecomm.algorithms.dense")._decoded_bound
+    q8 = get_compressor("q8", torch.float32)
+    assert bound(q8, [1.0, 2.0]) == pytest.approx(2.0 * 1.01)
+    assert bound(q8, [1.0, float("nan")]) is None and bound(q8, [float("inf"), 1.0]) is None
+    assert bound(Divided(q8, 4), [1.0, 2.0]) == pytest.approx(8.0 * 1.01)  # decodes times the divisor
+    assert bound(get_compressor("fp16", torch.float32), [1.0]) is None  # a cast's scale bounds nothing
 
 
 @pytest.mark.parametrize("compressor", ["q8", "q4"])

@@ -395,8 +395,8 @@ def test_dense_chunk_scales_from_block_maxima_equal_a_pass_over_each_chunk(monke
     for dtype in (torch.float32, torch.float64):
         st = sparsecomm.DenseState(error_feedback=True)
         acc = st.compensate(torch.randn(1003, generator=gen, dtype=dtype)).acc  # the plain add
-        assert not st.fuses_next() and st.chunk_maxima(acc, [0, 1003]) is None  # none asked for before
-        assert st.fuses_next()  # asked once: the accumulation keeps them from now on
+        assert st.chunk_maxima(acc, [0, 1003]) is None  # none kept before a call asked for them
+        assert st.fuses_next()
         acc[500] = -40.0  # a negative maximum
         st.compensate(torch.zeros(1003, dtype=dtype))  # the maxima of the acc as it is now
         for starts in ([0, 1003], [0, 5, 9, 1003], [0, 16, 32, 32, 1000, 1003], [0, 17, 495, 501, 502, 1003],

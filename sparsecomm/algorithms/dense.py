@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
 from ..comm.base import Communicator, Request
 from ..compress import Compressor
 from ..registry import register
@@ -32,13 +31,13 @@ class DenseState(State):
 
     ``density`` is accepted for a uniform interface and ignored (k = n).
 
-    With error feedback, once a call has asked for chunk scales (a
-    quantiser), the accumulation is one fused pass (``kernels.ef_accumulate``):
-    residual += gradient where finite, the input's finite check, and the
-    max |acc| of every ``MAXIMA_BLOCK`` entries, from which the chunk scales
-    are read (:meth:`chunk_maxima`) instead of a pass over acc per call.
-    Without a quantiser the maxima would cost more than they save (a plain
-    add and the check's read of the input are 1.3 adds, the fused pass 1.8).
+    With error feedback on CPU the accumulation is one fused pass
+    (``kernels.ef_accumulate``, as for every state): residual += gradient where
+    finite, and the input's finite check. Once a call has asked for chunk
+    scales (a quantiser) it also keeps the max |acc| of every ``MAXIMA_BLOCK``
+    entries, from which the chunk scales are read (:meth:`chunk_maxima`)
+    instead of a pass over acc per call; without a quantiser they would cost
+    more than they save (1.8 adds against 1.2).
     """
 
     #: Entries per block maximum: the scale of a chunk reads the maxima of its whole blocks
@@ -48,20 +47,14 @@ class DenseState(State):
     def __init__(self, density: float = 1.0, error_feedback: bool = False) -> None:
         super().__init__(density, error_feedback)
 
-    def fuses_next(self) -> bool:
-        # On CPU only: on a GPU the torch chain of ef_accumulate costs more passes and
-        # temporaries than the add, the check and the scales it would replace.
-        return (self.error_feedback and self.__dict__.get("_scales_wanted", False)
-                and self.residual is not None and self.residual.device.type == "cpu")
-
     def compensate(self, flat: torch.Tensor) -> Compensated:
-        if not self.fuses_next():
+        if not self.error_feedback:
             return super().compensate(flat)
         self.n = flat.numel()
-        residual = self.residual_on(flat)
-        maxima, nonfinite = kernels.ef_accumulate(flat, residual, self.MAXIMA_BLOCK)
-        self._maxima = (self.iteration, maxima)  # for this call only
-        return Compensated(residual, finite=nonfinite == 0)
+        # Block maxima only on CPU (State._accumulate): on a GPU the torch chain of
+        # ef_accumulate costs more passes and temporaries than the scales it would replace.
+        wanted = self.__dict__.get("_scales_wanted", False)
+        return self._accumulate(flat, self.residual_on(flat), self.MAXIMA_BLOCK if wanted else None)
 
     def chunk_maxima(self, acc: torch.Tensor, starts: list[int]) -> list[float] | None:
         """max |acc| over each chunk ``[starts[j], starts[j + 1])``, from this call's block maxima

@@ -142,7 +142,7 @@ class OkTopkState(State):
         return Compensated.fused(self.residual, idx, val, count, capacity)
 
     def fuses_next(self) -> bool:
-        return self.error_feedback and self.reuse_due(self.iteration + 1)
+        return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next()
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
