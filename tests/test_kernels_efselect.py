@@ -355,7 +355,8 @@ def test_kth_largest_cpu_radix_with_nan_follows_numpy():
 @pytest.mark.parametrize("backend", backend_params("ef_accumulate"))
 @pytest.mark.parametrize("rdtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("gdtype", [None, torch.bfloat16])
-@pytest.mark.parametrize("n,block", [(0, 4), (1, 4), (4097, 4096), (300_001, 4096), (1000, 1), (1000, 7)])
+@pytest.mark.parametrize("n,block", [(0, 4), (1, 4), (4097, 4096), (300_001, 4096), (1000, 1), (1000, 7),
+                                     (1000, None), (300_001, None)])
 def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n, block):
     # 300,001 entries run as several spans of whole blocks on the CPU path (2 threads);
     # non-finite sums (NaN, Inf, an overflowing sum) leave their residual and are counted.
@@ -371,12 +372,16 @@ def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n
         r[5], g[5] = big, big  # the sum overflows
         r[n - 2] = -1e4  # the largest magnitude, in the last (short) block
     g = g.to(gdtype) if gdtype is not None else g
+    b = block or 0  # None: no maxima, which the implementations take as 0
     want_r = r.clone()
-    want_m = torch.empty(-(-n // block), dtype=rdtype)
-    want_c = ef_accumulate_torch(g, want_r, block, want_m)
+    want_m = torch.empty(-(-n // b) if b else 0, dtype=rdtype)
+    want_c = ef_accumulate_torch(g, want_r, b, want_m)
     got_r = r.clone()
     got_m = torch.full_like(want_m, float("nan"))  # every maximum must be written
-    got_c = run("ef_accumulate", g.contiguous(), got_r, block, got_m)
+    got_c = run("ef_accumulate", g.contiguous(), got_r, b, got_m)
+    public_r = r.clone()
+    public_m, public_c = kernels.ef_accumulate(g, public_r, block)
+    assert public_c == want_c and torch.equal(public_r, want_r) and (public_m is None) == (block is None)
     assert got_c == want_c == (3 if n > 20 else 0)
     assert torch.equal(got_r, want_r) and torch.equal(got_m, want_m)
     if n > 20:
