@@ -363,7 +363,7 @@ def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n
     from sparsecomm.kernels.efselect import ef_accumulate_torch
 
     run = runner(backend, monkeypatch)
-    gen = torch.Generator().manual_seed(n + block)
+    gen = torch.Generator().manual_seed(n + (block or 0))
     g = torch.randn(n, generator=gen, dtype=rdtype) * 5
     r = torch.randn(n, generator=gen, dtype=rdtype)
     if n > 20:
