@@ -157,19 +157,11 @@ def ef_accumulate_span(g, r, bits, mask, block, maxima_bits):
     patterns do. One loop doing both ran 4x slower (a store, then a load of it
     through the other view).
     """
-    top = r.dtype.type(np.finfo(r.dtype).max)
     bad = 0
     for b in range(maxima_bits.size):
         lo = b * block
         hi = min(lo + block, r.size)
-        rs = r[lo:hi]
-        gs = g[lo:hi]
-        for i in range(rs.size):
-            old = rs[i]
-            a = old + gs[i]
-            ok = abs(a) <= top  # False for NaN and +-Inf
-            rs[i] = a if ok else old
-            bad += not ok
+        bad += ef_add_span(g[lo:hi], r[lo:hi])
         bs = bits[lo:hi]
         m = mask & 0
         for i in range(bs.size):
