@@ -361,7 +361,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         _check_collectively(call, problem, nonfinite)
     except InputError:
         if early is not None:
-            call.state.rollback(call.tensor.detach().reshape(-1))
+            call.state.rollback(call.tensor.detach().reshape(-1), everywhere=early[0].finite is True)
         raise
     started = _start(call, out_dtype, scale, private, early, split)
     return started if split else _finish(started)

@@ -256,16 +256,23 @@ class State:
         # it is checked first, then accumulates into zeros, which cannot overflow).
         return self.residual is not None and self.residual.device.type == "cpu"
 
-    def rollback(self, flat: torch.Tensor) -> None:
+    def rollback(self, flat: torch.Tensor, everywhere: bool = False) -> None:
         """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).
 
         The pass wrote residual + flat only where that sum was finite; there it
         is subtracted back (exact up to the one rounding of the sum), elsewhere
         the residual never changed. So no entry's residual is lost.
+        ``everywhere``: the pass reported every sum finite (``Compensated.finite``),
+        so flat is subtracted from every entry; otherwise the written entries are
+        those where residual + flat is finite now, which misses an entry whose
+        new residual plus flat overflows (|flat| near the dtype's maximum).
         """
         r = self.residual
         g = flat.to(r.dtype)
-        r.sub_(torch.where(torch.isfinite(r + g), g, torch.zeros((), dtype=r.dtype, device=r.device)))
+        if everywhere:
+            r.sub_(g)
+        else:
+            r.sub_(torch.where(torch.isfinite(r + g), g, torch.zeros((), dtype=r.dtype, device=r.device)))
 
     def exact_topk(self, acc: torch.Tensor, k: int, preselected: Preselection | None,
                    stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,3 +289,29 @@ def _started(pid: int) -> str | None:
 def _alive(pid: int, start: str | None) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[0] != "Z" and stat[19] == start  # a zombie has ended
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "topka", "oktopk"])
+def test_a_refused_call_takes_back_a_gradient_whose_sum_with_it_would_overflow(algorithm):
+    # Rank 1 sends NaN, so the call is refused everywhere and every rank takes its gradient
+    # back out of its residual. Rank 0's gradient is 2e38: its new residual plus it again is
+    # inf, so the test "residual + gradient is finite" for which entries the pass wrote would
+    # miss that entry; the pass says all its sums were finite, so all are taken back.
+    def body(rank):
+        st = sparsecomm.registry.get(algorithm).state_class(0.1, error_feedback=True)
+        for step in range(3):
+            sparsecomm.allreduce(torch.randn(400, generator=torch.Generator().manual_seed(step)), state=st)
+        assert st.fuses_next()
+        st.residual[5] = 0.0  # so that adding and taking back 2e38 is exact there
+        before = st.residual.clone()
+        g = torch.zeros(400)
+        g[5] = 2e38 if rank == 0 else float("nan")
+        try:
+            sparsecomm.allreduce(g, state=st)
+        except InputError as exc:
+            return str(exc), before, st.residual
+        return "returned", None, None
+
+    for msg, before, residual in sparsecomm.simulate(2, body).results:
+        assert "NaN or Inf on rank(s) [1]" in msg, msg
+        torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
