@@ -37,6 +37,8 @@ _SMALL = 1 << 16  # below this, one span on the caller's thread
 #: passes and a small tail), not a sampled bracket spread over threads: at 475k entries 0.75 ms
 #: against 1.0 ms (k = n/100) to 4 ms (k = n/2, where the bracket is widest).
 _RADIX_MAX = 1 << 20
+#: Entries of a 16-bit gradient widened at a time by ``ef_accumulate`` (4 MB of float32).
+_WIDEN_PIECE = 1 << 20
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count; never shut down while in use
 _POOL_LOCK = threading.Lock()
 
@@ -227,9 +229,14 @@ def _rd_scalar(value: float, dtype: torch.dtype):
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
     """numba ``kernels.ef_accumulate``: spans of whole blocks over threads (``block`` 0: no maxima)."""
     impl = _jit()
-    if grad.dtype != residual.dtype:  # numba has no bf16 and slow fp16: widen (as ef_select does)
-        grad = grad.to(residual.dtype)
     n = residual.numel()
+    if grad.dtype != residual.dtype:
+        # numba has no bf16 and slow fp16: widen a piece at a time (whole blocks), so that a
+        # 16-bit gradient costs a few MB of temporary, not an n-sized one per call.
+        piece = max(block, 1) * -(-_WIDEN_PIECE // max(block, 1))
+        return sum(ef_accumulate(grad[lo:lo + piece].to(residual.dtype), residual[lo:lo + piece], block,
+                                 maxima[lo // block:-(-min(lo + piece, n) // block)] if block else maxima)
+                   for lo in range(0, n, piece))
     g, r, mx = grad.numpy(), residual.numpy(), maxima.numpy()
     ints, mask = (np.int32, np.int32(0x7FFFFFFF)) if r.dtype == np.float32 else (np.int64, np.int64(2**63 - 1))
     bits = r.view(ints)

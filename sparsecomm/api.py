@@ -345,7 +345,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
     except Exception as exc:  # noqa: BLE001 - reported collectively below
         problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
     nonfinite = None
-    if problem is None and call.state is not None and call.state.fuses_next():
+    if problem is None and call.state is not None and call.state.fuses_next(call.tensor.device):
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:
@@ -361,7 +361,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         _check_collectively(call, problem, nonfinite)
     except InputError:
         if early is not None:
-            call.state.rollback(call.tensor.detach().reshape(-1), everywhere=early[0].finite is True)
+            call.state.rollback(call.tensor.detach().reshape(-1), early[0].nonfinite)
         raise
     started = _start(call, out_dtype, scale, private, early, split)
     return started if split else _finish(started)
@@ -535,7 +535,9 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
             compression error stays in the residual.
         group: a torch.distributed process group.
         comm: an mpi4py communicator or a sparsecomm Communicator.
-        check: run the collective input check (default True).
+        check: run the collective input check (default True). Without it the
+            caller vouches for the input: with error feedback on CPU a non-finite
+            sum of residual and tensor is then left out of the residual, unreported.
         out: write the result here (a contiguous tensor like ``tensor``;
             ``tensor`` itself reduces in place) instead of into a new tensor:
             steady-state calls then allocate nothing of size n.

@@ -133,10 +133,11 @@ class Compensated:
         """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
         kept = min(count, capacity)
         val = val[:kept]
-        finite = None  # the buffer overflowed: the pass cannot tell
+        finite, nonfinite = None, None  # the buffer overflowed: the pass cannot tell
         if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
-            finite = bool(torch.isfinite(val.sum())) or bool(torch.isfinite(val).all())
-        return cls(acc, Preselection(idx[:kept], count, val), finite)
+            nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
+            finite = nonfinite == 0
+        return cls(acc, Preselection(idx[:kept], count, val), finite=finite, nonfinite=nonfinite)
 
     acc: torch.Tensor
     preselected: Preselection | None = None
@@ -144,6 +145,8 @@ class Compensated:
     #: selects every non-finite one, ``ef_accumulate`` counts them): True/False, or None
     #: when none ran or its buffer overflowed.
     finite: bool | None = None
+    #: How many accumulated sums were not finite (and so not written), when the pass counted.
+    nonfinite: int | None = None
 
 
 class State:
@@ -243,36 +246,44 @@ class State:
         maxima, nonfinite = kernels.ef_accumulate(flat, residual, block)
         if maxima is not None:
             self._maxima = (self.iteration, maxima)  # for this call only
-        return Compensated(residual, finite=nonfinite == 0)
+        return Compensated(residual, finite=nonfinite == 0, nonfinite=nonfinite)
 
-    def fuses_next(self) -> bool:
-        """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select``, or on CPU
-        ``kernels.ef_accumulate``), which also tells whether the input was finite."""
+    def fuses_next(self, device: torch.device | None = None) -> bool:
+        """Whether the next :meth:`compensate`, of a tensor on ``device``, is a fused pass
+        (``kernels.ef_select``, or on CPU ``kernels.ef_accumulate``), which also tells
+        whether the input was finite."""
         if not self.error_feedback:
             return False
         if self.guided_topk and self.topk_guide is not None:
             return True
-        # The residual's device decides the accumulation's path (a first call has none yet:
-        # it is checked first, then accumulates into zeros, which cannot overflow).
-        return self.residual is not None and self.residual.device.type == "cpu"
+        # The tensor's device decides the accumulation's path (the residual moves to it). A
+        # first call has no residual yet: it is checked first, then accumulates into zeros.
+        dev = device if device is not None else (self.residual.device if self.residual is not None else None)
+        return self.residual is not None and dev is not None and torch.device(dev).type == "cpu"
 
-    def rollback(self, flat: torch.Tensor, everywhere: bool = False) -> None:
+    def rollback(self, flat: torch.Tensor, nonfinite: int | None = None) -> None:
         """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).
 
         The pass wrote residual + flat only where that sum was finite; there it
         is subtracted back (exact up to the one rounding of the sum), elsewhere
-        the residual never changed. So no entry's residual is lost.
-        ``everywhere``: the pass reported every sum finite (``Compensated.finite``),
-        so flat is subtracted from every entry; otherwise the written entries are
-        those where residual + flat is finite now, which misses an entry whose
-        new residual plus flat overflows (|flat| near the dtype's maximum).
+        the residual never changed. Which entries were written:
+
+        1. ``nonfinite`` (the pass's count of sums it did not write,
+           ``Compensated.nonfinite``) equal to the count of non-finite entries
+           of flat: no finite entry overflowed, so every finite entry was written.
+        2. Otherwise (some sum overflowed, or the pass could not count), those
+           where residual + flat is finite now: this misses an entry whose
+           written residual plus flat overflows again (|flat| near the dtype's
+           maximum), which then keeps that gradient.
         """
         r = self.residual
         g = flat.to(r.dtype)
-        if everywhere:
-            r.sub_(g)
+        zero = torch.zeros((), dtype=r.dtype, device=r.device)
+        finite_g = torch.isfinite(g)
+        if nonfinite is not None and nonfinite == int((~finite_g).sum()):
+            r.sub_(torch.where(finite_g, g, zero))
         else:
-            r.sub_(torch.where(torch.isfinite(r + g), g, torch.zeros((), dtype=r.dtype, device=r.device)))
+            r.sub_(torch.where(torch.isfinite(r + g), g, zero))
 
     def exact_topk(self, acc: torch.Tensor, k: int, preselected: Preselection | None,
                    stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -356,10 +356,11 @@ def test_kth_largest_cpu_radix_with_nan_follows_numpy():
 @pytest.mark.parametrize("rdtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("gdtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("n,block", [(0, 4), (1, 4), (4097, 4096), (300_001, 4096), (1000, 1), (1000, 7),
-                                     (1000, None), (300_001, None)])
+                                     (1000, None), (300_001, None), (2_100_003, 4096), (2_100_003, None)])
 def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n, block):
-    # 300,001 entries run as several spans of whole blocks on the CPU path (2 threads);
-    # non-finite sums (NaN, Inf, an overflowing sum) leave their residual and are counted.
+    # 300,001 entries run as several spans of whole blocks on the CPU path (2 threads), and
+    # 2,100,003 entries of a bf16 gradient are widened in three pieces; non-finite sums
+    # (NaN, Inf, an overflowing sum) leave their residual and are counted.
     from sparsecomm.kernels.efselect import ef_accumulate_torch
 
     run = runner(backend, monkeypatch)

@@ -315,3 +315,39 @@ def test_a_refused_call_takes_back_a_gradient_whose_sum_with_it_would_overflow(a
     for msg, before, residual in sparsecomm.simulate(2, body).results:
         assert "NaN or Inf on rank(s) [1]" in msg, msg
         torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
+
+
+def test_a_refused_call_with_nan_and_a_huge_entry_on_one_rank_takes_the_huge_one_back():
+    # The same rank sends NaN at [6] and 2e38 at [5]: the pass did not write [6] and counted
+    # it, and as many gradient entries are not finite, so every finite one was written and
+    # is taken back, [5] included (its residual plus 2e38 again would overflow).
+    def body(rank):
+        st = sparsecomm.DenseState(error_feedback=True)
+        for step in range(2):
+            sparsecomm.allreduce(torch.randn(300, generator=torch.Generator().manual_seed(step)), state=st,
+                                 algorithm="dense", compressor="q8")
+        st.residual[5] = 0.0
+        before = st.residual.clone()
+        g = torch.ones(300)
+        if rank == 0:
+            g[5], g[6] = 2e38, float("nan")
+        try:
+            sparsecomm.allreduce(g, state=st, algorithm="dense", compressor="q8")
+        except InputError as exc:
+            return str(exc), before, st.residual
+        return "returned", None, None
+
+    for msg, before, residual in sparsecomm.simulate(2, body).results:
+        assert "NaN or Inf on rank(s) [0]" in msg, msg
+        torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
+
+
+def test_fuses_next_asks_about_the_tensors_device():
+    # A residual loaded onto the CPU for a CUDA gradient must not count as fused: on CUDA the
+    # accumulation is a plain add, which the call's check has to precede.
+    st = sparsecomm.DenseState(error_feedback=True)
+    sparsecomm.allreduce(torch.ones(100), state=st)
+    assert st.fuses_next(torch.device("cpu")) and not st.fuses_next(torch.device("cuda"))
+    ok = sparsecomm.OkTopkState(0.1, tau=1, error_feedback=True)  # re-evaluates every call: no reuse
+    sparsecomm.allreduce(torch.ones(100), state=ok)
+    assert ok.fuses_next(torch.device("cpu")) and not ok.fuses_next(torch.device("cuda"))

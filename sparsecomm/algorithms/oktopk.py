@@ -141,8 +141,8 @@ class OkTopkState(State):
                                             zero_selected=False)
         return Compensated.fused(self.residual, idx, val, count, capacity)
 
-    def fuses_next(self) -> bool:
-        return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next()
+    def fuses_next(self, device: torch.device | None = None) -> bool:
+        return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next(device)
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
