@@ -134,11 +134,10 @@ def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, 
     acc = residual + grad.to(residual.dtype)
     finite = torch.isfinite(acc)
     residual.copy_(torch.where(finite, acc, residual))
-    if block == 0:
-        return int((~finite).sum())
-    padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
-    padded[:residual.numel()] = residual.abs()
-    maxima.copy_(padded.view(-1, block).amax(dim=1))
+    if block:  # 0: no maxima
+        padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
+        padded[:residual.numel()] = residual.abs()
+        maxima.copy_(padded.view(-1, block).amax(dim=1))
     return int((~finite).sum())
 
 

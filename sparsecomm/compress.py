@@ -146,10 +146,14 @@ class Compressor:
         ``values - unpack(payload)``, what the receivers will not see: the
         error feedback of a dense sender without decoding what it sent.
         """
-        payload = self.encode(values, scale).contiguous().view(torch.uint8)
+        payload = self._payload(values, scale)
         if keep_error:
             values.sub_(self.unpack(payload, values.numel(), scale, values.dtype))
         return payload
+
+    def _payload(self, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """The bytes :meth:`pack` sends."""
+        return self.encode(values, scale).contiguous().view(torch.uint8)
 
     def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
@@ -273,16 +277,14 @@ class Quantize(Compressor):
     def pack(self, values: torch.Tensor, scale: float, keep_error: bool = False) -> torch.Tensor:
         """Codes packed to b bits: in one fused pass when rounding to nearest (which keeps
         the error in the same pass for float32 values)."""
-        fused = not self.stochastic and (not keep_error or values.dtype == torch.float32)
-        if fused:
-            payload = kernels.encode_codes(values, self.bits, scale, keep_error=keep_error)
-        elif self.stochastic:
-            payload = pack_bits(self.encode(values, scale), self.bits)
-        else:
-            payload = kernels.encode_codes(values, self.bits, scale)
-        if keep_error and not fused:
-            values.sub_(self.unpack(payload, values.numel(), scale, values.dtype))
-        return payload
+        if not self.stochastic and (not keep_error or values.dtype == torch.float32):
+            return kernels.encode_codes(values, self.bits, scale, keep_error=keep_error)
+        return super().pack(values, scale, keep_error)
+
+    def _payload(self, values: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.stochastic:
+            return pack_bits(self.encode(values, scale), self.bits)
+        return kernels.encode_codes(values, self.bits, scale)
 
     def unpack(self, payload: torch.Tensor, count: int, scale: float, dtype: torch.dtype,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:

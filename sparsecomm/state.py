@@ -133,20 +133,22 @@ class Compensated:
         """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
         kept = min(count, capacity)
         val = val[:kept]
-        finite, nonfinite = None, None  # the buffer overflowed: the pass cannot tell
+        nonfinite = None  # the buffer overflowed: the pass cannot tell
         if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
             nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
-            finite = nonfinite == 0
-        return cls(acc, Preselection(idx[:kept], count, val), finite=finite, nonfinite=nonfinite)
+        return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite)
 
     acc: torch.Tensor
     preselected: Preselection | None = None
-    #: Whether every accumulated entry is finite, when a fused pass can tell (``ef_select``
-    #: selects every non-finite one, ``ef_accumulate`` counts them): True/False, or None
+    #: How many accumulated sums were not finite (and so not written), when a fused pass
+    #: counted them (``ef_select`` selects every one, ``ef_accumulate`` counts them); None
     #: when none ran or its buffer overflowed.
-    finite: bool | None = None
-    #: How many accumulated sums were not finite (and so not written), when the pass counted.
     nonfinite: int | None = None
+
+    @property
+    def finite(self) -> bool | None:
+        """Whether every accumulated entry is finite, when the pass could tell (else None)."""
+        return None if self.nonfinite is None else self.nonfinite == 0
 
 
 class State:
@@ -246,7 +248,7 @@ class State:
         maxima, nonfinite = kernels.ef_accumulate(flat, residual, block)
         if maxima is not None:
             self._maxima = (self.iteration, maxima)  # for this call only
-        return Compensated(residual, finite=nonfinite == 0, nonfinite=nonfinite)
+        return Compensated(residual, nonfinite=nonfinite)
 
     def fuses_next(self, device: torch.device | None = None) -> bool:
         """Whether the next :meth:`compensate`, of a tensor on ``device``, is a fused pass
@@ -258,8 +260,9 @@ class State:
             return True
         # The tensor's device decides the accumulation's path (the residual moves to it). A
         # first call has no residual yet: it is checked first, then accumulates into zeros.
-        dev = device if device is not None else (self.residual.device if self.residual is not None else None)
-        return self.residual is not None and dev is not None and torch.device(dev).type == "cpu"
+        if self.residual is None:
+            return False
+        return torch.device(device if device is not None else self.residual.device).type == "cpu"
 
     def rollback(self, flat: torch.Tensor, nonfinite: int | None = None) -> None:
         """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).
