@@ -38,7 +38,7 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
                   split_by_boundaries, sum_sorted_runs, take_and_zero, union_sorted_runs, unique_indexes,
                   unpack_records)
 from .dispatch import BackendUnavailable
-from .efselect import ef_accumulate, ef_select
+from .efselect import ef_accumulate, ef_select, shares_memory
 from .estimate import bucketize, count_above, estimate_threshold
 from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
                       pack_unsigned, quantize, unpack_unsigned)
@@ -47,7 +47,7 @@ from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_ca
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
-           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_accumulate",
+           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_accumulate", "shares_memory",
            "estimate_threshold", "count_above", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

@@ -307,19 +307,23 @@ def take_and_zero_torch(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, *, zeroed: bool = False) -> torch.Tensor:
     """``out`` all zero except ``out[idx] = values`` (``idx`` without duplicates); returns ``out``.
 
     ``values`` must be in ``out.dtype``. The ``cpu`` path writes each span of
     ``out`` once, zeros and values together, when ``idx`` ascends (else it
     takes the reference): the zero fill and a scatter over n were two passes.
+    ``zeroed``: the caller knows ``out`` is all zero already (e.g.
+    ``ef_select``'s ``zero_out``), so only the entries are written: O(k).
     """
-    return _SCATTER_DENSE(out, idx, values, backend=backend)
+    return _SCATTER_DENSE(out, idx, values, bool(zeroed), backend=backend)
 
 
-def scatter_dense_torch(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def scatter_dense_torch(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+                        zeroed: bool = False) -> torch.Tensor:
     """Reference of :func:`scatter_dense`."""
-    out.zero_()
+    if not zeroed:
+        out.zero_()
     out[idx] = values
     return out
 
@@ -336,7 +340,7 @@ _SUM_SORTED_RUNS = dispatch.KernelOp("sum_sorted_runs", sum_sorted_runs_torch, c
 _TAKE_AND_ZERO = dispatch.KernelOp("take_and_zero", take_and_zero_torch, cpu="numba_backend:take_and_zero",
                                    accepts={"cpu": _numba_floats})
 _SCATTER_DENSE = dispatch.KernelOp("scatter_dense", scatter_dense_torch, cpu="numba_backend:scatter_dense",
-                                   accepts={"cpu": lambda out, idx, values: _numba_floats(out)
+                                   accepts={"cpu": lambda out, idx, values, zeroed: _numba_floats(out)
                                             and values.dtype == out.dtype})
 
 

@@ -65,8 +65,10 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
-              out_val: torch.Tensor) -> int:
+              out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
     """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
 
     1. One 256-thread block per 4096-element tile; each thread holds 16
        consecutive elements in registers.
@@ -87,6 +89,8 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     args = (_ptr(grad), _ptr(residual), _ptr(out_idx), _ptr(out_val), _ptr(status), _ptr(ticket),
             np.int64(n), rdt(scale), rdt(threshold if threshold > 0 else 0.0), np.int64(capacity),
             np.int32(zero_selected))
+    if zero_out is not None:
+        zero_out.zero_()
     _launch(name, tiles, SELECT_THREADS, args, dev)
     return int(status[tiles - 1]) >> 2
 

@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["ef_select", "ef_select_torch", "ef_accumulate", "ef_accumulate_torch"]
+__all__ = ["ef_select", "ef_select_torch", "ef_accumulate", "ef_accumulate_torch", "shares_memory"]
 
 
 def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
@@ -44,8 +44,10 @@ def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
 
 def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
-                    out_val: torch.Tensor) -> int:
+                    out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
     """The reference: the unfused torch chain with the same contract as :func:`ef_select`."""
+    if zero_out is not None:
+        zero_out.zero_()
     acc = residual.add(grad.to(residual.dtype), alpha=scale)
     finite = torch.isfinite(acc)
     mask = ~finite | ((acc.abs() >= threshold) & (acc != 0))
@@ -63,6 +65,7 @@ def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float = 1.0, zero_selected: bool = True, *,
               out_idx: torch.Tensor | None = None, out_val: torch.Tensor | None = None,
+              zero_out: torch.Tensor | None = None,
               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Error-feedback accumulate and select in one pass over memory.
 
@@ -77,6 +80,9 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     4. If ``zero_selected``, the written finite entries become 0 in
        ``residual`` (they were sent); overflowing entries keep acc, so
        nothing is lost.
+    5. ``zero_out``, if given, is set to all zeros: the dense output a
+       sparse call then fills with O(k) writes (numba does it in the
+       pass; the GPU paths, and 16-bit outputs on CPU, in a pass of its own).
 
     Step 2's rule is the finite check of the input, folded into this pass:
     when ``count <= capacity`` the output alone (O(k)) says whether the
@@ -94,6 +100,8 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         scale: multiplies grad (e.g. a learning rate or 1/P).
         zero_selected: zero the written entries in ``residual``.
         out_idx, out_val: preallocated buffers (allocated when None).
+        zero_out: a contiguous tensor of ``residual.numel()`` floats on the
+            same device, sharing no memory with grad or residual.
         backend: ``torch``/``triton``/``cupy``/``cpu``/``auto`` (see
             ``kernels.dispatch``); default: ``SPARSECOMM_KERNELS`` or auto.
 
@@ -107,9 +115,34 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         idx, val = idx[:min(c, 2 * k)], val[:min(c, 2 * k)]
     """
     grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
+    if zero_out is not None:
+        _check_zero_out(zero_out, grad, residual)
     count = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
-                       out_idx, out_val, backend=backend)
+                       out_idx, out_val, zero_out, backend=backend)
     return out_idx, out_val, count
+
+
+def _check_zero_out(zero_out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor) -> None:
+    if (zero_out.numel() != residual.numel() or zero_out.device != residual.device
+            or not zero_out.is_floating_point() or not zero_out.is_contiguous()):
+        raise ValueError("ef_select: zero_out must be a contiguous float tensor of residual.numel() "
+                         "elements on the residual's device")
+    if shares_memory(zero_out, grad) or shares_memory(zero_out, residual):
+        raise ValueError("ef_select: zero_out must not share memory with grad or residual "
+                         "(the pass still reads them)")
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of ``a`` and ``b`` (first to last element, strides included) overlap."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _positive_threshold(grad, residual, threshold, *_) -> bool:

@@ -132,7 +132,7 @@ def _map(fn, spans: list) -> list:
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
-              out_val: torch.Tensor) -> int:
+              out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
     """numba fused error-feedback select; same contract as ``kernels.ef_select``.
 
     Only for a threshold that is positive in the residual's dtype:
@@ -156,6 +156,12 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     n = residual.numel()
     g, r = grad.numpy(), residual.numpy()
     oi, ov = out_idx.numpy(), out_val.numpy()
+    zo = None
+    if zero_out is not None:
+        if zero_out.dtype in (torch.float32, torch.float64):
+            zo = zero_out.view(-1).numpy()  # zeroed in the pass
+        else:
+            zero_out.zero_()  # numba has no bf16: a pass of its own
     bounds = impl.chunk_bounds(n, _spans(n))
     nch = bounds.size - 1
     # Span c > 0 compacts into its own scratch of min(capacity, span length)
@@ -170,7 +176,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         dst_i = oi if c == 0 else si[start[c]:start[c] + room[c]]
         dst_v = ov if c == 0 else sv[start[c]:start[c] + room[c]]
         spans.append((g[lo:hi], r[lo:hi], sc, th, room[c] if c else capacity, zero_selected, lo,
-                      dst_i, dst_v))
+                      dst_i, dst_v, None if zo is None else zo[lo:hi]))
     counts = _map(impl.ef_select_span, spans)
     off = counts[0]
     for c in range(1, nch):
@@ -457,8 +463,9 @@ def take_and_zero(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """numba ``kernels.scatter_dense``: each span of ``out`` written once, zeros and values together.
+def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
+    """numba ``kernels.scatter_dense``: each span of ``out`` written once, zeros and values
+    together (only the values when ``zeroed``: one loop).
 
     Indexes that do not ascend strictly take the torch reference.
     """
@@ -468,8 +475,11 @@ def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) ->
     i = idx.to(torch.int64).contiguous().numpy()
     o = out.numpy()
     if not impl.is_strictly_increasing(i, o.size):
-        return scatter_dense_torch(out, idx, values)
+        return scatter_dense_torch(out, idx, values, zeroed)
     v = values.contiguous().numpy()
+    if zeroed:
+        impl.put_at(o, i, v)
+        return out
     bounds = impl.chunk_bounds(o.size, _spans(o.size))
     cuts = np.searchsorted(i, bounds)
     _map(impl.densify_span, [(o, int(bounds[c]), int(bounds[c + 1]), i, v, int(cuts[c]), int(cuts[c + 1]))

@@ -56,8 +56,10 @@ def _jit():
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
-              out_val: torch.Tensor) -> int:
+              out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
     """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
+
+    ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
 
     1. One program per SELECT_BLOCK-element tile, tile numbers from an atomic ticket.
     2. A single-pass decoupled look-back scan of tile counts gives each
@@ -72,6 +74,8 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     dev = residual.device
     status = torch.zeros(tiles, dtype=torch.int64, device=dev)
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    if zero_out is not None:
+        zero_out.zero_()
     impl.ef_select_kernel[(tiles,)](grad, residual, out_idx, out_val, status, ticket, n, scale,
                                     threshold if threshold > 0 else 0.0, capacity,
                                     ZERO=zero_selected, BLOCK=SELECT_BLOCK,

@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from . import registry
+from .kernels import shares_memory
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError
@@ -82,6 +83,8 @@ class _Call:
     compressor: Any
     comm: Communicator
     out: Any = None
+    #: Set when the call's fused pass left ``out`` all zero (see :func:`_zero_target`).
+    out_zeroed: bool = False
 
     @classmethod
     def resolve(cls, tensor: Any, density: Any, algorithm: Any, op: Any, state: State | None,
@@ -349,7 +352,8 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:
-            early = (call.state.compensate(flat), time.perf_counter() - t0)
+            early = (call.state.compensate(flat, _zero_target(call, split)), time.perf_counter() - t0)
+            call.out_zeroed = early[0].out_zeroed
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
             problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
         else:
@@ -365,6 +369,25 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         raise
     started = _start(call, out_dtype, scale, private, early, split)
     return started if split else _finish(started)
+
+
+def _zero_target(call: _Call, split: bool) -> torch.Tensor | None:
+    """``out=``, flat, when the fused accumulating pass may set it to zeros on its way
+    (``State.compensate``'s ``zero_out``), or None.
+
+    Only for a whole call (a split one hands ``out`` to ``Pending``, whose
+    caller may still read it) and an ``out`` sharing no memory with the input
+    or the residual, which the pass still reads. A refused call may leave
+    ``out`` zeroed; ``allreduce`` documents its contents as unspecified then.
+    """
+    out = call.out
+    if out is None or split or call.state is None:
+        return None
+    flat = out.view(-1)
+    residual = call.state.residual
+    if shares_memory(flat, call.tensor) or (residual is not None and shares_memory(flat, residual)):
+        return None
+    return flat
 
 
 @dataclass
@@ -403,7 +426,8 @@ def _start(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bo
     step = state.iteration if call.state is not None else next(_stateless_calls)
     if early is None:
         t0 = time.perf_counter()
-        early = (state.compensate(flat), time.perf_counter() - t0)
+        early = (state.compensate(flat, _zero_target(call, split)), time.perf_counter() - t0)
+        call.out_zeroed = early[0].out_zeroed
     compensated, accumulate = early
     acc = compensated.acc
     # What the overflow check in _finish will allow: an algorithm that bounds its result
@@ -540,7 +564,8 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
             sum of residual and tensor is then left out of the residual, unreported.
         out: write the result here (a contiguous tensor like ``tensor``;
             ``tensor`` itself reduces in place) instead of into a new tensor:
-            steady-state calls then allocate nothing of size n.
+            steady-state calls then allocate nothing of size n. When the call
+            raises, its contents are unspecified (a fused pass may have zeroed it).
 
     Returns:
         A dense tensor with the shape, dtype and device of ``tensor`` (``out`` if given).
@@ -560,7 +585,7 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     result = _execute(call, check, tensor.dtype, scale)
     if out is not None:
-        result.to_dense(tensor.dtype, scale, out=out.view(-1))
+        result.to_dense(tensor.dtype, scale, out=out.view(-1), zeroed=call.out_zeroed)
         return out
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)
 

@@ -81,12 +81,14 @@ class SparseResult:
         return int((~torch.isfinite(self._scaled(scale).to(dtype))).sum())
 
     def to_dense(self, dtype: torch.dtype, scale: float = 1.0,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, zeroed: bool = False) -> torch.Tensor:
         """A dense tensor of n entries holding the result times ``scale``: new, or ``out``.
 
         ``out`` (flat, contiguous, n elements of ``dtype``) is written once
         (``kernels.scatter_dense``: zeros and the result's entries together; a
         dense result's product goes straight into it, with no n-sized temporary).
+        ``zeroed``: ``out`` is all zero already, so a sparse result writes only
+        its entries (O(k)).
         """
         if self.indexes is None:
             if out is None:
@@ -100,7 +102,7 @@ class SparseResult:
         vals = self._scaled(scale)
         if out is None:
             out = torch.empty(self.n, dtype=dtype, device=self.values.device)
-        return kernels.scatter_dense(out, self.indexes, vals.to(dtype))
+        return kernels.scatter_dense(out, self.indexes, vals.to(dtype), zeroed=zeroed)
 
 
 class PhaseRecorder:

@@ -129,14 +129,14 @@ class Compensated:
 
     @classmethod
     def fused(cls, acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int,
-              capacity: int) -> "Compensated":
+              capacity: int, out_zeroed: bool = False) -> "Compensated":
         """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
         kept = min(count, capacity)
         val = val[:kept]
         nonfinite = None  # the buffer overflowed: the pass cannot tell
         if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
             nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
-        return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite)
+        return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite, out_zeroed=out_zeroed)
 
     acc: torch.Tensor
     preselected: Preselection | None = None
@@ -144,6 +144,9 @@ class Compensated:
     #: counted them (``ef_select`` selects every one, ``ef_accumulate`` counts them); None
     #: when none ran or its buffer overflowed.
     nonfinite: int | None = None
+    #: Whether the pass also set the call's dense output to zeros (``zero_out`` of
+    #: :meth:`State.compensate`): a sparse result then writes only its entries.
+    out_zeroed: bool = False
 
     @property
     def finite(self) -> bool | None:
@@ -222,8 +225,14 @@ class State:
         """Accumulation dtype: float32 for 16-bit inputs, else the input's."""
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def compensate(self, flat: torch.Tensor) -> Compensated:
-        """The accumulated input: residual + flat (work dtype), or flat itself."""
+    def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
+        """The accumulated input: residual + flat (work dtype), or flat itself.
+
+        ``zero_out``: the call's dense output (sharing no memory with flat or the
+        residual), which a fused selecting pass may set to zeros on its way
+        (``Compensated.out_zeroed`` says whether it did): the write of a sparse
+        result is then O(k), not a pass over n of its own.
+        """
         self.n = flat.numel()
         wd = self.work_dtype(flat.dtype)
         if not self.error_feedback:
@@ -233,8 +242,8 @@ class State:
             # One pass: residual += flat, and every entry above the guide collected.
             capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
             idx, val, count = kernels.ef_select(flat, residual, self.topk_guide, capacity,
-                                                zero_selected=False)
-            return Compensated.fused(residual, idx, val, count, capacity)
+                                                zero_selected=False, zero_out=zero_out)
+            return Compensated.fused(residual, idx, val, count, capacity, zero_out is not None)
         return self._accumulate(flat, residual)
 
     def _accumulate(self, flat: torch.Tensor, residual: torch.Tensor, block: int | None = None) -> Compensated:
@@ -314,7 +323,8 @@ class State:
                 and k <= preselected.count <= preselected.indexes.numel():
             cand = preselected.values.abs()
             keep = kernels.topk_of_candidates(preselected.indexes, cand, k)
-            idx, val = preselected.indexes[keep], preselected.values[keep]
+            # index_select: half the time of advanced indexing (0.27 against 0.54 ms at 250k)
+            idx, val = preselected.indexes.index_select(0, keep), preselected.values.index_select(0, keep)
         else:
             if preselected is not None:
                 stats.events["local_recomputed"] = 1

@@ -114,7 +114,7 @@ def test_fused_pass_that_raises_on_one_rank_raises_on_every_rank():
             sparsecomm.allreduce(good(rank + step), state=st)
         assert st.fuses_next()
         if rank == 2:
-            def broken(flat):
+            def broken(flat, zero_out=None):
                 raise RuntimeError("kernel launch failed")
             st.compensate = broken
         return sparsecomm.allreduce(good(rank), state=st)

@@ -96,6 +96,36 @@ def test_ef_select_selects_every_nonfinite_sum_and_leaves_its_residual(backend, 
     assert torch.isfinite(pr).all()
 
 
+@pytest.mark.parametrize("backend", backend_params("ef_select"))
+@pytest.mark.parametrize("odtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [3, 70_001])
+def test_ef_select_zeroes_out_on_its_way(backend, monkeypatch, odtype, n):
+    # zero_out changes nothing else: the same selection, values and residual, and every
+    # entry of the output zero (numba in the pass for float32/64, a pass of its own else).
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(n)
+    g, r0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ri, vi, ci, rr = _reference(g, r0.clone(), 1.5, n, 0.5, False)
+    out = torch.full((n,), float("nan"), dtype=odtype)
+    idx, val = torch.empty(n, dtype=torch.int64), torch.empty(n)
+    c = run("ef_select", g, r := r0.clone(), 1.5, n, 0.5, False, idx, val, out)
+    assert c == ci and torch.equal(idx[:c], ri[:c]) and torch.equal(val[:c], vi[:c]) and torch.equal(r, rr)
+    assert torch.equal(out, torch.zeros(n, dtype=odtype))
+
+
+def test_ef_select_refuses_a_zero_out_it_would_read_or_cannot_fill():
+    g, r = torch.randn(100), torch.zeros(100)
+    storage = torch.randn(250)
+    cases = [(g, g), (g, r), (storage[50:150], storage[:100]),  # the same, the residual, a partial overlap
+             (g, torch.zeros(99)), (g, torch.zeros(200)[::2]), (g, torch.zeros(100, dtype=torch.int32))]
+    for grad, bad in cases:
+        with pytest.raises(ValueError, match="zero_out"):
+            kernels.ef_select(grad, r, 1.0, 100, zero_out=bad)
+    # Views of one storage that do not overlap are fine.
+    kernels.ef_select(storage[100:200], r, 1.0, 100, zero_out=storage[:100])
+    assert storage[:100].abs().sum() == 0
+
+
 @pytest.mark.skipif(not HAVE_NUMBA, reason="numba does not import (pip install numba)")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("cap_frac", [0.2, 0.5, 0.9, 1.0, 2.0])

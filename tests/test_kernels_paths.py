@@ -320,7 +320,15 @@ def test_scatter_dense_matches_reference(backend, monkeypatch, dtype, case):
     expect = torch.zeros(n, dtype=dtype)
     expect[idx] = vals
     out = torch.randn(n, generator=gen).to(dtype)  # every old entry must go
-    assert run("scatter_dense", out, idx, vals) is not None
+    assert run("scatter_dense", out, idx, vals, False) is not None
+    assert torch.equal(out, expect)
+    # zeroed: the caller vouches that out is all zero, so only idx is written; the
+    # nonzero entries planted here show that nothing else is.
+    out = torch.zeros(n, dtype=dtype)
+    out[1::2] = 3.0
+    expect = out.clone()
+    expect[idx] = vals
+    assert run("scatter_dense", out, idx, vals, True) is not None
     assert torch.equal(out, expect)
 
 

@@ -44,6 +44,42 @@ def test_out_receives_exactly_the_result(algorithm, P):
         assert all(all(r) for r in rows), rows
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("P", [1, 2, 5])
+def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, monkeypatch):
+    # A steady-state call's fused pass zeroes out= on its way, and the sparse result then
+    # writes only its entries: out holds NaN before every call and must still end equal
+    # to the call without out= (same states, same thresholds, same residuals).
+    zeroing = []
+    fused = sparsecomm.kernels.ef_select
+
+    def spy(*args, **kwargs):
+        zeroing.append(kwargs.get("zero_out") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+
+    def body(rank):
+        cls = sparsecomm.registry.get(algorithm).state_class
+        plain, into = cls(0.05, error_feedback=True), cls(0.05, error_feedback=True)
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+        out = torch.empty(3000)
+        same = []
+        for step in range(12):
+            x = 0.9 * x + 0.1 * grad(rank, step)  # drifting: the thresholds are reused
+            want = sparsecomm.allreduce(x, state=plain)
+            out.fill_(float("nan"))
+            got = sparsecomm.allreduce(x, state=into, out=out)
+            same.append(got is out and torch.equal(got, want))
+        return same, torch.equal(plain.residual, into.residual)
+
+    for same, residuals in sparsecomm.simulate(P, body).results:
+        assert all(same) and residuals, same
+    # Every algorithm that selects in its accumulating pass took the zeroing path.
+    if algorithm not in ("dense", "gaussiank"):
+        assert any(zeroing)
+
+
 def test_out_that_does_not_fit_is_bad_input_on_every_rank():
     def body(rank):
         out = torch.empty(11 if rank == 1 else 10)
@@ -150,9 +186,9 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     monkeypatch.setattr(api, "_all_finite", lambda t: reads.append(t.numel()) or real(t))
     fused_result = sparsecomm.state.Compensated.fused.__func__
 
-    def spy(cls, acc, idx, val, count, capacity):
+    def spy(cls, acc, idx, val, count, capacity, out_zeroed=False):
         overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
-        return fused_result(cls, acc, idx, val, count, capacity)
+        return fused_result(cls, acc, idx, val, count, capacity, out_zeroed)
 
     monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
 

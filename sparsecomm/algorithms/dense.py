@@ -47,8 +47,8 @@ class DenseState(State):
     def __init__(self, density: float = 1.0, error_feedback: bool = False) -> None:
         super().__init__(density, error_feedback)
 
-    def compensate(self, flat: torch.Tensor) -> Compensated:
-        if not self.error_feedback:
+    def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
+        if not self.error_feedback:  # a dense result overwrites all of out: nothing to zero
             return super().compensate(flat)
         self.n = flat.numel()
         # Block maxima only on CPU (State._accumulate): on a GPU the torch chain of

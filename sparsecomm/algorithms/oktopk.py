@@ -123,7 +123,7 @@ class OkTopkState(State):
         """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
         return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self.local_stale)
 
-    def compensate(self, flat: torch.Tensor) -> Compensated:
+    def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
         """residual += flat, fused with the reused-threshold selection when one is due.
 
         ``kernels.ef_select`` accumulates and selects in one pass over memory
@@ -133,13 +133,13 @@ class OkTopkState(State):
         ``Compensated.preselected``.
         """
         if not (self.error_feedback and self.reuse_due(self.iteration + 1)):
-            return super().compensate(flat)
+            return super().compensate(flat, zero_out)
         self.n = flat.numel()
         self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
         idx, val, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
-                                            zero_selected=False)
-        return Compensated.fused(self.residual, idx, val, count, capacity)
+                                            zero_selected=False, zero_out=zero_out)
+        return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None)
 
     def fuses_next(self, device: torch.device | None = None) -> bool:
         return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next(device)
