@@ -158,10 +158,12 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     oi, ov = out_idx.numpy(), out_val.numpy()
     zo = None
     if zero_out is not None:
-        if zero_out.dtype in (torch.float32, torch.float64):
-            zo = zero_out.view(-1).numpy()  # zeroed in the pass
+        # Zeroed in the pass by aligned vector stores (the spans start at multiples of 64
+        # entries); numba has no bf16, and an odd start (out= a view at an offset) is rare.
+        if zero_out.dtype in (torch.float32, torch.float64) and zero_out.data_ptr() % 32 == 0:
+            zo = zero_out.view(-1).numpy()
         else:
-            zero_out.zero_()  # numba has no bf16: a pass of its own
+            zero_out.zero_()
     bounds = impl.chunk_bounds(n, _spans(n))
     nch = bounds.size - 1
     # Span c > 0 compacts into its own scratch of min(capacity, span length)
