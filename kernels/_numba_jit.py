@@ -634,17 +634,48 @@ def keep_above(bits, absolute, low_mask, kth, ties, out):
     return cnt
 
 
+@intrinsic
+def _prefetch_for_write(typingctx, arr, i):
+    """Start fetching the line of arr[i] for a write (``llvm.prefetch``, x86 ``prefetchw``);
+    a hint: it never faults, whatever i is."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
+                                              ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
+        # (address, write, locality 3: keep in all levels, data cache)
+        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# How many writes ahead put_at/add_at fetch: a scattered write into a vector far larger
+# than the caches waits for its line, and the core alone keeps too few such misses in
+# flight (250k sorted writes into 25M float32: 3.8 ms plain, 2.7-3.0 ms at 16 or 32 ahead).
+PREFETCH_AHEAD = 16
+
+
 @njit(nogil=True, cache=True)
 def put_at(out, idx, values):
     """out[idx[t]] = values[t] for t in order."""
-    for t in range(idx.size):
+    m = idx.size
+    for t in range(m):
+        if t + PREFETCH_AHEAD < m:
+            _prefetch_for_write(out, idx[t + PREFETCH_AHEAD])
         out[idx[t]] = values[t]
 
 
 @njit(nogil=True, cache=True)
 def add_at(out, idx, values):
     """out[idx[t]] += values[t] for t in order (duplicates summed in input order)."""
-    for t in range(idx.size):
+    m = idx.size
+    for t in range(m):
+        if t + PREFETCH_AHEAD < m:
+            _prefetch_for_write(out, idx[t + PREFETCH_AHEAD])
         out[idx[t]] += values[t]
 
 

@@ -78,7 +78,7 @@ def main() -> None:
         for _ in range(warm):
             sparsecomm.allreduce(drift(), state=st, out=out, **extra)
         res[name], beside = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra), dense)
-        ratios[name] = round(res[name] / beside, 4)
+        ratios[name] = round(res[name] / beside, 5)
         phases[name] = {p: round(s.seconds * 1e3, 1) for p, s in st.last.phases.items()}
     if rank == 0:
         print(json.dumps(res))
