@@ -14,8 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel", "count_above_kernel",
-           "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel", "decode_codes_kernel"]
+__all__ = ["ef_select_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
+           "count_above_kernel", "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel",
+           "decode_codes_kernel"]
 
 
 @triton.jit
@@ -71,6 +72,32 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     if ZERO:
         acc = tl.where(write, 0.0, acc)
     tl.store(r_ptr + offs, tl.where(finite, acc, r), mask=m)
+
+
+@triton.jit
+def ef_accumulate_kernel(g_ptr, r_ptr, maxima_ptr, bad_ptr, n,
+                         FMAX: tl.constexpr, BLOCK: tl.constexpr, MAXIMA: tl.constexpr):
+    """One block of ``kernels.ef_accumulate``: r += g where the sum is finite.
+
+    1. acc = r + g in r's dtype (one rounding, as torch's add); finite:
+       |acc| <= FMAX (False for NaN and +-Inf), else r keeps its value.
+    2. The block's count of non-finite sums is added to ``bad_ptr`` (int64),
+       only when there is one: a steady call makes no atomic at all.
+    3. MAXIMA: maxima[block] = max |r| over the block, as written.
+    """
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    r = tl.load(r_ptr + offs, mask=m, other=0.0)
+    acc = r + tl.load(g_ptr + offs, mask=m, other=0.0).to(r.dtype)
+    finite = tl.abs(acc) <= FMAX
+    new = tl.where(finite, acc, r)
+    tl.store(r_ptr + offs, new, mask=m)
+    bad = tl.sum((m & ~finite).to(tl.int32), axis=0)
+    if bad > 0:
+        tl.atomic_add(bad_ptr, bad.to(tl.int64))
+    if MAXIMA:
+        tl.store(maxima_ptr + pid, tl.max(tl.where(m, tl.abs(new), 0.0), axis=0))
 
 
 @triton.jit

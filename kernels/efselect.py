@@ -197,7 +197,8 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None 
         grad: gradient, any float dtype, ``residual.numel()`` elements, same device.
         residual: contiguous 1-D float32/float64 error-feedback memory, updated in place.
         block: entries per maximum (>= 1), or None for no maxima.
-        backend: ``torch``/``cpu``/``auto`` (``kernels.dispatch``).
+        backend: ``torch``/``triton``/``cpu``/``auto`` (``kernels.dispatch``;
+            Triton takes blocks that are powers of two from 128 to 16384).
 
     Returns:
         ``(maxima, nonfinite)``: ``ceil(n / block)`` maxima in the residual's
@@ -216,5 +217,11 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None 
     return (maxima if block else None), nonfinite
 
 
-# No GPU kernel: on a GPU the torch chain is a few memory-speed passes.
-_EF_ACCUMULATE = dispatch.KernelOp("ef_accumulate", ef_accumulate_torch, on=1, cpu="numba_backend:ef_accumulate")
+def _power_of_two_block(grad, residual, block, *_) -> bool:
+    # A Triton program covers one block of maxima: a power of two (tl.arange), and small
+    # enough for one program's registers.
+    return block == 0 or (block & (block - 1) == 0 and 128 <= block <= 16384)
+
+
+_EF_ACCUMULATE = dispatch.KernelOp("ef_accumulate", ef_accumulate_torch, on=1, cpu="numba_backend:ef_accumulate",
+                                   triton="triton_backend:ef_accumulate", accepts={"triton": _power_of_two_block})

@@ -21,9 +21,9 @@ from .coo import record_buffers, record_fields, sort_by_index
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .radix import radix_select
 
-__all__ = ["ef_select", "kth_largest", "scatter_add", "count_above", "pack_records", "unpack_records",
+__all__ = ["ef_select", "ef_accumulate", "kth_largest", "scatter_add", "count_above", "pack_records", "unpack_records",
            "encode_codes", "decode_codes", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
-           "HIST_BLOCK", "SCATTER_BLOCK"]
+           "HIST_BLOCK", "SCATTER_BLOCK", "ACCUMULATE_BLOCK", "accumulate_warps"]
 
 # Elements per program of the fused select: 32 per thread at 16 warps. Measured on
 # an H100 (benchmarks/gpu/tune_select.py, benchmarks/results/2026-11-23-h100/):
@@ -44,6 +44,14 @@ RECORD_BLOCK = 1024   # records per program of pack/unpack
 RECORD_WARPS = 4
 CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
 CODES_WARPS = 4
+ACCUMULATE_BLOCK = 4096  # entries per program of ef_accumulate without maxima; with them, one block's
+
+
+def accumulate_warps(block: int) -> int:
+    """Warps of an ef_accumulate program: 8 entries per thread, up to 32 warps (16384 entries: 16
+    per thread). At 16 per thread for every size, 16384-entry blocks took 176-255 registers."""
+    return max(1, min(32, block // 256))
+
 
 
 def _jit():
@@ -81,6 +89,20 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
                                     ZERO=zero_selected, BLOCK=SELECT_BLOCK,
                                     FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
     return int(status[tiles - 1]) >> 2
+
+
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
+    """Triton ``kernels.ef_accumulate``: one program per block (``block`` a power of two, or 0 for
+    no maxima: ACCUMULATE_BLOCK entries each), one pass; one sync to return the count."""
+    n = residual.numel()
+    if n == 0:
+        return 0
+    size = block or ACCUMULATE_BLOCK
+    bad = torch.zeros(1, dtype=torch.int64, device=residual.device)
+    _jit().ef_accumulate_kernel[(-(-n // size),)](
+        grad, residual, maxima if block else residual, bad, n, FMAX=torch.finfo(residual.dtype).max,  # (unused)
+        BLOCK=size, MAXIMA=bool(block), num_warps=accumulate_warps(size))
+    return int(bad)
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

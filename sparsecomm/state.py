@@ -9,6 +9,7 @@ numbers only, so they pickle (``torch.save(state)``) for checkpoints.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -154,6 +155,12 @@ class Compensated:
         return None if self.nonfinite is None else self.nonfinite == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _setting_names(cls: type) -> tuple[str, ...]:
+    """The ``__init__`` arguments of a State class (``inspect.signature``: ~0.5 ms, once per class)."""
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+
+
 class State:
     """Base state: density, error feedback, iteration counter and statistics.
 
@@ -203,8 +210,7 @@ class State:
 
         Every rank must hold the same ones: the collective input check compares them.
         """
-        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
-        return {**{name: getattr(self, name) for name in names}, "iteration": self.iteration}
+        return {**{name: getattr(self, name) for name in _setting_names(type(self))}, "iteration": self.iteration}
 
     @classmethod
     def exact(cls, density: float) -> "State":
@@ -248,30 +254,26 @@ class State:
 
     def _accumulate(self, flat: torch.Tensor, residual: torch.Tensor, block: int | None = None) -> Compensated:
         """residual += flat in place (a fresh n-element tensor per call costs more in page
-        faults than the add). On CPU one pass (``kernels.ef_accumulate``, with block maxima
-        when ``block`` is given) writes only the finite sums and counts the others, so the
-        input needs no finite check of its own and an overflowing sum never reaches the
-        residual; elsewhere a plain add, which the call's own check precedes."""
-        if residual.device.type != "cpu":
-            return Compensated(residual.add_(flat))
+        faults than the add), in one pass (``kernels.ef_accumulate``: numba on CPU, Triton on
+        CUDA, else the torch chain; with block maxima when ``block`` is given) that writes
+        only the finite sums and counts the others: the input needs no finite check of its
+        own, and an overflowing sum never reaches the residual, so a refused call can take
+        the gradient back out (:meth:`rollback`) instead of leaving an inf behind."""
         maxima, nonfinite = kernels.ef_accumulate(flat, residual, block)
         if maxima is not None:
             self._maxima = (self.iteration, maxima)  # for this call only
         return Compensated(residual, nonfinite=nonfinite)
 
     def fuses_next(self, device: torch.device | None = None) -> bool:
-        """Whether the next :meth:`compensate`, of a tensor on ``device``, is a fused pass
-        (``kernels.ef_select``, or on CPU ``kernels.ef_accumulate``), which also tells
-        whether the input was finite."""
+        """Whether the next :meth:`compensate`, of a tensor on ``device`` (every device has
+        the counting pass now), is a fused pass (``kernels.ef_select`` or
+        ``kernels.ef_accumulate``), which also tells whether the input was finite."""
         if not self.error_feedback:
             return False
         if self.guided_topk and self.topk_guide is not None:
             return True
-        # The tensor's device decides the accumulation's path (the residual moves to it). A
-        # first call has no residual yet: it is checked first, then accumulates into zeros.
-        if self.residual is None:
-            return False
-        return torch.device(device if device is not None else self.residual.device).type == "cpu"
+        # A first call has no residual yet: it is checked first, then accumulates into zeros.
+        return self.residual is not None
 
     def rollback(self, flat: torch.Tensor, nonfinite: int | None = None) -> None:
         """Undo the fused :meth:`compensate` of ``flat`` (the call was rejected).

@@ -181,3 +181,38 @@ def _continue_after_checkpoint(rank, size):
 def test_a_state_restored_on_the_cpu_continues_on_cuda_without_losing_its_residual():
     for same, device in sparsecomm.simulate(2, _continue_after_checkpoint, 2).results:
         assert same and device == "cuda"
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("algorithm", ["dense", "oktopk", "topka"])
+def test_an_overflowing_accumulation_on_cuda_is_refused_and_leaves_the_residual(kernels, algorithm, monkeypatch):
+    # On CUDA the accumulation is the counting pass too (Triton's ef_accumulate, or the torch
+    # chain): a residual + gradient that overflows on one rank is refused on every rank, no
+    # inf is written into the residual, and the next call goes on. (It was a plain add: the
+    # inf stayed, and the state refused every later call.)
+    monkeypatch.setenv("SPARSECOMM_KERNELS", kernels)
+    big = torch.finfo(torch.float32).max
+
+    def body(rank):
+        kwargs = {"tau": 1} if algorithm == "oktopk" else {}
+        st = registry.get(algorithm).state_class(0.1, error_feedback=True, **kwargs)
+        sparsecomm.allreduce(torch.randn(5000, device="cuda"), state=st)
+        st.residual[3] = big if rank == 1 else 0.0
+        st.topk_guide = None  # the plain accumulation, not the fused select (TopkA after a call)
+        before = st.residual.clone()
+        g = torch.zeros(5000, device="cuda")
+        g[3] = big
+        try:
+            sparsecomm.allreduce(g, state=st)
+        except sparsecomm.InputError as exc:
+            err = str(exc)
+        else:
+            err = None
+        kept = torch.equal(st.residual, before)
+        st.residual[3] = 0.0
+        out = sparsecomm.allreduce(torch.ones(5000, device="cuda"), state=st)
+        return err, kept, bool(torch.isfinite(out).all())
+
+    for err, kept, finite in sparsecomm.simulate(2, body).results:
+        assert err is not None and "overflows on rank(s) [1]" in err, err
+        assert kept and finite

@@ -36,6 +36,8 @@ _ENCODE_SIG = {"v_ptr": "*fp32", "out_ptr": "*u8", "n": "i64", "nbytes": "i64", 
 _DECODE_SIG = {"packed_ptr": "*u8", "out_ptr": "*fp32", "count": "i64", "g": "fp32",
                "BITS": "constexpr", "BLOCK": "constexpr", "ACC": "constexpr"}
 _SCATTER_SIG = {"out_ptr": "*{t}", "idx_ptr": "*i64", "val_ptr": "*{t}", "m": "i64", "BLOCK": "constexpr"}
+_ACCUMULATE_SIG = {"g_ptr": "*{g}", "r_ptr": "*{r}", "maxima_ptr": "*{r}", "bad_ptr": "*i64", "n": "i64",
+                   "FMAX": "constexpr", "BLOCK": "constexpr", "MAXIMA": "constexpr"}
 
 
 _TRITON_BUILD = r"""
@@ -50,12 +52,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparsecomm.kernels import _triton_jit as impl
-from sparsecomm.kernels.triton_backend import (CODES_BLOCK, CODES_WARPS, COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK,
-                                               HIST_WARPS, MAX_THRESHOLDS, RECORD_BLOCK, RECORD_WARPS,
-                                               SCATTER_BLOCK, SCATTER_WARPS, SELECT_BLOCK, SELECT_WARPS)
+from sparsecomm.kernels.triton_backend import (ACCUMULATE_BLOCK, CODES_BLOCK, CODES_WARPS, accumulate_warps,
+                                               COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS, MAX_THRESHOLDS,
+                                               RECORD_BLOCK, RECORD_WARPS, SCATTER_BLOCK, SCATTER_WARPS,
+                                               SELECT_BLOCK, SELECT_WARPS)
 
-SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG = (
-    %r, %r, %r, %r, %r, %r, %r, %r)
+SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG, ACCUMULATE_SIG = (
+    %r, %r, %r, %r, %r, %r, %r, %r, %r)
 CUOBJDUMP, REPORT = sys.argv[1], sys.argv[2]  # CUOBJDUMP "": not available
 assert type(impl.ef_select_kernel).__name__ == "JITFunction", "interpreted: TRITON_INTERPRET leaked in"
 built = []
@@ -83,6 +86,14 @@ for arch in (80, 90):
                                target=target, options={"num_warps": SELECT_WARPS})
             assert k.asm["cubin"] and ".target sm_%%d" %% arch in k.asm["ptx"]
             assert "atom.global" in k.asm["ptx"]  # the ticket and the look-back
+            record(k, arch)
+        fmax = float(torch.finfo(torch.float64 if r == "fp64" else torch.float32).max)
+        sig = {k: v.format(g=g, r=r) for k, v in ACCUMULATE_SIG.items()}
+        for maxima, block in ((False, ACCUMULATE_BLOCK), (True, 4096), (True, 16384)):
+            consts = {"FMAX": fmax, "BLOCK": block, "MAXIMA": maxima}
+            k = triton.compile(ASTSource(impl.ef_accumulate_kernel, sig, consts), target=target,
+                               options={"num_warps": accumulate_warps(block)})
+            assert k.asm["cubin"] and "fma" not in k.asm["ptx"]  # the sum's one rounding, as torch's add
             record(k, arch)
     for x, bits in (("fp32", 32), ("bf16", 16), ("fp16", 16)):
         sig = {k: v.format(x=x) for k, v in HIST_SIG.items()}
@@ -125,7 +136,8 @@ for arch in (80, 90):
 with open(REPORT, "w") as f:
     json.dump(built, f)
 print("built", len(built))
-""" % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG)
+""" % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG,
+       _ACCUMULATE_SIG)
 
 
 def _cuobjdump() -> str | None:
@@ -158,7 +170,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 94 and "built 94" in out.stdout  # 2 archs x 47 variants
+    assert len(built) == 118 and "built 118" in out.stdout  # 2 archs x 59 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 

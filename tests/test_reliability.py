@@ -166,14 +166,26 @@ def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backen
 # ---- 7: a simulated rank blocked outside sparsecomm ---------------------------------------
 @pytest.mark.parametrize("block", ["sleep", "event"])
 def test_simulate_returns_when_a_rank_blocks_outside_sparsecomm(block):
+    # The stuck rank's thread outlives the test (nothing can interrupt a sleep). Once it
+    # wakes it must run nothing: a daemon thread inside torch's C++ code when the
+    # interpreter exits is ended by a forced unwind, and torch's noexcept frames turn that
+    # into std::terminate (pytest, every test passed, then "terminate called without an
+    # active exception" and exit code 134: seen when the suite ended ~30 s after this test).
+    over = threading.Event()
+
     def body(r):
         if r == 0:
-            time.sleep(30) if block == "sleep" else threading.Event().wait()
+            time.sleep(10) if block == "sleep" else over.wait()
+            if over.is_set():
+                return None
         return sparsecomm.allreduce(torch.ones(10), 0.5)
 
     t0 = time.monotonic()
-    with pytest.raises((CommTimeoutError, PeerError)) as info:
-        sparsecomm.simulate(3, body, timeout=2)
+    try:
+        with pytest.raises((CommTimeoutError, PeerError)) as info:
+            sparsecomm.simulate(3, body, timeout=2)
+    finally:
+        over.set()
     assert time.monotonic() - t0 < 8  # timeout, then as long again for the stuck rank
     assert "blocked outside sparsecomm" in str(info.value)
 
@@ -323,12 +335,36 @@ def test_a_refused_call_takes_back_a_gradient_whose_sum_with_it_would_overflow(a
         torch.testing.assert_close(residual, before, rtol=0, atol=1e-6)
 
 
-def test_fuses_next_asks_about_the_tensors_device():
-    # A residual loaded onto the CPU for a CUDA gradient must not count as fused: on CUDA the
-    # accumulation is a plain add, which the call's check has to precede.
-    st = sparsecomm.DenseState(error_feedback=True)
-    sparsecomm.allreduce(torch.ones(100), state=st)
-    assert st.fuses_next(torch.device("cpu")) and not st.fuses_next(torch.device("cuda"))
-    ok = sparsecomm.OkTopkState(0.1, tau=1, error_feedback=True)  # re-evaluates every call: no reuse
-    sparsecomm.allreduce(torch.ones(100), state=ok)
-    assert ok.fuses_next(torch.device("cpu")) and not ok.fuses_next(torch.device("cuda"))
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("algorithm", ["dense", "oktopk"])
+def test_every_accumulation_path_refuses_an_overflowing_sum_and_keeps_the_residual(kernels, algorithm, monkeypatch):
+    # The counting accumulation (kernels.ef_accumulate) runs on every device: numba on CPU,
+    # Triton on CUDA, the torch chain where neither is (forced here by SPARSECOMM_KERNELS).
+    # On each, residual + gradient overflowing on one rank is refused on every rank, the
+    # residual is left as it was (no inf written), and the next call goes on.
+    monkeypatch.setenv("SPARSECOMM_KERNELS", kernels)
+    big = torch.finfo(torch.float32).max
+
+    def body(rank):
+        kwargs = {"tau": 1} if algorithm == "oktopk" else {}  # oktopk: re-evaluate, so no fused select
+        st = sparsecomm.registry.get(algorithm).state_class(0.1, error_feedback=True, **kwargs)
+        sparsecomm.allreduce(torch.randn(100, generator=torch.Generator().manual_seed(rank)), state=st)
+        assert st.fuses_next(torch.device("cuda")) and st.fuses_next(torch.device("cpu"))
+        st.residual[3] = big if rank == 1 else 0.0
+        before = st.residual.clone()
+        g = torch.zeros(100)
+        g[3] = big
+        try:
+            sparsecomm.allreduce(g, state=st)
+        except InputError as exc:
+            err = str(exc)
+        else:
+            err = None
+        after = st.residual.clone()
+        st.residual[3] = 0.0
+        out = sparsecomm.allreduce(torch.ones(100), state=st)
+        return err, torch.equal(after, before), bool(torch.isfinite(out).all())
+
+    for err, kept, finite in sparsecomm.simulate(2, body).results:
+        assert err is not None and "overflows on rank(s) [1]" in err, err
+        assert kept and finite

@@ -51,9 +51,9 @@ class DenseState(State):
         if not self.error_feedback:  # a dense result overwrites all of out: nothing to zero
             return super().compensate(flat)
         self.n = flat.numel()
-        # Block maxima only on CPU (State._accumulate): on a GPU the torch chain of
-        # ef_accumulate costs more passes and temporaries than the scales it would replace.
-        wanted = self.__dict__.get("_scales_wanted", False)
+        # Block maxima only on CPU: without Triton a GPU runs ef_accumulate as the torch
+        # chain, whose maxima cost more passes and temporaries than the scales they replace.
+        wanted = self.__dict__.get("_scales_wanted", False) and flat.device.type == "cpu"
         return self._accumulate(flat, self.residual_on(flat), self.MAXIMA_BLOCK if wanted else None)
 
     def chunk_maxima(self, acc: torch.Tensor, starts: list[int]) -> list[float] | None:
