@@ -24,9 +24,11 @@ the caller its own.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -91,6 +93,21 @@ class Job:
 
 
 _STOP = object()
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_engines_at_exit() -> None:
+    """Stop every live engine before the interpreter finalises.
+
+    A daemon thread still inside torch or numba code at that point is ended by
+    a forced unwind, which torch's noexcept C++ frames turn into
+    ``std::terminate``: a program that returned while a job was running
+    aborted with exit code 134. So queued jobs are dropped (they fail) and the
+    running one may finish, up to its timeout.
+    """
+    for engine in list(_LIVE):
+        engine._abandon()
 
 
 class Engine:
@@ -123,6 +140,7 @@ class Engine:
         self._submitted = 0
         self._thread = threading.Thread(target=self._serve, name=f"{name}-rank-{self.comm.rank}", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def submit(self, tensor: torch.Tensor, **options: Any) -> Job:
         """Queue ``sparsecomm.allreduce(tensor, **options)``; ``tensor`` must stay unchanged until
@@ -154,6 +172,17 @@ class Engine:
             self._queue.put(_STOP)
             with self._user.idle():
                 self._thread.join(self.comm.timeout + 5.0)
+
+    def _abandon(self) -> None:
+        """At exit: fail the queued jobs, let the running one end, stop the thread."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item[0]._finish(error=RuntimeError("sparsecomm engine: the interpreter is exiting"))
+        self.close()
 
     def __enter__(self) -> "Engine":
         return self
