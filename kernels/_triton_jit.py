@@ -83,7 +83,8 @@ def ef_accumulate_kernel(g_ptr, r_ptr, maxima_ptr, bad_ptr, n,
        |acc| <= FMAX (False for NaN and +-Inf), else r keeps its value.
     2. The block's count of non-finite sums is added to ``bad_ptr`` (int64),
        only when there is one: a steady call makes no atomic at all.
-    3. MAXIMA: maxima[block] = max |r| over the block, as written.
+    3. MAXIMA: maxima[block] = max |r| over the block, as written (the residual holds
+       no NaN: non-finite sums are never written; tl.max here would skip one).
     """
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -81,8 +81,9 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
        ``residual`` (they were sent); overflowing entries keep acc, so
        nothing is lost.
     5. ``zero_out``, if given, is set to all zeros: the dense output a
-       sparse call then fills with O(k) writes (numba does it in the
-       pass; the GPU paths, and 16-bit outputs on CPU, in a pass of its own).
+       sparse call then fills with O(k) writes (numba does it in the pass;
+       the GPU paths, and on CPU 16-bit or not 32-byte-aligned outputs, in a
+       pass of its own).
 
     Step 2's rule is the finite check of the input, folded into this pass:
     when ``count <= capacity`` the output alone (O(k)) says whether the
@@ -162,16 +163,25 @@ _EF_SELECT = dispatch.KernelOp(
 
 
 # ---- dense error feedback: accumulate, and the block maxima a quantiser's scales need -------
+#: Entries per step of the torch chain: its temporaries stay this small (GPUs without Triton
+#: run it for every accumulation).
+TORCH_CHUNK = 1 << 22
+
+
 def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
     """The reference: the unfused torch chain with the same contract as :func:`ef_accumulate`."""
-    acc = residual + grad.to(residual.dtype)
-    finite = torch.isfinite(acc)
-    residual.copy_(torch.where(finite, acc, residual))
+    bad = torch.zeros((), dtype=torch.int64, device=residual.device)
+    for lo in range(0, residual.numel(), TORCH_CHUNK):
+        r = residual[lo:lo + TORCH_CHUNK]
+        acc = r + grad[lo:lo + TORCH_CHUNK].to(residual.dtype)
+        finite = torch.isfinite(acc)
+        r.copy_(torch.where(finite, acc, r))
+        bad += (~finite).sum()
     if block:  # 0: no maxima
         padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
         padded[:residual.numel()] = residual.abs()
         maxima.copy_(padded.view(-1, block).amax(dim=1))
-    return int((~finite).sum())
+    return int(bad)
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None = 4096, *,

@@ -156,15 +156,18 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     n = residual.numel()
     g, r = grad.numpy(), residual.numpy()
     oi, ov = out_idx.numpy(), out_val.numpy()
+    bounds = impl.chunk_bounds(n, _spans(n), align=64)
     zo = None
     if zero_out is not None:
-        # Zeroed in the pass by aligned vector stores (the spans start at multiples of 64
-        # entries); numba has no bf16, and an odd start (out= a view at an offset) is rare.
-        if zero_out.dtype in (torch.float32, torch.float64) and zero_out.data_ptr() % 32 == 0:
+        # Zeroed in the pass by 32-byte-aligned vector stores, from every span's start (and
+        # every 32-entry block's within it); numba has no bf16, and an odd start (out= a
+        # view at an offset) is rare.
+        size = zero_out.element_size()
+        if zero_out.dtype in (torch.float32, torch.float64) and all(
+                (zero_out.data_ptr() + int(lo) * size) % 32 == 0 for lo in bounds[:-1]):
             zo = zero_out.view(-1).numpy()
         else:
             zero_out.zero_()
-    bounds = impl.chunk_bounds(n, _spans(n))
     nch = bounds.size - 1
     # Span c > 0 compacts into its own scratch of min(capacity, span length)
     # entries (np.empty: pages are only touched where something is written).

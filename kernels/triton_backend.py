@@ -44,7 +44,7 @@ RECORD_BLOCK = 1024   # records per program of pack/unpack
 RECORD_WARPS = 4
 CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
 CODES_WARPS = 4
-ACCUMULATE_BLOCK = 4096  # entries per program of ef_accumulate without maxima; with them, one block's
+ACCUMULATE_BLOCK = 4096  # entries per program of ef_accumulate without maxima (with them: one block)
 
 
 def accumulate_warps(block: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import struct
@@ -352,7 +353,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:
-            early = (call.state.compensate(flat, _zero_target(call, split)), time.perf_counter() - t0)
+            early = (_compensate(call.state, flat, _zero_target(call, split)), time.perf_counter() - t0)
             call.out_zeroed = early[0].out_zeroed
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
             problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
@@ -371,6 +372,17 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
     return started if split else _finish(started)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_zero_out(cls: type) -> bool:
+    """Whether a State class's ``compensate`` takes ``zero_out`` (a user's registered state
+    may predate it)."""
+    return "zero_out" in inspect.signature(cls.compensate).parameters
+
+
+def _compensate(state: State, flat: torch.Tensor, zero_out: torch.Tensor | None) -> Compensated:
+    return state.compensate(flat, zero_out) if zero_out is not None else state.compensate(flat)
+
+
 def _zero_target(call: _Call, split: bool) -> torch.Tensor | None:
     """``out=``, flat, when the fused accumulating pass may set it to zeros on its way
     (``State.compensate``'s ``zero_out``), or None.
@@ -381,7 +393,7 @@ def _zero_target(call: _Call, split: bool) -> torch.Tensor | None:
     ``out`` zeroed; ``allreduce`` documents its contents as unspecified then.
     """
     out = call.out
-    if out is None or split or call.state is None:
+    if out is None or split or call.state is None or not _takes_zero_out(type(call.state)):
         return None
     flat = out.view(-1)
     residual = call.state.residual
@@ -426,7 +438,7 @@ def _start(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bo
     step = state.iteration if call.state is not None else next(_stateless_calls)
     if early is None:
         t0 = time.perf_counter()
-        early = (state.compensate(flat, _zero_target(call, split)), time.perf_counter() - t0)
+        early = (_compensate(state, flat, _zero_target(call, split)), time.perf_counter() - t0)
         call.out_zeroed = early[0].out_zeroed
     compensated, accumulate = early
     acc = compensated.acc

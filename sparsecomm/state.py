@@ -265,9 +265,12 @@ class State:
         return Compensated(residual, nonfinite=nonfinite)
 
     def fuses_next(self, device: torch.device | None = None) -> bool:
-        """Whether the next :meth:`compensate`, of a tensor on ``device`` (every device has
-        the counting pass now), is a fused pass (``kernels.ef_select`` or
-        ``kernels.ef_accumulate``), which also tells whether the input was finite."""
+        """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select`` or
+        ``kernels.ef_accumulate``), which also tells whether the input was finite.
+
+        ``device``, the tensor's, does not change the answer: every device has the
+        counting pass (numba, Triton, or the torch chain).
+        """
         if not self.error_feedback:
             return False
         if self.guided_topk and self.topk_guide is not None:

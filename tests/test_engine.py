@@ -77,7 +77,7 @@ def test_engine_on_mpi():
 def test_a_program_that_returns_with_jobs_running_exits_cleanly():
     # The engine's thread is a daemon: still inside numba or torch code when the interpreter
     # finalised, it was ended by a forced unwind that torch's noexcept frames turn into
-    # std::terminate (exit code 134; 1 run in 8 of this script before the fix). At exit the
+    # std::terminate (exit code 134; 1 run in 8 of this script with 50 jobs before the fix). At exit the
     # engine now drops its queued jobs and lets the running one end. Several exit times,
     # since where the thread is at that moment is luck.
     script = textwrap.dedent("""
@@ -87,9 +87,9 @@ def test_a_program_that_returns_with_jobs_running_exits_cleanly():
         torch.set_num_threads(1)
         engine, state = Engine(), sparsecomm.OkTopkState(0.01)
         x = torch.randn(2_000_000)
-        jobs = [engine.submit(x, state=state) for _ in range(50)]
+        jobs = [engine.submit(x, state=state) for _ in range(1000)]  # ~10 s of work here
         time.sleep(float(sys.argv[1]))
-        print("returning", sum(j.done() for j in jobs) < 50)
+        print("returning", sum(j.done() for j in jobs) < 1000)
     """)
     for delay in ("0.3", "0.45", "0.6", "0.75"):
         proc = subprocess.run([sys.executable, "-c", script, delay], capture_output=True, text=True, timeout=120)

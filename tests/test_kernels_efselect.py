@@ -139,16 +139,20 @@ def test_ef_select_cpu_spans_and_overflow(threads, cap_frac):
     cap = int(cap_frac * expect)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # zero_out in every span: aligned (the streaming stores), and at a 4-byte offset (a pass of its own)
+    storage = torch.full((n + 8,), float("nan"), dtype=torch.float64 if cap_frac == 2.0 else torch.float32)
+    out = storage[1:n + 1] if cap_frac == 0.5 else storage[:n]
     try:
         r = r0.clone()
         idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
-        c = kernels.dispatch.OPS["ef_select"].implementation("cpu")(g, r, 2.0, cap, 1.0, True, idx, val)
+        c = kernels.dispatch.OPS["ef_select"].implementation("cpu")(g, r, 2.0, cap, 1.0, True, idx, val, out)
     finally:
         torch.set_num_threads(old)
     ri, rv, rc, rr = _reference(g, r0.clone(), 2.0, cap, 1.0, True)
     assert c == rc == expect
     w = min(c, cap)
     assert torch.equal(idx[:w], ri[:w]) and torch.equal(val[:w], rv[:w]) and torch.equal(r, rr)
+    assert torch.equal(out, torch.zeros_like(out)) and int(storage.isnan().sum()) == 8  # nothing outside it
 
 
 @pytest.mark.parametrize("backend", backend_params("ef_select"))

@@ -44,9 +44,10 @@ def test_out_receives_exactly_the_result(algorithm, P):
         assert all(all(r) for r in rows), rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("P", [1, 2, 5])
-def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, monkeypatch):
+def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, dtype, monkeypatch):
     # A steady-state call's fused pass zeroes out= on its way, and the sparse result then
     # writes only its entries: out holds NaN before every call and must still end equal
     # to the call without out= (same states, same thresholds, same residuals).
@@ -62,11 +63,12 @@ def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, mon
     def body(rank):
         cls = sparsecomm.registry.get(algorithm).state_class
         plain, into = cls(0.05, error_feedback=True), cls(0.05, error_feedback=True)
-        x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
-        out = torch.empty(3000)
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(rank), dtype=dtype)
+        storage = torch.empty(3001, dtype=dtype)
+        out = storage[1:] if P == 2 else storage[:3000]  # P = 2: at an offset, not 32-byte aligned
         same = []
         for step in range(12):
-            x = 0.9 * x + 0.1 * grad(rank, step)  # drifting: the thresholds are reused
+            x = 0.9 * x + 0.1 * grad(rank, step).to(dtype)  # drifting: the thresholds are reused
             want = sparsecomm.allreduce(x, state=plain)
             out.fill_(float("nan"))
             got = sparsecomm.allreduce(x, state=into, out=out)

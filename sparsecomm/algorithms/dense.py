@@ -51,8 +51,8 @@ class DenseState(State):
         if not self.error_feedback:  # a dense result overwrites all of out: nothing to zero
             return super().compensate(flat)
         self.n = flat.numel()
-        # Block maxima only on CPU: without Triton a GPU runs ef_accumulate as the torch
-        # chain, whose maxima cost more passes and temporaries than the scales they replace.
+        # Block maxima only on CPU: a GPU (with or without Triton) computes its chunk scales
+        # by a pass over each chunk, which there is not worth a change of path.
         wanted = self.__dict__.get("_scales_wanted", False) and flat.device.type == "cpu"
         return self._accumulate(flat, self.residual_on(flat), self.MAXIMA_BLOCK if wanted else None)
 

@@ -96,6 +96,10 @@ _STOP = object()
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+#: Seconds the interpreter's exit waits, for all live engines together, for their running jobs.
+EXIT_GRACE = 10.0
+
+
 @atexit.register
 def _stop_engines_at_exit() -> None:
     """Stop every live engine before the interpreter finalises.
@@ -104,10 +108,16 @@ def _stop_engines_at_exit() -> None:
     a forced unwind, which torch's noexcept C++ frames turn into
     ``std::terminate``: a program that returned while a job was running
     aborted with exit code 134. So queued jobs are dropped (they fail) and the
-    running one may finish, up to its timeout.
+    running ones may end, all within EXIT_GRACE seconds: a job blocked on a
+    peer that already dropped its share is not waited for to its timeout
+    (the peers see this rank's exit that much later).
     """
-    for engine in list(_LIVE):
-        engine._abandon()
+    deadline = time.monotonic() + EXIT_GRACE
+    engines = list(_LIVE)
+    for engine in engines:
+        engine._drop_queued()
+    for engine in engines:
+        engine._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class Engine:
@@ -120,6 +130,9 @@ class Engine:
        result (or the exception) completes the job.
     4. After an error other than ``InputError`` the engine is broken: every
        queued and later job fails with that error.
+    5. When the interpreter exits, queued jobs are dropped and running ones get
+       up to ``EXIT_GRACE`` seconds to end (see ``_stop_engines_at_exit``);
+       ``close()`` first if every job must complete.
 
     Args:
         group, comm: the ranks, as for :func:`sparsecomm.allreduce`.
@@ -173,8 +186,8 @@ class Engine:
             with self._user.idle():
                 self._thread.join(self.comm.timeout + 5.0)
 
-    def _abandon(self) -> None:
-        """At exit: fail the queued jobs, let the running one end, stop the thread."""
+    def _drop_queued(self) -> None:
+        """At exit: fail the queued jobs and ask the thread to stop after the running one."""
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -182,7 +195,7 @@ class Engine:
                 break
             if item is not _STOP:
                 item[0]._finish(error=RuntimeError("sparsecomm engine: the interpreter is exiting"))
-        self.close()
+        self._queue.put(_STOP)
 
     def __enter__(self) -> "Engine":
         return self
