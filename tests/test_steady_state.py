@@ -235,3 +235,18 @@ def test_a_dense_result_scales_into_out_and_checks_its_extremes_with_the_old_bit
     assert res.count_nonfinite(dtype, scale) == int((~torch.isfinite(old(v).to(dtype))).sum())
     v[11] = float("nan")
     assert result(v).count_nonfinite(dtype, scale) == int((~torch.isfinite(old(v).to(dtype))).sum())
+
+
+def test_a_state_whose_compensate_predates_zero_out_still_takes_out():
+    # A user's State subclass written against compensate(self, flat) must keep working with
+    # out=: the call then simply does not zero out in its pass.
+    class Mine(sparsecomm.TopkAState):
+        def compensate(self, flat):
+            return super().compensate(flat)
+
+    mine, plain = Mine(0.05, error_feedback=True), sparsecomm.TopkAState(0.05, error_feedback=True)
+    out = torch.empty(3000)
+    for step in range(5):
+        g = grad(0, step)
+        out.fill_(float("nan"))
+        assert torch.equal(sparsecomm.allreduce(g, state=mine, out=out), sparsecomm.allreduce(g, state=plain))
