@@ -13,6 +13,7 @@ import torch
 
 import sparsecomm
 from sparsecomm.comm import Communicator
+from sparsecomm.errors import InputError
 
 
 def check_comm(comm: Communicator) -> dict:
@@ -279,3 +280,12 @@ def oktopk_reuse_cases(rank: int, size: int, comm=None) -> dict:
         out["events"] |= {e for e in st.last.events if e.startswith("global")}
     out["residual"] = st.residual.clone()
     return out
+
+
+def input_error(fn: Any, *args: Any, **kwargs: Any) -> str | None:
+    """The message of the InputError that ``fn(*args, **kwargs)`` raises, or None if it returns."""
+    try:
+        fn(*args, **kwargs)
+    except InputError as exc:
+        return str(exc)
+    return None
