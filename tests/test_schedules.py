@@ -346,6 +346,34 @@ def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, d
     assert all(sparsecomm.simulate(P, body, timeout=60).results)
 
 
+def test_pipesgd_results_go_to_a_buffer_of_their_own_that_the_fused_pass_zeroes(monkeypatch):
+    # Three buffers rotate so that a step's result never lands in its own input: the fused
+    # pass may then zero the output on its way (kernels.ef_select's zero_out). The one-step
+    # stale reference above holds the values; this holds the path.
+    from sparsecomm.schedules import PipeSGD
+
+    zeroing = []
+    fused = sparsecomm.kernels.ef_select
+
+    def spy(*args, **kwargs):
+        zeroing.append(kwargs.get("zero_out") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = PipeSGD(model, opt, algorithm="topka", density=0.05)
+        _train(model, opt, sched, rank, 6)
+        sched.flush()
+        sched.close()
+        return len({b.data_ptr() for b in sched._buffers})
+
+    assert sparsecomm.simulate(2, body).results == [3, 3]
+    assert sum(zeroing) >= 2 * 3  # every fused call after TopkA's first (which sets its guide)
+
+
 def test_pipesgd_checkpoint_keeps_the_gradient_in_flight():
     import io
 

@@ -16,9 +16,15 @@ Lower the optimizer's momentum, or its learning rate, when moving to Pipe-SGD. T
 synchronous (each applies its own aggregated gradient); the first pipelined
 step applies nothing (its predecessor was applied synchronously).
 
-Every step's gradient is copied into one of two flat buffers (the job of step
-t-1 may still read the other) and reduced on an engine with one algorithm
-state (error feedback, thresholds) for the whole model. ``state_dict()``
+Every step's gradient is copied into a flat buffer and reduced on an engine
+with one algorithm state (error feedback, thresholds) for the whole model,
+into another buffer: three rotate. Step t gathers into buffer t mod 3 and its
+job writes buffer t+2 mod 3, the input of job t-1, which the engine (one job
+at a time, in order) has finished when job t starts. Buffer t+1 mod 3 holds
+job t-1's result until step t applies it. A result in a buffer of its own
+lets the fused pass zero it on its way (``kernels.ef_select``'s
+``zero_out``), instead of a pass over n after the call that would compete
+with the next step's compute for the core. ``state_dict()``
 holds what is in flight: it waits for the pending allreduce and saves its
 result, so a resumed run applies it at its next step, as the uninterrupted
 run would have.
@@ -67,15 +73,18 @@ class PipeSGD:
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
         n = sum(p.numel() for p in self.params)
         like = self.params[0]
-        self._buffers = [torch.empty(n, dtype=like.dtype, device=like.device) for _ in range(2)]
+        self._buffers = [torch.empty(n, dtype=like.dtype, device=like.device) for _ in range(3)]
         self.step_count = 0
         self._pending: Job | None = None  # the allreduce of the last step's gradient
         self._ready: torch.Tensor | None = None  # an aggregated gradient restored from a checkpoint
 
     def _gather(self) -> torch.Tensor:
-        buf = self._buffers[self.step_count % 2]  # the other one may still be in flight
+        buf = self._buffers[self.step_count % 3]  # see the module docstring for the rotation
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return torch.cat([g.reshape(-1) for g in grads], out=buf)
+
+    def _submit(self, buf: torch.Tensor) -> Job:
+        return self.engine.submit(buf, out=self._buffers[(self.step_count + 2) % 3], **self.options)
 
     def _apply(self, flat: torch.Tensor) -> None:
         write_grads(self.params, flat)
@@ -94,11 +103,11 @@ class PipeSGD:
         """After backward: start this step's allreduce, then update with the previous step's result."""
         buf = self._gather()
         if self.step_count < self.warmup_steps:
-            out = self.engine.submit(buf, out=buf, **self.options).wait()
+            out = self._submit(buf).wait()
             self.step_count += 1
             self._apply(out)
             return
-        job = self.engine.submit(buf, out=buf, **self.options)
+        job = self._submit(buf)
         previous = self._previous()
         self._pending = job
         self.step_count += 1
