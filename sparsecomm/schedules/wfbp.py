@@ -101,7 +101,11 @@ class GroupSchedule:
             if any(i in residuals for i in g):
                 st.residual = torch.cat([residuals[i] if i in residuals else like.new_zeros(self.params[i].numel())
                                          for i in g])
+        # Per group: the gathered gradients, and the result, in a buffer of its own so that
+        # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
+        # pass over the group after the call, competing with backward for the core.
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._reset()
 
     def _layer_residuals(self) -> dict[int, torch.Tensor]:
@@ -147,9 +151,10 @@ class GroupSchedule:
         numel = sum(g.numel() for g in grads)
         if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
             buf = self._buffers[gi] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+            self._results[gi] = torch.empty_like(buf)
         torch.cat([g.reshape(-1) for g in grads], out=buf)
         state = self._states[gi]
-        return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=buf)
+        return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
     # ---- after backward ----------------------------------------------------------------
     def synchronize(self) -> None:
