@@ -659,24 +659,26 @@ def _prefetch_for_write(typingctx, arr, i):
 PREFETCH_AHEAD = 16
 
 
-@njit(nogil=True, cache=True)
-def put_at(out, idx, values):
-    """out[idx[t]] = values[t] for t in order."""
+@njit(nogil=True, cache=True, inline="always")
+def _scatter_at(out, idx, values, add):
     m = idx.size
     for t in range(m):
         if t + PREFETCH_AHEAD < m:
             _prefetch_for_write(out, idx[t + PREFETCH_AHEAD])
-        out[idx[t]] = values[t]
+        i = idx[t]
+        out[i] = out[i] + values[t] if add else values[t]
+
+
+@njit(nogil=True, cache=True)
+def put_at(out, idx, values):
+    """out[idx[t]] = values[t] for t in order."""
+    _scatter_at(out, idx, values, False)
 
 
 @njit(nogil=True, cache=True)
 def add_at(out, idx, values):
     """out[idx[t]] += values[t] for t in order (duplicates summed in input order)."""
-    m = idx.size
-    for t in range(m):
-        if t + PREFETCH_AHEAD < m:
-            _prefetch_for_write(out, idx[t + PREFETCH_AHEAD])
-        out[idx[t]] += values[t]
+    _scatter_at(out, idx, values, True)
 
 
 def chunk_bounds(n: int, chunks: int, align: int = 64) -> np.ndarray:

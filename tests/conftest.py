@@ -28,3 +28,20 @@ def _starts_processes_only_when_marked(request, monkeypatch):
                             refuse("starts gloo processes", ("slow", "gloo")))
     if not {"slow", "mpi"} <= marks:
         monkeypatch.setattr(engines, "run_mpi", refuse("runs mpiexec", ("slow", "mpi")))
+
+
+@pytest.fixture
+def zero_out_calls(monkeypatch):
+    """For each ``kernels.ef_select`` call the test makes, whether it was given a ``zero_out``
+    (the call itself goes through unchanged)."""
+    import sparsecomm
+
+    seen = []
+    fused = sparsecomm.kernels.ef_select
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("zero_out") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+    return seen

@@ -347,21 +347,14 @@ def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, d
 
 
 @pytest.mark.parametrize("schedule", ["pipesgd", "wfbp", "synceasgd"])
-def test_results_go_to_buffers_of_their_own_that_the_fused_pass_zeroes(schedule, monkeypatch):
+def test_results_go_to_buffers_of_their_own_that_the_fused_pass_zeroes(schedule, zero_out_calls):
     # A schedule's result never lands in its own input (Pipe-SGD rotates three buffers, the
     # group schedules keep a result buffer per group), so the fused pass may zero the output
     # on its way (kernels.ef_select's zero_out). The references above hold the values; this
     # holds the path.
     from sparsecomm.schedules import PipeSGD
 
-    zeroing = []
-    fused = sparsecomm.kernels.ef_select
-
-    def spy(*args, **kwargs):
-        zeroing.append(kwargs.get("zero_out") is not None)
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+    zeroing = zero_out_calls
     cls = {"pipesgd": PipeSGD, "wfbp": WFBP, "synceasgd": SyncEASGD}[schedule]
 
     def body(rank: int):

@@ -47,18 +47,11 @@ def test_out_receives_exactly_the_result(algorithm, P):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("P", [1, 2, 5])
-def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, dtype, monkeypatch):
+def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, dtype, zero_out_calls):
     # A steady-state call's fused pass zeroes out= on its way, and the sparse result then
     # writes only its entries: out holds NaN before every call and must still end equal
     # to the call without out= (same states, same thresholds, same residuals).
-    zeroing = []
-    fused = sparsecomm.kernels.ef_select
-
-    def spy(*args, **kwargs):
-        zeroing.append(kwargs.get("zero_out") is not None)
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+    zeroing = zero_out_calls
 
     def body(rank):
         cls = sparsecomm.registry.get(algorithm).state_class
