@@ -353,7 +353,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:
-            early = (_compensate(call.state, flat, _zero_target(call, split)), time.perf_counter() - t0)
+            early = (_compensate(call.state, flat, _zero_target(call)), time.perf_counter() - t0)
             call.out_zeroed = early[0].out_zeroed
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
             problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
@@ -383,17 +383,17 @@ def _compensate(state: State, flat: torch.Tensor, zero_out: torch.Tensor | None)
     return state.compensate(flat, zero_out) if zero_out is not None else state.compensate(flat)
 
 
-def _zero_target(call: _Call, split: bool) -> torch.Tensor | None:
+def _zero_target(call: _Call) -> torch.Tensor | None:
     """``out=``, flat, when the fused accumulating pass may set it to zeros on its way
     (``State.compensate``'s ``zero_out``), or None.
 
-    Only for a whole call (a split one hands ``out`` to ``Pending``, whose
-    caller may still read it) and an ``out`` sharing no memory with the input
-    or the residual, which the pass still reads. A refused call may leave
-    ``out`` zeroed; ``allreduce`` documents its contents as unspecified then.
+    Only for an ``out`` sharing no memory with the input or the residual,
+    which the pass still reads. A refused call may leave ``out`` zeroed, and
+    a split call's ``out`` holds nothing until ``Pending.finish()``: both
+    are documented.
     """
     out = call.out
-    if out is None or split or call.state is None or not _takes_zero_out(type(call.state)):
+    if out is None or call.state is None or not _takes_zero_out(type(call.state)):
         return None
     flat = out.view(-1)
     residual = call.state.residual
@@ -438,7 +438,7 @@ def _start(call: _Call, out_dtype: torch.dtype | None, scale: float, private: bo
     step = state.iteration if call.state is not None else next(_stateless_calls)
     if early is None:
         t0 = time.perf_counter()
-        early = (_compensate(state, flat, _zero_target(call, split)), time.perf_counter() - t0)
+        early = (_compensate(state, flat, _zero_target(call)), time.perf_counter() - t0)
         call.out_zeroed = early[0].out_zeroed
     compensated, accumulate = early
     acc = compensated.acc
@@ -499,7 +499,8 @@ def _finish(started: _Started) -> SparseResult:
 class Pending:
     """An :func:`allreduce` started by :func:`begin_allreduce`; :meth:`finish` completes it.
 
-    Until then the input tensor must stay unchanged, and its state takes no other call.
+    Until then the input tensor must stay unchanged, its state takes no other call, and
+    ``out``'s contents are unspecified (the first half may have zeroed it).
     """
 
     def __init__(self, started: _Started, out: torch.Tensor | None) -> None:
@@ -518,7 +519,7 @@ class Pending:
         self._result = None
         tensor = started.call.tensor
         if self._out is not None:
-            result.to_dense(tensor.dtype, started.scale, out=self._out.view(-1))
+            result.to_dense(tensor.dtype, started.scale, out=self._out.view(-1), zeroed=started.call.out_zeroed)
             return self._out
         return result.to_dense(tensor.dtype, started.scale).reshape(tensor.shape)
 
@@ -618,7 +619,8 @@ def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algor
     The result, thresholds and residuals are those of :func:`allreduce` with
     the same arguments, bit for bit (dense without a compressor, which then
     takes a reduce-scatter and an all-gather instead of the backend's
-    allreduce, to rounding). Same arguments as :func:`allreduce`.
+    allreduce, to rounding). Same arguments as :func:`allreduce`; ``out``
+    holds the result once ``finish()`` returns, and nothing to read before.
     """
     call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0

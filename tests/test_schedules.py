@@ -346,16 +346,16 @@ def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, d
     assert all(sparsecomm.simulate(P, body, timeout=60).results)
 
 
-@pytest.mark.parametrize("schedule", ["pipesgd", "wfbp", "synceasgd"])
+@pytest.mark.parametrize("schedule", ["pipesgd", "wfbp", "synceasgd", "dear"])
 def test_results_go_to_buffers_of_their_own_that_the_fused_pass_zeroes(schedule, zero_out_calls):
     # A schedule's result never lands in its own input (Pipe-SGD rotates three buffers, the
-    # group schedules keep a result buffer per group), so the fused pass may zero the output
+    # group schedules and DeAR keep a result buffer per group), so the fused pass may zero the output
     # on its way (kernels.ef_select's zero_out). The references above hold the values; this
     # holds the path.
-    from sparsecomm.schedules import PipeSGD
+    from sparsecomm.schedules import DeAR, PipeSGD
 
     zeroing = zero_out_calls
-    cls = {"pipesgd": PipeSGD, "wfbp": WFBP, "synceasgd": SyncEASGD}[schedule]
+    cls = {"pipesgd": PipeSGD, "wfbp": WFBP, "synceasgd": SyncEASGD, "dear": DeAR}[schedule]
 
     def body(rank: int):
         model = _model()
@@ -364,6 +364,8 @@ def test_results_go_to_buffers_of_their_own_that_the_fused_pass_zeroes(schedule,
         _train(model, opt, sched, rank, 6)
         if schedule == "pipesgd":
             sched.flush()
+        if schedule == "dear":
+            sched.synchronize()
         sched.close()
         return True
 

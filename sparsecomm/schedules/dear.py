@@ -137,7 +137,10 @@ class DeAR:
                 st.residual = torch.cat([residuals.get(id(p), torch.zeros(p.numel(), device=p.device))
                                          for p in ps])
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
+        # Per group: the gathered gradients, and the result in a buffer of its own, which the
+        # first half's fused pass zeroes on its way (as the group schedules do, see wfbp.py).
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.params for p in ps]
         # On every module of a group: whichever runs first applies the update (models need not
         # call their modules in registration order).
@@ -165,13 +168,15 @@ class DeAR:
         buf = self._buffers[gi]
         if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
             buf = self._buffers[gi] = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
+            self._results[gi] = torch.empty_like(buf)
         torch.cat([g.reshape(-1) for g in grads], out=buf)
         return buf
 
     def _start_first(self, gi: int) -> Job:
         buf, state = self._flat(gi), self.states[gi]
+        out = self._results[gi]
         return self.engine.run(lambda c: begin_allreduce(buf, comm=c, state=state, op=self.op,
-                                                         compressor=self.compressor, out=buf),
+                                                         compressor=self.compressor, out=out),
                                what=f"first half of group {gi}'s allreduce")
 
     def step(self) -> None:
