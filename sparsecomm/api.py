@@ -349,7 +349,7 @@ def _execute(call: _Call, check: bool, out_dtype: torch.dtype | None, scale: flo
     except Exception as exc:  # noqa: BLE001 - reported collectively below
         problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
     nonfinite = None
-    if problem is None and call.state is not None and call.state.fuses_next(call.tensor.device):
+    if problem is None and call.state is not None and call.state.fuses_next():
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:

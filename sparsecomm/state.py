@@ -264,13 +264,9 @@ class State:
             self._maxima = (self.iteration, maxima)  # for this call only
         return Compensated(residual, nonfinite=nonfinite)
 
-    def fuses_next(self, device: torch.device | None = None) -> bool:
+    def fuses_next(self) -> bool:
         """Whether the next :meth:`compensate` is a fused pass (``kernels.ef_select`` or
-        ``kernels.ef_accumulate``), which also tells whether the input was finite.
-
-        ``device``, the tensor's, does not change the answer: every device has the
-        counting pass (numba, Triton, or the torch chain).
-        """
+        ``kernels.ef_accumulate``, on every device), which also tells whether the input was finite."""
         if not self.error_feedback:
             return False
         if self.guided_topk and self.topk_guide is not None:

@@ -349,7 +349,7 @@ def test_every_accumulation_path_refuses_an_overflowing_sum_and_keeps_the_residu
         kwargs = {"tau": 1} if algorithm == "oktopk" else {}  # oktopk: re-evaluate, so no fused select
         st = sparsecomm.registry.get(algorithm).state_class(0.1, error_feedback=True, **kwargs)
         sparsecomm.allreduce(torch.randn(100, generator=torch.Generator().manual_seed(rank)), state=st)
-        assert st.fuses_next(torch.device("cuda")) and st.fuses_next(torch.device("cpu"))
+        assert st.fuses_next()  # on any device: the counting pass is everywhere
         st.residual[3] = big if rank == 1 else 0.0
         before = st.residual.clone()
         g = torch.zeros(100)

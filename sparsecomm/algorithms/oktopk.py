@@ -141,8 +141,8 @@ class OkTopkState(State):
                                             zero_selected=False, zero_out=zero_out)
         return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None)
 
-    def fuses_next(self, device: torch.device | None = None) -> bool:
-        return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next(device)
+    def fuses_next(self) -> bool:
+        return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next()
 
     @classmethod
     def exact(cls, density: float) -> "OkTopkState":
