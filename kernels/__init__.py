@@ -19,7 +19,7 @@ numba) are imported only when a path that needs them runs.
 Layout, one concern per module:
 
 * operations and their torch references: ``select`` (k-th largest, top-k,
-  threshold selection), ``efselect``, ``estimate``, ``coo``, ``payload``;
+  threshold selection), ``efselect``, ``estimate``, ``coo``, ``message``, ``payload``;
   ``radix`` is the digit choice the Triton and CuPy radix selects share.
 * ``dispatch``: the backend rules and ``KernelOp``.
 * one pair of modules per library, named alike: ``<library>_backend`` holds
@@ -40,13 +40,15 @@ from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scat
 from .dispatch import BackendUnavailable
 from .efselect import ef_accumulate, ef_select, shares_memory
 from .estimate import bucketize, count_above, estimate_threshold
+from .message import blocked, message_bytes, pack_message, unpack_message, unpack_messages
 from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
                       pack_unsigned, quantize, unpack_unsigned)
 from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
-           "index_dtype_for", "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
+           "index_dtype_for", "pack_message", "unpack_message", "unpack_messages", "message_bytes", "blocked",
+           "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
            "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_accumulate", "shares_memory",
            "estimate_threshold", "count_above", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",

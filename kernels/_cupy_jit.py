@@ -249,8 +249,9 @@ __device__ __forceinline__ void unpack_body(const unsigned char* __restrict__ re
     unsigned long long i = 0;
 #pragma unroll
     for (int b = 0; b < IB; ++b) i |= (unsigned long long)p[b] << (8 * b);
-    // A 4-byte index is sign-extended, as viewing it as int32 and widening does.
-    idx[r] = IB == 4 ? (long long)(int)(unsigned int)i : (long long)i;
+    // A 2- or 4-byte index is sign-extended, as viewing it as int16/int32 and widening does.
+    idx[r] = IB == 2 ? (long long)(short)(unsigned short)i
+           : IB == 4 ? (long long)(int)(unsigned int)i : (long long)i;
 #pragma unroll
     for (int b = 0; b < VB; ++b) bits[r * VB + b] = p[IB + b];
 }
@@ -264,6 +265,7 @@ extern "C" __global__ void unpack_i##IB##_v##VB(const unsigned char* rec, long l
                                                unsigned char* bits, long long count) { \
     unpack_body<IB, VB>(rec, idx, bits, count); \
 }
+RECORD_ENTRIES(2, 1) RECORD_ENTRIES(2, 2) RECORD_ENTRIES(2, 4) RECORD_ENTRIES(2, 8)
 RECORD_ENTRIES(4, 1) RECORD_ENTRIES(4, 2) RECORD_ENTRIES(4, 4) RECORD_ENTRIES(4, 8)
 RECORD_ENTRIES(8, 1) RECORD_ENTRIES(8, 2) RECORD_ENTRIES(8, 4) RECORD_ENTRIES(8, 8)
 

@@ -37,7 +37,8 @@ from numba.extending import intrinsic  # noqa: E402
 __all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "select_span", "bracket_span", "count_above_span",
            "encode_codes_span",
            "decode_codes_span", "merge_runs", "merge_sum", "member_mask", "take_and_zero", "is_strictly_increasing",
-           "densify_span", "radix_kth", "keep_above", "put_at", "add_at", "bucket_span", "chunk_bounds", "BLOCK"]
+           "densify_span", "radix_kth", "keep_above", "put_at", "add_at", "bucket_span", "chunk_bounds", "BLOCK",
+           "pack_blocked", "unpack_blocked"]
 
 # Block of the fused select: one vectorised pass builds a bit mask of the block's
 # selections (32 bits: 4 AVX2 vectors of fp32); at density 1% two blocks in three
@@ -686,3 +687,41 @@ def chunk_bounds(n: int, chunks: int, align: int = 64) -> np.ndarray:
     step = -(-n // chunks)
     step = -(-step // align) * align
     return np.minimum(np.arange(chunks + 1, dtype=np.int64) * step, n)
+
+
+@njit(nogil=True, cache=True)
+def pack_blocked(idx, bits, offsets, values, header, shift):
+    """A blocked message (``kernels.message``): header[b] = entries in block b, offsets[t] =
+    idx[t] mod 2**shift (a truncating store), values[t] = bits[t]. False, with nothing
+    promised about the outputs, when ``idx`` descends or leaves the header's blocks."""
+    header[:] = 0
+    nb = header.size
+    prev = 0
+    for t in range(idx.size):
+        i = idx[t]
+        b = i >> shift
+        if i < prev or b >= nb:
+            return False
+        header[b] += 1
+        offsets[t] = i
+        values[t] = bits[t]
+        prev = i
+    return True
+
+
+@njit(nogil=True, cache=True)
+def unpack_blocked(header, offsets, values, base, shift, idx, out):
+    """Inverse of :func:`pack_blocked`: idx[t] = base + (block << shift) + offset, out[t] =
+    values[t]. False when the header does not count ``idx.size`` entries."""
+    mask = (1 << shift) - 1
+    t, n = 0, idx.size
+    for b in range(header.size):
+        c = header[b]
+        if c < 0 or t + c > n:
+            return False
+        start = base + (b << shift)
+        for _ in range(c):
+            idx[t] = start + (offsets[t] & mask)
+            out[t] = values[t]
+            t += 1
+    return t == n

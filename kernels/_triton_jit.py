@@ -226,7 +226,7 @@ def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, V
                           BLOCK: tl.constexpr):
     """Inverse of :func:`pack_records_kernel`: int64 indexes and value bit patterns.
 
-    A 4-byte index is sign-extended, as viewing it as int32 and widening does.
+    A 2- or 4-byte index is sign-extended, as viewing it as int16/int32 and widening does.
     """
     pid = tl.program_id(0)
     rec = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -237,6 +237,8 @@ def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, V
         i |= tl.load(base + b, mask=m, other=0).to(tl.int64) << (8 * b)
     if IB == 4:
         i = i.to(tl.int32).to(tl.int64)
+    if IB == 2:
+        i = i.to(tl.int16).to(tl.int64)
     v = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in tl.static_range(VB):
         v |= tl.load(base + IB + b, mask=m, other=0).to(tl.int64) << (8 * b)

@@ -118,7 +118,8 @@ def test_stats_account_every_byte():
 
 
 def test_wide_index_path_gives_the_same_result(monkeypatch):
-    """Regions of 2**31 elements or more switch COO indexes to int64; force that path here."""
+    """Regions of 2**31 elements or more switch COO indexes to int64, and messages go
+    blocked (16-bit offsets) or plain by their size: force each path here."""
     grads = [torch.randint(-20, 21, (5000,), generator=torch.Generator().manual_seed(r)).float()
              for r in range(3)]
 
@@ -127,15 +128,19 @@ def test_wide_index_path_gives_the_same_result(monkeypatch):
         phases = res.stats.phases
         return res.to_dense(torch.float32), phases["split_reduce"].bytes_received, phases["allgatherv"].bytes_received
 
+    packed = sparsecomm.simulate(3, body).results
+    monkeypatch.setattr(kernels.message, "blocked", lambda count, span, index_dtype: False)
     narrow = sparsecomm.simulate(3, body).results
     monkeypatch.setattr(kernels, "index_dtype_for", lambda span: torch.int64)
     wide = sparsecomm.simulate(3, body).results
-    for (w, w_split, w_gather), (n_, n_split, n_gather) in zip(wide, narrow):
-        assert torch.equal(w, n_)
+    for (w, w_split, w_gather), (n_, n_split, n_gather), (b, b_split, b_gather) in zip(wide, narrow, packed):
+        assert torch.equal(w, n_) and torch.equal(b, n_)
         # The wide path was taken: a record's index takes 8 bytes instead of 4 next to
         # its 4-byte value, and the same records travel.
         assert n_gather > 0 and 2 * w_gather == 3 * n_gather
         assert w_split > n_split
+        # Blocked: 2-byte offsets and one 4-byte header per message (a region < 65536 wide).
+        assert b_gather == n_gather * 6 // 8 + 4 * 2 and b_split < n_split
     assert torch.equal(wide[0][0], ref_oktopk(grads, 0.05))
 
 

@@ -3,9 +3,11 @@
 * ``equal_boundaries``: P regions of (almost) equal size.
 * ``split_and_reduce``: the sparse reduce-scatter of Ok-Topk and TopkDSA. Each
   rank cuts its sorted selection by region, sends region j's part to rank j
-  and sums what it receives for its own region. Destination rotation (step s:
-  send to i+s, receive from i-s) avoids hot spots; ``bucket`` steps are posted
-  at once and one bucket is reduced while the next is in flight.
+  as a ``kernels.pack_message`` (indexes as 16-bit offsets within 65536-wide
+  blocks where that is smaller) and sums what it receives for its own region.
+  Destination rotation (step s: send to i+s, receive from i-s) avoids hot
+  spots; ``bucket`` steps are posted at once and one bucket is reduced while
+  the next is in flight.
 """
 
 from __future__ import annotations
@@ -75,17 +77,18 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
                                device=comm.control_device)
     recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
-    rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
+    span = [b - a for a, b in zip(starts[:-1], starts[1:])]
 
-    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor]]]:
+    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor, int]]]:
         sends, recvs = [], []
         for s in steps:
             dst, src = (me + s) % P, (me - s) % P
             if recv_counts[src]:
-                buf = torch.empty((recv_counts[src], rb), dtype=torch.uint8, device=wire.device)
-                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf))
+                size = kernels.message_bytes(recv_counts[src], span[me], index_dtype, codec.wire_dtype)
+                buf = torch.empty(size, dtype=torch.uint8, device=wire.device)
+                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf, recv_counts[src]))
             if off[dst + 1] > off[dst]:
-                sends.append(comm.isend(kernels.pack_records(*part(dst), index_dtype, codec.wire_dtype),
+                sends.append(comm.isend(kernels.pack_message(*part(dst), span[dst], index_dtype, codec.wire_dtype),
                                         dst, _TAG_SPLIT))
         return sends, recvs
 
@@ -95,9 +98,9 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     for b in range(len(buckets)):
         nxt = post(buckets[b + 1]) if b + 1 < len(buckets) else ([], [])
         all_sends += pending[0]
-        for req, buf in pending[1]:  # reduce bucket b while bucket b+1 is in flight
+        for req, buf, count in pending[1]:  # reduce bucket b while bucket b+1 is in flight
             req.wait()
-            idx, codes = kernels.unpack_records(buf, index_dtype, codec.wire_dtype)
+            idx, codes = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype)
             if merge:
                 decoded.append(codec.decode(codes, scale, work_dtype))
             else:

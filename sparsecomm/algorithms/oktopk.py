@@ -206,8 +206,7 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     acc, codec, stats, starts = r.acc, r.codec, r.stats, r.starts
     with PhaseRecorder(comm, stats).phase("allgatherv"):
         owned = codec.encode_shared(comm, r.red_val)
-        records = kernels.pack_records(r.red_rel, owned.wire, r.index_dtype, codec.wire_dtype)
-        gidx, gwire = _balance_and_allgatherv(records, r.counts, starts, comm, r.index_dtype,
+        gidx, gwire = _balance_and_allgatherv(r.red_rel, owned.wire, r.counts, starts, comm, r.index_dtype,
                                               codec.wire_dtype, r.state.balance_factor, stats)
         gval = codec.decode(gwire, owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
@@ -241,7 +240,8 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     5. Balance and allgatherv: if the largest rank's count exceeds
        ``balance_factor`` times the mean, the packed records are first
        redistributed evenly with point-to-point sends; one allgatherv then
-       gives every rank the result.
+       gives every rank the result (unbalanced, each region as a blocked
+       message: 16-bit offsets, ``kernels.pack_message``).
     6. Contributed set: local selections that are in the global result.
 
     Values travel through ``codec`` twice: local values in step 3, reduced
@@ -527,17 +527,29 @@ def _cap(st: OkTopkState, k: int, P: int) -> int:
 
 
 # ---- step 5: balance and allgatherv ---------------------------------------------
-def _balance_and_allgatherv(records: torch.Tensor, counts: list[int], starts: Sequence[int],
+def _balance_and_allgatherv(rel: torch.Tensor, wire: torch.Tensor, counts: list[int], starts: Sequence[int],
                             comm: Communicator, index_dtype: torch.dtype, wire_dtype: torch.dtype,
                             factor: float, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's records, concatenated in region order, as (global indexes, wire values)."""
-    P, total = comm.size, sum(counts)
-    held = counts
-    if P > 1 and total and max(counts) > factor * total / P:
-        records, held = _rebalance(records, counts, comm)
-        stats.events["balanced"] = 1
-    gathered = comm.allgatherv(records, held) if P > 1 else records
-    rel, vals = kernels.unpack_records(gathered, index_dtype, wire_dtype)  # fresh int64: offset in place
+    """Every rank's entries of its region, concatenated in region order, as (global indexes, wire values).
+
+    Unbalanced, each rank's region travels as one ``kernels.pack_message``
+    (16-bit offsets within blocks where that is smaller; every rank knows each
+    message's size from ``counts`` and the region spans). Rebalanced, slices
+    of the region-ordered list move between ranks, so the fixed-size records
+    of ``kernels.pack_records`` travel instead, cut at any entry.
+    """
+    P, me, total = comm.size, comm.rank, sum(counts)
+    if P == 1:
+        return rel.clone(), wire
+    span = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    if not (total and max(counts) > factor * total / P):
+        msg = kernels.pack_message(rel, wire, span[me], index_dtype, wire_dtype)
+        sizes = [kernels.message_bytes(c, s, index_dtype, wire_dtype) for c, s in zip(counts, span)]
+        return kernels.unpack_messages(comm.allgatherv(msg, sizes), counts, span, starts[:-1], index_dtype,
+                                       wire_dtype)
+    records, held = _rebalance(kernels.pack_records(rel, wire, index_dtype, wire_dtype), counts, comm)
+    stats.events["balanced"] = 1
+    rel, vals = kernels.unpack_records(comm.allgatherv(records, held), index_dtype, wire_dtype)
     # Records come in region order, region j's at [C_j, C_j + counts[j]): one in-place add per
     # region (a repeat_interleave of the offsets cost as much as the fused select at P = 1,
     # and its device-side sizes are host reads on a GPU).

@@ -1,0 +1,135 @@
+"""Sparse messages (``kernels.message``): layout choice, round trips, every path against the reference.
+
+The blocked layout is checked byte for byte against ``pack_blocked_torch``
+on every path in its table, decoded back on every path, and refused (never
+decoded into other indexes) when its input or header is wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_paths import backend_params, runner
+
+from sparsecomm import kernels
+from sparsecomm.kernels import message
+
+B = message.INDEX_BLOCK
+
+
+def _indexes(span: int, count: int, seed: int) -> torch.Tensor:
+    """``count`` ascending indexes in [0, span) that include both ends and a block's edges."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(span, generator=gen)[:count]
+    edges = torch.tensor([0, span - 1, B - 1, B, 2 * B - 1], dtype=torch.int64)
+    edges = edges[edges < span][:count]
+    pick = torch.cat([edges, pick[~torch.isin(pick, edges)]])[:count]
+    return pick.sort().values
+
+
+def _values(count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (count,), generator=gen, dtype=torch.uint8)
+    return (torch.randn(count, generator=gen) * 100).to(dtype)
+
+
+# (span, count): a region at 1% and 4%; k = n; one entry; a span that is not a whole number
+# of blocks; too few entries for blocking (plain); exactly one block; a span over 2**16 blocks.
+CASES = [(6_250_000, 62_500), (300_000, 12_000), (B + 17, B + 17), (1, 1), (3 * B + 1, 300),
+         (3 * B, 2), (B, 5), (5 * B, 0)]
+
+
+@pytest.mark.parametrize("span,count", CASES)
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                         torch.uint8])
+def test_round_trip_and_size(span, count, value_dtype):
+    idx, val = _indexes(span, count, span + count), _values(count, value_dtype, count)
+    msg = kernels.pack_message(idx, val, span, torch.int32, value_dtype)
+    assert msg.dtype == torch.uint8 and msg.dim() == 1
+    assert msg.numel() == kernels.message_bytes(count, span, torch.int32, value_dtype)
+    plain = count * kernels.record_bytes(torch.int32, value_dtype)
+    blocks = -(-span // B)
+    if kernels.blocked(count, span, torch.int32):
+        assert msg.numel() == 4 * blocks + count * kernels.record_bytes(torch.int16, value_dtype) < plain
+    else:
+        assert msg.numel() == plain and 4 * blocks >= 2 * count
+    ridx, rval = kernels.unpack_message(msg, count, span, torch.int32, value_dtype)
+    assert torch.equal(ridx, idx) and ridx.dtype == torch.int64
+    assert torch.equal(rval.view(torch.uint8), val.view(torch.uint8))
+
+
+def test_int64_indexes_block_more_often():
+    # 8-byte indexes save 6 bytes an entry: blocking pays from fewer entries a block.
+    span = 100 * B  # header: 400 bytes
+    assert not kernels.blocked(200, span, torch.int32) and kernels.blocked(201, span, torch.int32)
+    assert not kernels.blocked(66, span, torch.int64) and kernels.blocked(67, span, torch.int64)
+    idx, val = _indexes(span, 67, 3), _values(67, torch.float32, 3)
+    msg = kernels.pack_message(idx, val, span, torch.int64, torch.float32)
+    assert msg.numel() == 400 + 67 * 6
+    assert torch.equal(kernels.unpack_message(msg, 67, span, torch.int64, torch.float32)[0], idx)
+
+
+@pytest.mark.parametrize("backend", backend_params("pack_message"))
+@pytest.mark.parametrize("span,count", [c for c in CASES if kernels.blocked(c[1], c[0], torch.int32)])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
+def test_blocked_paths_match_torch_bytewise(backend, monkeypatch, span, count, value_dtype):
+    run = runner(backend, monkeypatch)
+    idx, val = _indexes(span, count, count), _values(count, value_dtype, span)
+    expect = kernels.pack_message(idx, val, span, torch.int32, value_dtype, backend="torch")
+    head = 4 * (-(-span // B))
+    got = torch.full_like(expect, 0xAB)  # every byte must be written
+    run("pack_message", idx, val, value_dtype, got[:head].view(torch.int32), got[head:].view(count, -1))
+    assert torch.equal(got, expect)
+    for base in (0, 12345):
+        ridx = torch.full((count,), -7, dtype=torch.int64)
+        rval = torch.zeros(count, dtype=value_dtype)
+        run("unpack_message", expect[head:].view(count, -1), expect[:head].view(torch.int32), value_dtype, base,
+            ridx, rval)
+        assert torch.equal(ridx, idx + base)
+        assert torch.equal(rval.view(torch.uint8), val.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_bad_messages_are_refused(backend):
+    be = None if backend == "auto" else backend
+    span, count = 4 * B, 1000
+    idx, val = _indexes(span, count, 1), _values(count, torch.float32, 1)
+    msg = kernels.pack_message(idx, val, span, torch.int32, torch.float32, backend=be)
+    with pytest.raises(ValueError, match="has"):
+        kernels.unpack_message(msg[:-1], count, span, torch.int32, torch.float32, backend=be)
+    with pytest.raises(ValueError, match="has"):
+        kernels.unpack_message(msg, count + 1, span, torch.int32, torch.float32, backend=be)
+    bad = msg.clone()
+    bad[:16].view(torch.int32)[1] += 1  # the header counts one entry too many
+    with pytest.raises(ValueError, match="header counts 1001"):
+        kernels.unpack_message(bad, count, span, torch.int32, torch.float32, backend=be)
+    with pytest.raises(ValueError, match="indexes but"):
+        kernels.pack_message(idx, val[:-1], span, torch.int32, torch.float32, backend=be)
+
+
+def test_cpu_path_refuses_indexes_that_descend_or_leave_the_span():
+    span = 4 * B
+    idx, val = _indexes(span, 1000, 2), _values(1000, torch.float32, 2)
+    with pytest.raises(ValueError, match="do not ascend"):
+        kernels.pack_message(idx.flip(0), val, span, torch.int32, torch.float32, backend="cpu")
+    with pytest.raises(ValueError, match="do not ascend"):
+        kernels.pack_message(idx + 2 * B, val, span, torch.int32, torch.float32, backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_unpack_messages_concatenates_with_bases(backend):
+    be = None if backend == "auto" else backend
+    # Regions as Ok-Topk's allgatherv lays them out: blocked, plain and empty messages end to end.
+    spans, counts = [5 * B, 3 * B, 10, 7 * B + 3], [4000, 2, 0, 9000]
+    bases = [0, spans[0], spans[0] + spans[1], spans[0] + spans[1] + spans[2]]
+    assert [kernels.blocked(c, s, torch.int32) for c, s in zip(counts, spans)] == [True, False, False, True]
+    parts = [(_indexes(s, c, j), _values(c, torch.float16, j)) for j, (s, c) in enumerate(zip(spans, counts))]
+    buf = torch.cat([kernels.pack_message(i, v, s, torch.int32, torch.float16, backend=be)
+                     for (i, v), s in zip(parts, spans)])
+    idx, val = kernels.unpack_messages(buf, counts, spans, bases, torch.int32, torch.float16, backend=be)
+    assert torch.equal(idx, torch.cat([i + b for (i, _), b in zip(parts, bases)]))
+    assert torch.equal(val, torch.cat([v for _, v in parts]))
+    with pytest.raises(ValueError, match="the messages take"):
+        kernels.unpack_messages(torch.cat([buf, buf[:3]]), counts, spans, bases, torch.int32, torch.float16)
