@@ -36,10 +36,14 @@ def test_oktopk_stays_within_its_bound_in_steady_state(rows):
 
 def test_measured_volumes_follow_table_1(rows):
     for r in rows:
-        if r.algorithm in ("dense", "topka", "gtopk"):
+        if r.algorithm in ("dense", "gtopk"):
             # Exactly k entries per rank (or n values): the formula is tight, up to
             # control words and gTopk's one mask byte per entry.
             assert 0.9 <= r.ratio <= 1.3, r
+        if r.algorithm == "topka":
+            # k entries per rank, each a 16-bit offset and a float32 (kernels.message): 3/4 of
+            # the formula's two words, plus a 4-byte header per 65536 positions.
+            assert 0.75 <= r.ratio <= 0.8, r
         if r.algorithm == "topkdsa":
             assert r.formula_low * 0.9 <= r.bytes_max <= r.formula * 1.1, r
 

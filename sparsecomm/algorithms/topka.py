@@ -33,7 +33,8 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
     """TopkA sparse allreduce (allgather of local top-k).
 
     1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
-    2. Allgather the counts, then allgatherv the (index, value) records.
+    2. Allgather the counts, then allgatherv each rank's (index, value) list as one
+       ``kernels.pack_message`` (16-bit offsets within 65536-wide blocks).
     3. Sum duplicates locally, in rank order (so every rank gets the same bits).
     """
     stats = CallStats(algorithm="topka", n=acc.numel(), k=k)
@@ -65,10 +66,14 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         mine = codec.encode_shared(comm, acc[idx] if val is None else val)
         counts = comm.allgather(torch.tensor([idx.numel()], dtype=torch.int64,
                                              device=comm.control_device)).flatten().tolist()
-        records = kernels.pack_records(idx, mine.wire, index_dtype, codec.wire_dtype)
-        gathered = comm.allgatherv(records, counts) if comm.size > 1 else records
+        # Each rank's list as one message (16-bit offsets within blocks where that is smaller);
+        # its size follows from its count, which every rank now knows.
+        msg = kernels.pack_message(idx, mine.wire, n, index_dtype, codec.wire_dtype)
+        sizes = [kernels.message_bytes(c, n, index_dtype, codec.wire_dtype) for c in counts]
+        gathered = comm.allgatherv(msg, sizes)
     with rec.phase("sum"):
-        gidx, gwire = kernels.unpack_records(gathered, index_dtype, codec.wire_dtype)
+        P = comm.size
+        gidx, gwire = kernels.unpack_messages(gathered, counts, [n] * P, [0] * P, index_dtype, codec.wire_dtype)
         decoded = codec.decode(gwire, mine.scale, acc.dtype)
         runs = [0]
         for c in counts:

@@ -2,9 +2,9 @@
 
 Switching rule: after the reduce-scatter, the owner of a region sends it
 densely (every value of the region, no indexes) when that is no larger than
-its sparse form, i.e. when ``count * record_bytes >= region_size *
-value_bytes`` (for int32 indexes and float32 values: when more than half of
-the region is filled in). The reduce-scatter itself stays sparse: each part is
+its sparse form, i.e. when ``message_bytes(count) >= region_size *
+value_bytes`` (``kernels.message``; for float32 values with 16-bit offsets:
+when about two thirds of the region is filled in). The reduce-scatter itself stays sparse: each part is
 a subset of one rank's local top-k, at most density-filled.
 """
 
@@ -78,9 +78,8 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
     rec = PhaseRecorder(comm, stats)
     with rec.phase("allgatherv"):
-        rb = kernels.record_bytes(index_dtype, codec.wire_dtype)
-        vb = rb - torch.empty(0, dtype=index_dtype).element_size()
-        dense = rel.numel() * rb >= sizes[me] * vb
+        vb = codec.wire_dtype.itemsize
+        dense = kernels.message_bytes(rel.numel(), sizes[me], index_dtype, codec.wire_dtype) >= sizes[me] * vb
         owned = codec.encode_shared(comm, val)
         if P == 1 and not dense:  # one region, nothing to exchange: its records as they would arrive
             stats.events["dense_regions"] = 0
@@ -93,23 +92,25 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
             region[rel] = owned.wire
             payload = region.view(torch.uint8).reshape(-1)
         else:
-            payload = kernels.pack_records(rel, owned.wire, index_dtype, codec.wire_dtype).reshape(-1)
-        table = comm.allgather(torch.tensor([payload.numel(), int(dense)], dtype=torch.int64,
+            payload = kernels.pack_message(rel, owned.wire, sizes[me], index_dtype, codec.wire_dtype)
+        table = comm.allgather(torch.tensor([rel.numel(), int(dense)], dtype=torch.int64,
                                             device=comm.control_device)).tolist()
-        gathered = comm.allgatherv(payload, [b for b, _ in table]) if P > 1 else payload
+        nbytes = [sizes[j] * vb if d else kernels.message_bytes(c, sizes[j], index_dtype, codec.wire_dtype)
+                  for j, (c, d) in enumerate(table)]
+        gathered = comm.allgatherv(payload, nbytes) if P > 1 else payload
     stats.events["dense_regions"] = sum(d for _, d in table)
     with rec.phase("decode"):
         gidx, gval, pos = [], [], 0
-        for j, (nbytes, is_dense) in enumerate(table):
-            chunk = gathered[pos:pos + nbytes]
-            pos += nbytes
+        for j, (count, is_dense) in enumerate(table):
+            chunk = gathered[pos:pos + nbytes[j]]
+            pos += nbytes[j]
             if is_dense:
                 codes = chunk.clone().view(codec.wire_dtype)  # clone: the offset may be misaligned
                 nz = torch.nonzero(codes).flatten()
                 gidx.append(nz + starts[j])
                 gval.append(codes[nz])
             else:
-                rr, v = kernels.unpack_records(chunk.reshape(-1, rb), index_dtype, codec.wire_dtype)
+                rr, v = kernels.unpack_message(chunk, count, sizes[j], index_dtype, codec.wire_dtype)
                 gidx.append(rr + starts[j])
                 gval.append(v)
         gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), owned.scale, acc.dtype)
