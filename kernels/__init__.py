@@ -6,7 +6,8 @@ it as ``sparsecomm.kernels``; modules inside it import each other relatively.
 A checkout that is not installed cannot import it (``import sparsecomm``
 says so). Every operation with fast paths
 (``kth_largest``, ``select_above``, ``ef_select``, ``ef_accumulate``, ``count_above``, ``bucketize``,
-``scatter_add``, ``topk_of_candidates``, ``pack_records``/``unpack_records``, ``isin_sorted``,
+``scatter_add``, ``topk_of_candidates``, ``pack_records``/``unpack_records``,
+``pack_message``/``unpack_message``, ``isin_sorted``,
 ``union_sorted_runs``, ``sum_sorted_runs``, ``take_and_zero``, ``scatter_dense``, ``nonzero``,
 ``encode_codes``/``decode_codes``) has one table, a ``dispatch.KernelOp``
 declared next to its torch reference: backend -> implementation, and the rule

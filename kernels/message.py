@@ -26,10 +26,11 @@ from typing import Sequence
 import torch
 
 from . import dispatch
-from .coo import _LITTLE, _PACK_RECORDS, pack_records_torch, record_bytes, unpack_records, unpack_records_torch
+from .coo import _LITTLE, _PACK_RECORDS, _UNPACK_RECORDS, record_bytes, unpack_records
 
 __all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "pack_message", "unpack_message",
-           "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch"]
+           "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_triton", "pack_blocked_cupy",
+           "unpack_blocked_triton", "unpack_blocked_cupy"]
 
 #: Width of the blocks a blocked message counts its entries in; an index travels as its
 #: offset within its block, which fits 16 bits.
@@ -64,12 +65,14 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
     1. Plain: the records, as ``coo.pack_records``.
     2. Blocked: the header counts the entries in each block, and the records
        carry ``rel_idx mod INDEX_BLOCK`` in 16 bits (:func:`pack_blocked_torch`;
-       the ``cpu`` path does both in one pass, and refuses indexes that do not
-       ascend or leave the span).
+       the ``cpu`` path does both in one pass; Triton/CuPy write the records
+       with their record kernel).
 
     Args:
         rel_idx: ascending int64 indexes in ``[0, span)`` (the callers cut them
-            from sorted selections).
+            from sorted selections). Off GPUs, indexes that descend or leave
+            the span raise ValueError; on a GPU they are not checked (a sync)
+            and decode to other indexes.
         values: one value per index, written as ``value_dtype``.
         span, index_dtype: what both ends know; ``index_dtype`` holds ``span - 1``.
         backend: the kernels' path (``kernels.dispatch``).
@@ -83,6 +86,8 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
                       device=values.device)
     if not count:
         return out
+    if rel_idx.device.type != "cuda" and int(rel_idx.reshape(-1)[-1]) >= span:  # the paths check order, blocks
+        raise ValueError(f"pack_message: index {int(rel_idx.reshape(-1)[-1])} is outside the span of {span}")
     if not blocked(count, span, index_dtype):
         _PACK_RECORDS(rel_idx, values, index_dtype, value_dtype, out.view(count, -1), backend=backend)
         return out
@@ -95,11 +100,39 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
 def pack_blocked_torch(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
                        header: torch.Tensor, rows: torch.Tensor) -> None:
     """Reference of a blocked message's two parts: ``header`` (int32, the entries in each
-    block: one ``searchsorted`` of the block ends) and ``rows`` (count x record bytes)."""
-    ends = torch.arange(1, header.numel() + 1, dtype=torch.int64, device=rel_idx.device).mul_(INDEX_BLOCK)
-    below = torch.searchsorted(rel_idx.to(torch.int64), ends)
+    block: one ``searchsorted`` of the block ends) and ``rows`` (count x record bytes).
+
+    Off GPUs (where the check would cost a sync) indexes that descend or
+    leave the header's blocks are refused: ValueError.
+    """
+    _pack_blocked(rel_idx, values, value_dtype, header, rows, "torch")
+
+
+def _pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
+                  header: torch.Tensor, rows: torch.Tensor, records: str) -> None:
+    """The header by ``searchsorted``, the 2-byte records by ``pack_records``'s ``records`` path."""
+    idx = rel_idx.to(torch.int64)
+    if idx.device.type != "cuda" and idx.numel() and (
+            int(idx[0]) < 0 or int(idx[-1]) >= header.numel() * INDEX_BLOCK or bool((idx[1:] < idx[:-1]).any())):
+        raise ValueError(f"pack_message: the {idx.numel()} indexes do not ascend within the span's "
+                         f"{header.numel()} blocks")
+    ends = torch.arange(1, header.numel() + 1, dtype=torch.int64, device=idx.device).mul_(INDEX_BLOCK)
+    below = torch.searchsorted(idx, ends)
     header.copy_(torch.diff(below, prepend=below.new_zeros(1)))
-    pack_records_torch(torch.bitwise_and(rel_idx, INDEX_BLOCK - 1), values, _OFFSET_DTYPE, value_dtype, rows)
+    # run(): the caller's table already chose this path (and the tests drive Triton's interpreter).
+    _PACK_RECORDS.run(records, torch.bitwise_and(idx, INDEX_BLOCK - 1), values, _OFFSET_DTYPE, value_dtype, rows)
+
+
+def pack_blocked_triton(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
+                        header: torch.Tensor, rows: torch.Tensor) -> None:
+    """triton path: the reference's header, the records by the Triton record kernel (one launch)."""
+    _pack_blocked(rel_idx, values, value_dtype, header, rows, "triton")
+
+
+def pack_blocked_cupy(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
+                      header: torch.Tensor, rows: torch.Tensor) -> None:
+    """cupy path: the reference's header, the records by the CuPy record kernel (one launch)."""
+    _pack_blocked(rel_idx, values, value_dtype, header, rows, "cupy")
 
 
 def unpack_message(msg: torch.Tensor, count: int, span: int, index_dtype: torch.dtype,
@@ -157,12 +190,20 @@ def unpack_blocked_torch(rows: torch.Tensor, header: torch.Tensor, value_dtype: 
     """Reference of a blocked message's decoding into ``idx`` (plus ``base``) and ``vals``.
 
     Off GPUs (where the check would cost a sync) a header that does not count
-    the message's entries is refused: ValueError.
+    the message's entries is refused: ValueError. On a GPU a wrong header is
+    ``repeat_interleave``'s to catch (a device-side assert); the callers'
+    headers come from :func:`pack_message` on the peer.
     """
+    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "torch")
+
+
+def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
+                    idx: torch.Tensor, vals: torch.Tensor, records: str) -> None:
+    """The 2-byte records by ``unpack_records``'s ``records`` path, their blocks by expanding the header."""
     count = rows.shape[0]
     if header.device.type != "cuda" and (int(header.sum()) != count or bool((header < 0).any())):
         raise ValueError(f"unpack_message: the header counts {int(header.sum())} entries, the message has {count}")
-    off, v = unpack_records_torch(rows, _OFFSET_DTYPE, value_dtype)
+    off, v = _UNPACK_RECORDS.run(records, rows, _OFFSET_DTYPE, value_dtype)
     starts = torch.arange(header.numel(), dtype=torch.int64, device=rows.device).mul_(INDEX_BLOCK).add_(base)
     # The offsets come back sign-extended (an int16 view widened): keep their 16 bits.
     torch.add(off.bitwise_and_(INDEX_BLOCK - 1), torch.repeat_interleave(starts, header, output_size=count),
@@ -170,8 +211,22 @@ def unpack_blocked_torch(rows: torch.Tensor, header: torch.Tensor, value_dtype: 
     vals.copy_(v)
 
 
+def unpack_blocked_triton(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
+                          idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """triton path: the records by the Triton record kernel, then the reference's expansion."""
+    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "triton")
+
+
+def unpack_blocked_cupy(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
+                        idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """cupy path: the records by the CuPy record kernel, then the reference's expansion."""
+    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "cupy")
+
+
 # The tables carry the public functions' names; their paths do the blocked layout's part.
 _PACK_BLOCKED = dispatch.KernelOp("pack_message", pack_blocked_torch, on=1, cpu="numba_backend:pack_blocked",
+                                  triton="message:pack_blocked_triton", cupy="message:pack_blocked_cupy",
                                   accepts={"cpu": lambda *_: _LITTLE})
 _UNPACK_BLOCKED = dispatch.KernelOp("unpack_message", unpack_blocked_torch, cpu="numba_backend:unpack_blocked",
+                                    triton="message:unpack_blocked_triton", cupy="message:unpack_blocked_cupy",
                                     accepts={"cpu": lambda *_: _LITTLE})

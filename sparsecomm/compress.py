@@ -20,9 +20,9 @@ name           wire                         error bound per value
 Quantization (Pipe-SGD's scalar quantization): v -> round(v / s * L) with
 L = 2^(b-1) - 1 levels each side and s the largest |v| (agreed by all ranks
 with one small allreduce, so every rank decodes every code the same way),
-optionally with stochastic rounding (unbiased). In sparse records a code
-takes one byte whatever b is (the 4-byte index dominates the record); dense
-payloads pack codes tightly (b bits each).
+optionally with stochastic rounding (unbiased). In sparse messages a code
+takes one byte whatever b is (next to a 2- or 4-byte index, ``kernels.message``,
+the index dominates); dense payloads pack codes tightly (b bits each).
 
 The protocol an algorithm uses, whatever the compressor:
 

@@ -21,8 +21,8 @@ oktopk     2k(P-1)/P ... 6k(P-1)/P          2P + 3 log P
 =========  ===============================  ===================
 
 A word is 4 bytes (a COO entry, int32 index + float32 value, is 2 words; where
-``kernels.message`` sends indexes as 16-bit offsets, as Ok-Topk, TopkA and
-TopkDSA do, an entry takes 1.5 words).
+``kernels.message`` sends indexes as 16-bit offsets, as Ok-Topk, TopkA,
+Gaussiank and TopkDSA do, an entry takes 1.5 words).
 Where the table gives a range, ``formula`` is its upper end and ``formula_low``
 its lower end. ``project`` turns measured messages and bytes into modelled
 time on a network profile, scaling bytes linearly to a target model size.

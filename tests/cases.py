@@ -132,6 +132,12 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
         out[f"{name}/residual"] = st.residual.clone()
     out["topkdsa/dense-switch"] = sparsecomm.allreduce(inputs(rank, 3001, "gaussian"), 0.7,
                                                        algorithm="topkdsa", comm=comm)
+    # Messages over several 65536-wide blocks (kernels.message), blocked and plain side by side:
+    # rank 0 holds two nonzeros, too few for a header to pay.
+    m = 200_003
+    mixed = inputs(rank, m, "skewed") if rank else torch.zeros(m).index_fill_(0, torch.tensor([5, 150_000]), 1.0)
+    for name in ("topka", "oktopk", "topkdsa"):
+        out[f"{name}/mixed-messages"] = sparsecomm.allreduce(mixed, 0.01, algorithm=name, comm=comm)
     return out
 
 

@@ -111,7 +111,7 @@ def test_compression_shrinks_the_bytes(algorithm):
     if algorithm == "dense":
         assert q4 < 0.2 * plain and q8 < 0.3 * plain  # 4 or 8 bits instead of 32
     else:
-        assert q8 < 0.8 * plain  # records: 4-byte index + 1-byte code instead of 4 + 4 (+ control)
+        assert q8 < 0.8 * plain  # 1-byte codes instead of 4 next to each 2- or 4-byte index (+ control)
 
 
 # ---- stochastic rounding: noise per rank and per step, reproducible from a seed ---------------

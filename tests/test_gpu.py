@@ -211,3 +211,26 @@ def test_an_overflowing_accumulation_on_cuda_is_refused_and_leaves_the_residual(
     for err, kept, finite in sparsecomm.simulate(2, body).results:
         assert err is not None and "overflows on rank(s) [1]" in err, err
         assert kept and finite
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+def test_blocked_messages_on_cuda_equal_the_cpu_bytes_and_decode_back(backend):
+    # N above is under one 65536-wide block: here several blocks, offsets >= 2**15 and a
+    # gathered buffer of blocked, plain and empty messages, on the device's own paths.
+    from sparsecomm import kernels
+    from sparsecomm.kernels import dispatch
+
+    if backend == "triton" and not dispatch.available("triton", "cuda"):
+        pytest.skip("triton cannot run on this GPU")
+    gen = torch.Generator().manual_seed(7)
+    spans, counts = [5 * 65536 + 3, 10, 9 * 65536, 300_000], [20_000, 0, 3, 9_000]
+    bases = [0, spans[0], spans[0] + spans[1], spans[0] + spans[1] + spans[2]]
+    parts = [(torch.randperm(s, generator=gen)[:c].sort().values, torch.randn(c, generator=gen))
+             for s, c in zip(spans, counts)]
+    cpu = torch.cat([kernels.pack_message(i, v, s, torch.int32, torch.float32) for (i, v), s in zip(parts, spans)])
+    gpu = torch.cat([kernels.pack_message(i.cuda(), v.cuda(), s, torch.int32, torch.float32, backend=backend)
+                     for (i, v), s in zip(parts, spans)])
+    assert torch.equal(gpu.cpu(), cpu)
+    idx, val = kernels.unpack_messages(gpu, counts, spans, bases, torch.int32, torch.float32, backend=backend)
+    assert idx.is_cuda and torch.equal(idx.cpu(), torch.cat([i + b for (i, _), b in zip(parts, bases)]))
+    assert torch.equal(val.cpu(), torch.cat([v for _, v in parts]))

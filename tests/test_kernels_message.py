@@ -13,6 +13,7 @@ import torch
 from gpu_paths import backend_params, runner
 
 from sparsecomm import kernels
+from sparsecomm.kernels import dispatch
 from sparsecomm.kernels import message
 
 B = message.INDEX_BLOCK
@@ -109,13 +110,35 @@ def test_bad_messages_are_refused(backend):
         kernels.pack_message(idx, val[:-1], span, torch.int32, torch.float32, backend=be)
 
 
-def test_cpu_path_refuses_indexes_that_descend_or_leave_the_span():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_indexes_that_descend_or_leave_the_span_are_refused(backend, monkeypatch):
+    if backend == "cpu" and "cpu" not in dispatch.OPS["pack_message"].backends:
+        pytest.skip("no cpu path")
     span = 4 * B
     idx, val = _indexes(span, 1000, 2), _values(1000, torch.float32, 2)
     with pytest.raises(ValueError, match="do not ascend"):
-        kernels.pack_message(idx.flip(0), val, span, torch.int32, torch.float32, backend="cpu")
-    with pytest.raises(ValueError, match="do not ascend"):
-        kernels.pack_message(idx + 2 * B, val, span, torch.int32, torch.float32, backend="cpu")
+        kernels.pack_message(idx.flip(0), val, span, torch.int32, torch.float32, backend=backend)
+    with pytest.raises(ValueError, match="outside the span"):
+        kernels.pack_message(idx + 2 * B, val, span, torch.int32, torch.float32, backend=backend)
+    # The paths themselves refuse what leaves the header's blocks (or is negative).
+    msg = torch.empty(4 * 4 + 1000 * 6, dtype=torch.uint8)
+    for bad in (idx + 2 * B, idx - 1):
+        with pytest.raises(ValueError, match="do not ascend"):
+            dispatch.OPS["pack_message"].run(backend, bad, val, torch.float32, msg[:16].view(torch.int32),
+                                             msg[16:].view(1000, -1))
+
+
+def test_explicit_gpu_backends_have_a_path_for_blocked_messages(monkeypatch):
+    # backend= names a path for the blocked layout too (its records by that library's kernel):
+    # Triton's, in its interpreter here, gives the reference's bytes.
+    run = runner("triton", monkeypatch)
+    span, count = 3 * B + 5, 700
+    idx, val = _indexes(span, count, 4), _values(count, torch.float16, 4)
+    expect = kernels.pack_message(idx, val, span, torch.int32, torch.float16, backend="torch")
+    assert dispatch.OPS["pack_message"].fallback("triton", idx, val) == "triton"
+    got = torch.zeros_like(expect)
+    run("pack_message", idx, val, torch.float16, got[:16].view(torch.int32), got[16:].view(count, -1))
+    assert torch.equal(got, expect)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -133,3 +156,12 @@ def test_unpack_messages_concatenates_with_bases(backend):
     assert torch.equal(val, torch.cat([v for _, v in parts]))
     with pytest.raises(ValueError, match="the messages take"):
         kernels.unpack_messages(torch.cat([buf, buf[:3]]), counts, spans, bases, torch.int32, torch.float16)
+    # int64 indexes and 1-byte codes (q8's wire): 3-byte records at odd offsets in the buffer.
+    spans, counts, bases = [3 * B + 1, 100, 9 * B], [5000, 7, 300], [0, 3 * B + 1, 3 * B + 101]
+    parts = [(_indexes(s, c, j), _values(c, torch.uint8, j)) for j, (s, c) in enumerate(zip(spans, counts))]
+    buf = torch.cat([kernels.pack_message(i, v, s, torch.int64, torch.uint8, backend=be)
+                     for (i, v), s in zip(parts, spans)])
+    assert buf.numel() == 16 + 5000 * 3 + 4 + 7 * 3 + 36 + 300 * 3
+    idx, val = kernels.unpack_messages(buf, counts, spans, bases, torch.int64, torch.uint8, backend=be)
+    assert torch.equal(idx, torch.cat([i + b for (i, _), b in zip(parts, bases)]))
+    assert torch.equal(val, torch.cat([v for _, v in parts]))

@@ -240,8 +240,9 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     5. Balance and allgatherv: if the largest rank's count exceeds
        ``balance_factor`` times the mean, the packed records are first
        redistributed evenly with point-to-point sends; one allgatherv then
-       gives every rank the result (unbalanced, each region as a blocked
-       message: 16-bit offsets, ``kernels.pack_message``).
+       gives every rank the result (unbalanced, each region as one
+       ``kernels.pack_message``: 16-bit offsets within blocks where that is
+       smaller).
     6. Contributed set: local selections that are in the global result.
 
     Values travel through ``codec`` twice: local values in step 3, reduced
@@ -539,8 +540,8 @@ def _balance_and_allgatherv(rel: torch.Tensor, wire: torch.Tensor, counts: list[
     of ``kernels.pack_records`` travel instead, cut at any entry.
     """
     P, me, total = comm.size, comm.rank, sum(counts)
-    if P == 1:
-        return rel.clone(), wire
+    if P == 1:  # both fresh this call (an index_select, an encoding): nothing to copy
+        return rel, wire
     span = [b - a for a, b in zip(starts[:-1], starts[1:])]
     if not (total and max(counts) > factor * total / P):
         msg = kernels.pack_message(rel, wire, span[me], index_dtype, wire_dtype)

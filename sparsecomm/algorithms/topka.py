@@ -34,7 +34,8 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
 
     1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
     2. Allgather the counts, then allgatherv each rank's (index, value) list as one
-       ``kernels.pack_message`` (16-bit offsets within 65536-wide blocks).
+       ``kernels.pack_message`` (16-bit offsets within 65536-wide blocks where
+       that is smaller).
     3. Sum duplicates locally, in rank order (so every rank gets the same bits).
     """
     stats = CallStats(algorithm="topka", n=acc.numel(), k=k)
