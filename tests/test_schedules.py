@@ -7,6 +7,8 @@ import torch
 
 import sparsecomm
 from sparsecomm.schedules import MGWFBP, WFBP, SyncEASGD
+from sparsecomm.schedules.engine import grads_in
+from sparsecomm.schedules.wfbp import GroupSchedule
 
 import engines
 
@@ -33,10 +35,14 @@ def _loss(model, rank: int, step: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def _train(model, opt, sched, rank: int, steps: int = STEPS) -> None:
-    """``steps`` steps of the test loss under ``sched`` (its ``step()`` ends each)."""
+def _train(model, opt, sched, rank: int, steps: int = STEPS, set_to_none: bool = True) -> None:
+    """``steps`` steps of the test loss under ``sched`` (its ``step()`` ends each).
+
+    ``set_to_none=False``: gradients are zeroed in place, so the backward accumulates into the
+    schedules' own buffers (the gradients are views of the last result) and nothing is copied.
+    """
     for step in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         _loss(model, rank, step).backward()
         sched.step()
 
@@ -70,11 +76,14 @@ def _reference(rank: int, kind: str, groups, algorithm: str, density: float,
     return [p.detach().clone() for p in params]
 
 
-def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, **kw):
+def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, set_to_none: bool = True, **kw):
     model = _model()
     opt = _optimizer(kind, model.parameters())
     sched = cls(model, opt, algorithm=algorithm, density=density, **kw)
-    _train(model, opt, sched, rank)
+    _train(model, opt, sched, rank, set_to_none=set_to_none)
+    if not set_to_none and isinstance(sched, GroupSchedule):  # the gradients live in the buffers
+        for gi, g in enumerate(sched.groups):
+            assert grads_in([sched.params[i] for i in g], sched._buffers[gi])
     groups = [list(g) for g in sched.groups]
     sched.close()
     return [p.detach().clone() for p in model.parameters()], groups, sched
@@ -83,10 +92,10 @@ def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, **kw):
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("cls", [WFBP, SyncEASGD])
 @pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05), ("topka", 0.1)])
-@pytest.mark.parametrize("P", [1, 3])
-def test_schedule_equals_the_synchronous_calls(P, kind, cls, algorithm, density):
+@pytest.mark.parametrize("P,set_to_none", [(1, True), (3, True), (3, False)])
+def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algorithm, density):
     def body(rank: int):
-        got, groups, _ = _scheduled(rank, kind, cls, algorithm, density)
+        got, groups, _ = _scheduled(rank, kind, cls, algorithm, density, set_to_none)
         want = _reference(rank, kind, groups, algorithm, density)
         return all(torch.equal(a, b) for a, b in zip(got, want)), got
 
@@ -327,16 +336,22 @@ def _stale_reference(rank: int, kind: str, algorithm: str, density: float, compr
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("algorithm,density,compressor", [("dense", 1.0, None), ("oktopk", 0.05, None),
                                                           ("topka", 0.1, "q8"), ("dense", 1.0, "q4")])
-@pytest.mark.parametrize("P,warmup", [(1, 0), (3, 2)])
-def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, density, compressor):
-    from sparsecomm.schedules import PipeSGD
+@pytest.mark.parametrize("P,warmup,set_to_none", [(1, 0, True), (3, 2, True), (3, 2, False), (2, 0, False)])
+def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, set_to_none, kind, algorithm, density, compressor,
+                                                    monkeypatch):
+    from sparsecomm.schedules import PipeSGD, pipesgd
+
+    gathered_in_place = []
+    monkeypatch.setattr(pipesgd, "grads_in", lambda *a: gathered_in_place.append(grads_in(*a)) or gathered_in_place[-1])
 
     def body(rank: int):
         model = _model()
         opt = _optimizer(kind, model.parameters())
         sched = PipeSGD(model, opt, warmup_steps=warmup, algorithm=algorithm, density=density,
                         compressor=compressor)
-        _train(model, opt, sched, rank, STEPS + 1)
+        _train(model, opt, sched, rank, STEPS + 1, set_to_none=set_to_none)
+        # The gradients are views of the last result, the next step's gather buffer.
+        assert grads_in(sched.params, sched._buffers[sched.step_count % 3])
         sched.flush()
         sched.close()
         got = [p.detach().clone() for p in model.parameters()]
@@ -344,6 +359,10 @@ def test_pipesgd_equals_a_one_step_stale_reference(P, warmup, kind, algorithm, d
         return all(torch.equal(a, b) for a, b in zip(got, want))
 
     assert all(sparsecomm.simulate(P, body, timeout=60).results)
+    # Zeroed in place, steps max(warmup, 1) + 1 .. STEPS find the gradients in their buffer
+    # (the first two of a run without warm-up have fresh ones, the first pipelined step the
+    # warm-up's last result).
+    assert sum(gathered_in_place) == (P * (STEPS - max(warmup, 1)) if not set_to_none else 0)
 
 
 @pytest.mark.parametrize("schedule", ["pipesgd", "wfbp", "synceasgd", "dear"])

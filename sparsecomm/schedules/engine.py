@@ -37,7 +37,7 @@ from ..api import allreduce
 from ..comm import Communicator, resolve
 from ..errors import CommTimeoutError, InputError
 
-__all__ = ["Engine", "Job", "write_grads"]
+__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in"]
 
 
 def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
@@ -49,6 +49,32 @@ def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
             p.grad = torch.zeros_like(p)
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+def point_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> bool:
+    """Make each param's ``.grad`` its view of ``flat`` (laid out as :func:`write_grads` reads it):
+    the same gradients as copying them, without a pass over n. False, with nothing changed,
+    where a view cannot be a ``.grad`` (another dtype or device than a param's)."""
+    if any(p.dtype != flat.dtype or p.device != flat.device for p in params):
+        return False
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return True
+
+
+def grads_in(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> bool:
+    """Whether every param's ``.grad`` is its view of ``flat`` (as :func:`point_grads` left it,
+    and a backward since accumulated into it in place): then ``flat`` holds the gradients."""
+    offset, base, size = 0, flat.data_ptr(), flat.element_size()
+    for p in params:
+        g = p.grad
+        if (g is None or g.dtype != flat.dtype or g.device != flat.device or g.shape != p.shape
+                or not g.is_contiguous() or g.data_ptr() != base + offset * size):
+            return False
+        offset += p.numel()
+    return True
 
 
 class Job:

@@ -16,12 +16,16 @@ Lower the optimizer's momentum, or its learning rate, when moving to Pipe-SGD. T
 synchronous (each applies its own aggregated gradient); the first pipelined
 step applies nothing (its predecessor was applied synchronously).
 
-Every step's gradient is copied into a flat buffer and reduced on an engine
-with one algorithm state (error feedback, thresholds) for the whole model,
-into another buffer: three rotate. Step t gathers into buffer t mod 3 and its
+Every step's gradient is reduced from a flat buffer on an engine with one
+algorithm state (error feedback, thresholds) for the whole model, into
+another buffer: three rotate. Step t gathers into buffer t mod 3 and its
 job writes buffer t+2 mod 3, the input of job t-1, which the engine (one job
 at a time, in order) has finished when job t starts. Buffer t+1 mod 3 holds
-job t-1's result until step t applies it. A result in a buffer of its own
+job t-1's result until step t applies it, by making the parameters'
+gradients views of it (no copy). That buffer is step t+1's gather buffer: a
+``zero_grad(set_to_none=False)`` clears it and the backward accumulates into
+it, so the gather copies nothing (with ``set_to_none=True`` the backward
+makes new gradients and the gather copies them). A result in a buffer of its own
 lets the fused pass zero it on its way (``kernels.ef_select``'s
 ``zero_out``), instead of a pass over n after the call that would compete
 with the next step's compute for the core. ``state_dict()``
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from .engine import Engine, Job, write_grads
+from .engine import Engine, Job, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
 
@@ -80,6 +84,8 @@ class PipeSGD:
 
     def _gather(self) -> torch.Tensor:
         buf = self._buffers[self.step_count % 3]  # see the module docstring for the rotation
+        if grads_in(self.params, buf):  # the backward accumulated into it (see _apply)
+            return buf
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return torch.cat([g.reshape(-1) for g in grads], out=buf)
 
@@ -87,7 +93,11 @@ class PipeSGD:
         return self.engine.submit(buf, out=self._buffers[(self.step_count + 2) % 3], **self.options)
 
     def _apply(self, flat: torch.Tensor) -> None:
-        write_grads(self.params, flat)
+        # The gradients become views of the result (no copy). In the pipelined steady state
+        # that buffer is the next step's gather buffer: zero_grad(set_to_none=False) clears it
+        # and the backward accumulates straight into it, so _gather has nothing to copy.
+        if not point_grads(self.params, flat):
+            write_grads(self.params, flat)
         self.optimizer.step()
 
     def _previous(self) -> torch.Tensor | None:
