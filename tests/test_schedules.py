@@ -431,7 +431,8 @@ def test_pipesgd_checkpoint_keeps_the_gradient_in_flight():
 
 
 # ---- DeAR -------------------------------------------------------------------------------
-def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes: int, compressor=None):
+def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes: int, compressor=None,
+              set_to_none: bool = True):
     from sparsecomm.schedules import DeAR
 
     model = _model()
@@ -440,8 +441,11 @@ def _dear_run(rank: int, kind: str, algorithm: str, density: float, buffer_bytes
                  compressor=compressor)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     groups = [[index[id(p)] for p in ps] for ps in reversed(sched.params)]  # reduction order
-    _train(model, opt, sched, rank)
+    _train(model, opt, sched, rank, set_to_none=set_to_none)
+    assert all(p.grad is None for p in model.parameters())  # the schedule's until the next forward
     sched.synchronize()
+    # Each group's gradients are views of its gather buffer, zeroed: the next backward adds there.
+    assert all(grads_in(ps, buf) and not buf.any() for ps, buf in zip(sched.params, sched._buffers))
     sched.close()
     return [p.detach().clone() for p in model.parameters()], groups
 
@@ -464,9 +468,10 @@ def test_dear_dense_equals_plain_data_parallel(P, kind):
 @pytest.mark.parametrize("algorithm,density,compressor", [
     ("oktopk", 0.05, None), ("oktopk", 0.05, "q8"), ("topkdsa", 0.05, None),  # halves apart
     ("dense", 1.0, "q8"), ("topka", 0.1, None)])  # dense q8: halves apart; TopkA: whole in backward
-def test_dear_sparse_equals_the_synchronous_calls_of_its_groups(kind, algorithm, density, compressor):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_dear_sparse_equals_the_synchronous_calls_of_its_groups(kind, algorithm, density, compressor, set_to_none):
     def body(rank: int):
-        got, groups = _dear_run(rank, kind, algorithm, density, 5_000, compressor)
+        got, groups = _dear_run(rank, kind, algorithm, density, 5_000, compressor, set_to_none)
         want = _reference(rank, kind, groups, algorithm, density, as_given=True, compressor=compressor)
         return all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -27,13 +27,17 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
    instead, one group ahead, the all-gathers waited for the forward to
    reach them: dense on the 12-layer model, P = 2, 1 Gbit/s, 495 -> 482 ms
    a step.)
+   Until the next forward the gradients are the schedule's: ``step()``
+   sets them to None (they may be views of the buffers the first phases
+   read).
 3. FeedPipe: a forward pre-hook on each group's modules (the first to run
    acts), in the next forward: wait for the group's second phase (a first
-   phase's error surfaces here), write the gradients, and step the
-   optimizer on this group's parameters only (the wrapped optimizer keeps
-   its state: the other parameters' gradients are hidden for that call);
-   the group's gradients are then set to None, so the coming backward
-   starts afresh.
+   phase's error surfaces here), make the gradients views of its result
+   (no copy), and step the optimizer on this group's parameters only (the
+   wrapped optimizer keeps its state: the other parameters' gradients are
+   hidden for that call); the gradients then become views of the group's
+   gather buffer, zeroed, so the coming backward accumulates into it and
+   the next first phase copies nothing.
 
 Fusion size: fixed, or ``buffer_bytes="auto"``: tuned online by Bayesian
 optimisation, as the paper does (10-20 trials of a few steps over 1-100 MB,
@@ -54,7 +58,7 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
-from .engine import Engine, Job, write_grads
+from .engine import Engine, Job, grads_in, point_grads, write_grads
 
 __all__ = ["DeAR"]
 
@@ -175,7 +179,8 @@ class DeAR:
         if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
             buf = self._buffers[gi] = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
-        torch.cat([g.reshape(-1) for g in grads], out=buf)
+        if not grads_in(self.params[gi], buf):  # else the backward accumulated into it (see _update)
+            torch.cat([g.reshape(-1) for g in grads], out=buf)
         return buf
 
     def _start_first(self, gi: int) -> Job:
@@ -203,6 +208,11 @@ class DeAR:
         for gi in range(len(self.groups)):
             if self._second[gi] is None:
                 self._start_second(gi)
+        # The gradients are the schedule's until the next forward: they may be views of the
+        # buffers the first phases are reading, which a zero_grad(set_to_none=False) would clear.
+        for ps in self.params:
+            for p in ps:
+                p.grad = None
         self._pending = True
         self._reset_backward()
         if self._tune is not None:
@@ -225,10 +235,15 @@ class DeAR:
         flat = self._second[gi].wait()  # queued by step()
         self._second[gi] = None
         self._first[gi] = None
-        write_grads(self.params[gi], flat)
-        self._step_only(self.params[gi])
-        for p in self.params[gi]:  # the backward about to run accumulates afresh
-            p.grad = None
+        params, buf = self.params[gi], self._buffers[gi]
+        if not (flat is self._results[gi] and point_grads(params, flat)):  # views: no copy
+            write_grads(params, flat)
+        self._step_only(params)
+        # The backward about to run accumulates afresh: into the group's gather buffer, zeroed
+        # (its call is over), so that _flat copies nothing and no gradient is allocated anew.
+        if not (buf is not None and point_grads(params, buf.zero_())):
+            for p in params:
+                p.grad = None
         if all(job is None for job in self._first):
             self._pending = False
 
