@@ -27,17 +27,13 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
    instead, one group ahead, the all-gathers waited for the forward to
    reach them: dense on the 12-layer model, P = 2, 1 Gbit/s, 495 -> 482 ms
    a step.)
-   Until the next forward the gradients are the schedule's: ``step()``
-   sets them to None (they may be views of the buffers the first phases
-   read).
 3. FeedPipe: a forward pre-hook on each group's modules (the first to run
    acts), in the next forward: wait for the group's second phase (a first
-   phase's error surfaces here), make the gradients views of its result
-   (no copy), and step the optimizer on this group's parameters only (the
-   wrapped optimizer keeps its state: the other parameters' gradients are
-   hidden for that call); the gradients then become views of the group's
-   gather buffer, zeroed, so the coming backward accumulates into it and
-   the next first phase copies nothing.
+   phase's error surfaces here), write the gradients, and step the
+   optimizer on this group's parameters only (the wrapped optimizer keeps
+   its state: the other parameters' gradients are hidden for that call);
+   the group's gradients are then set to None, so the coming backward
+   starts afresh.
 
 Fusion size: fixed, or ``buffer_bytes="auto"``: tuned online by Bayesian
 optimisation, as the paper does (10-20 trials of a few steps over 1-100 MB,
@@ -58,7 +54,7 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
-from .engine import Engine, Job, grads_in, point_grads, write_grads
+from .engine import Engine, Job, write_grads
 
 __all__ = ["DeAR"]
 
@@ -107,6 +103,7 @@ class DeAR:
         self.params: list[list[torch.nn.Parameter]] = []
         self.states: list[Any] = []
         self._pending = False  # reduced first phases waiting for their forward
+        self._failed: Exception | None = None  # the first failed call found while updating
         self.trials: list[tuple[int, float]] = []  # (buffer bytes, seconds per step) of each trial
         self._tune = None
         if self.tuning:
@@ -179,8 +176,7 @@ class DeAR:
         if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
             buf = self._buffers[gi] = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
-        if not grads_in(self.params[gi], buf):  # else the backward accumulated into it (see _update)
-            torch.cat([g.reshape(-1) for g in grads], out=buf)
+        torch.cat([g.reshape(-1) for g in grads], out=buf)
         return buf
 
     def _start_first(self, gi: int) -> Job:
@@ -198,7 +194,9 @@ class DeAR:
         thread is free after the first phases, with no wait on this thread: the
         link stays busy from the last reduce-scatter into the first all-gathers
         while the caller moves on to its next forward (each group's forward
-        pre-hook waits for its own). A first phase's error surfaces there.
+        pre-hook waits for its own). A failed call's error surfaces there, once: the
+        other groups' updates are applied first, and the failed group's gradient
+        stays out of the update (a refused call keeps it in its residual).
         """
         if self._next >= 0:  # groups that got no gradient this step (unused): reduce zeros
             self._missing = [0] * len(self.groups)
@@ -208,11 +206,6 @@ class DeAR:
         for gi in range(len(self.groups)):
             if self._second[gi] is None:
                 self._start_second(gi)
-        # The gradients are the schedule's until the next forward: they may be views of the
-        # buffers the first phases are reading, which a zero_grad(set_to_none=False) would clear.
-        for ps in self.params:
-            for p in ps:
-                p.grad = None
         self._pending = True
         self._reset_backward()
         if self._tune is not None:
@@ -232,20 +225,37 @@ class DeAR:
         return hook
 
     def _update(self, gi: int) -> None:
-        flat = self._second[gi].wait()  # queued by step()
+        flat = self._take(gi)
+        if flat is None:  # the group's call failed: the other groups' updates go in now, then its error
+            error = self._failed
+            for other in range(len(self.groups)):
+                if self._first[other] is not None:
+                    self._apply(other, self._take(other))
+            self._failed = None
+            raise error
+        self._apply(gi, flat)
+
+    def _take(self, gi: int) -> torch.Tensor | None:
+        """The group's reduced gradient (None if its call failed: the error in ``_failed``);
+        the group is done with either way, so no later forward or synchronize() raises it again."""
+        job = self._second[gi]  # queued by step()
         self._second[gi] = None
         self._first[gi] = None
-        params, buf = self.params[gi], self._buffers[gi]
-        if not (flat is self._results[gi] and point_grads(params, flat)):  # views: no copy
-            write_grads(params, flat)
-        self._step_only(params)
-        # The backward about to run accumulates afresh: into the group's gather buffer, zeroed
-        # (its call is over), so that _flat copies nothing and no gradient is allocated anew.
-        if not (buf is not None and point_grads(params, buf.zero_())):
-            for p in params:
-                p.grad = None
-        if all(job is None for job in self._first):
+        if all(j is None for j in self._first):
             self._pending = False
+        try:
+            return job.wait()
+        except Exception as exc:  # InputError, CommTimeoutError: raised by the caller of _update
+            self._failed = self._failed or exc
+            return None
+
+    def _apply(self, gi: int, flat: torch.Tensor | None) -> None:
+        """Step the optimizer on the group with its reduced gradient (none: no step)."""
+        if flat is not None:
+            write_grads(self.params[gi], flat)
+            self._step_only(self.params[gi])
+        for p in self.params[gi]:  # the backward about to run accumulates afresh
+            p.grad = None
 
     def _step_only(self, params: list[torch.nn.Parameter]) -> None:
         """``optimizer.step()`` on ``params`` alone: the others' gradients are hidden for the call."""
