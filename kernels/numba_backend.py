@@ -526,7 +526,7 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
 def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
                  header: torch.Tensor, rows: torch.Tensor) -> None:
     """cpu ``kernels.message`` blocked packing: header, offsets and values in one pass
-    (0.3 ms for 250k records, against 0.8 ms for the searchsorted-and-pack reference)."""
+    (250k records: 0.6-0.9 ms, against 0.8-1.1 ms for a searchsorted and a record pack)."""
     from .coo import record_fields
     from .message import INDEX_BLOCK
 

@@ -20,7 +20,7 @@ from .. import kernels
 from ..comm.base import Communicator, Request
 from ..compress import Encoded
 
-__all__ = ["equal_boundaries", "split_and_reduce", "merges", "MERGE_MAX_P"]
+__all__ = ["equal_boundaries", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P"]
 
 _TAG_SPLIT = 0x5C01
 #: Up to this many ranks, a region's parts are merged (``kernels.sum_sorted_runs``, O(P k)
@@ -38,6 +38,12 @@ def merges(P: int, device: torch.device) -> bool:
 def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
     """Region starts [0, n/P, 2n/P, ..., n] (P+1 int64 values)."""
     return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
+
+
+def region_sizes(starts: Sequence[int]) -> list[int]:
+    """The P regions' sizes, from their P+1 starts (the last one is n): what both ends of a
+    region's message know (``kernels.message`` sizes it from them)."""
+    return [b - a for a, b in zip(starts[:-1], starts[1:])]
 
 
 def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
@@ -77,7 +83,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
                                device=comm.control_device)
     recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
-    span = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    span = region_sizes(starts)
 
     def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor, int]]]:
         sends, recvs = [], []

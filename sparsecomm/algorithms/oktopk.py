@@ -20,7 +20,7 @@ from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
-from .exchange import equal_boundaries, split_and_reduce
+from .exchange import equal_boundaries, region_sizes, split_and_reduce
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
 
@@ -185,7 +185,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
                                 else equal_boundaries(n, P, acc.device))
             stats.events["repartitioned"] = 1
     starts = state.boundaries.tolist()
-    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
+    index_dtype = kernels.index_dtype_for(max(region_sizes(starts)))
 
     with rec.phase("split_reduce"):
         local = codec.encode_shared(comm, local_val)
@@ -542,7 +542,7 @@ def _balance_and_allgatherv(rel: torch.Tensor, wire: torch.Tensor, counts: list[
     P, me, total = comm.size, comm.rank, sum(counts)
     if P == 1:  # both fresh this call (an index_select, an encoding): nothing to copy
         return rel, wire
-    span = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    span = region_sizes(starts)
     if not (total and max(counts) > factor * total / P):
         msg = kernels.pack_message(rel, wire, span[me], index_dtype, wire_dtype)
         sizes = [kernels.message_bytes(c, s, index_dtype, wire_dtype) for c, s in zip(counts, span)]

@@ -20,7 +20,7 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .exchange import equal_boundaries, split_and_reduce
+from .exchange import equal_boundaries, region_sizes, split_and_reduce
 
 __all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
@@ -62,7 +62,7 @@ def topkdsa_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSA
         idx, val = state.exact_topk(acc, k, preselected, stats)
     stats.local_selected = idx.numel()
     starts = equal_boundaries(n, P, acc.device).tolist()
-    index_dtype = kernels.index_dtype_for(max(b - a for a, b in zip(starts[:-1], starts[1:])))
+    index_dtype = kernels.index_dtype_for(max(region_sizes(starts)))
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, val)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
@@ -75,7 +75,7 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     P, me = comm.size, comm.rank
     acc, codec, stats, starts, index_dtype, rel, val = (r.acc, r.codec, r.stats, r.starts, r.index_dtype,
                                                         r.rel, r.val)
-    sizes = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    sizes = region_sizes(starts)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("allgatherv"):
         vb = codec.wire_dtype.itemsize
