@@ -33,7 +33,10 @@ until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
    optimizer on this group's parameters only (the wrapped optimizer keeps
    its state: the other parameters' gradients are hidden for that call);
    the group's gradients are then set to None, so the coming backward
-   starts afresh.
+   starts afresh. A group none of whose modules ran (a branch skipped on
+   this step, or on this rank) gets its update just before its next first
+   phase, in backward or in ``step()``; its gradient is reduced as zeros
+   where it got none, as every rank must take part.
 
 Fusion size: fixed, or ``buffer_bytes="auto"``: tuned online by Bayesian
 optimisation, as the paper does (10-20 trials of a few steps over 1-100 MB,
@@ -102,7 +105,7 @@ class DeAR:
         self.groups: list[list[torch.nn.Module]] = []
         self.params: list[list[torch.nn.Parameter]] = []
         self.states: list[Any] = []
-        self._pending = False  # reduced first phases waiting for their forward
+        self._pending = False  # second phases queued whose updates wait for their forward
         self._failed: Exception | None = None  # the first failed call found while updating
         self.trials: list[tuple[int, float]] = []  # (buffer bytes, seconds per step) of each trial
         self._tune = None
@@ -180,6 +183,8 @@ class DeAR:
         return buf
 
     def _start_first(self, gi: int) -> Job:
+        if self._second[gi] is not None:  # last step's update is still pending (see _catch_up)
+            self._catch_up(gi)
         buf, state = self._flat(gi), self.states[gi]
         out = self._results[gi]
         return self.engine.run(lambda c: begin_allreduce(buf, comm=c, state=state, op=self.op,
@@ -211,6 +216,27 @@ class DeAR:
         if self._tune is not None:
             self._tune.after_step()
 
+    def _catch_up(self, gi: int) -> None:
+        """Apply the group's update from the last step before its new first phase starts.
+
+        A group none of whose modules ran in this forward had no pre-hook to apply it. Its
+        buffers are about to be reused (the new first phase zeroes the result buffer the
+        pending update lives in), so the update goes in now, during backward (its
+        parameters' gradients are accumulated: the same point as an optimizer-in-backward
+        hook) or in ``step()``. This step's gradients, already in ``.grad``, are set aside
+        for the optimizer's call and put back; a failure is raised by the next update.
+        """
+        params = self.params[gi]
+        fresh = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        flat = self._take(gi)
+        try:
+            self._apply(gi, flat)
+        finally:
+            for p, g in zip(params, fresh):
+                p.grad = g
+
     # ---- forward: second phases and updates -------------------------------------------------
     def _start_second(self, gi: int) -> None:
         first = self._first[gi]
@@ -220,16 +246,17 @@ class DeAR:
 
     def _before_forward(self, gi: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._pending and self._first[gi] is not None:  # not yet updated this forward
+            if self._pending and self._second[gi] is not None:  # not yet updated this forward
                 self._update(gi)
         return hook
 
     def _update(self, gi: int) -> None:
         flat = self._take(gi)
-        if flat is None:  # the group's call failed: the other groups' updates go in now, then its error
+        if self._failed is not None:  # a call failed: the other groups' updates go in now, then its error
             error = self._failed
+            self._apply(gi, flat)
             for other in range(len(self.groups)):
-                if self._first[other] is not None:
+                if self._second[other] is not None:
                     self._apply(other, self._take(other))
             self._failed = None
             raise error
@@ -241,7 +268,7 @@ class DeAR:
         job = self._second[gi]  # queued by step()
         self._second[gi] = None
         self._first[gi] = None
-        if all(j is None for j in self._first):
+        if all(j is None for j in self._second):
             self._pending = False
         try:
             return job.wait()
@@ -275,9 +302,12 @@ class DeAR:
     def synchronize(self) -> None:
         """Apply every pending update now (before evaluation, a checkpoint or a change of data)."""
         for gi in range(len(self.groups)):
-            if self._pending and self._first[gi] is not None:
+            if self._pending and self._second[gi] is not None:
                 self._update(gi)
         self._pending = False
+        if self._failed is not None:  # found by a catch-up (see _catch_up) with nothing left to update
+            error, self._failed = self._failed, None
+            raise error
 
     def close(self) -> None:
         for h in self._handles:
