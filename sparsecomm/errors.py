@@ -8,7 +8,7 @@ wait that ran out).
 
 from __future__ import annotations
 
-__all__ = ["SparseCommError", "InputError", "CommTimeoutError", "PeerError"]
+__all__ = ["SparseCommError", "InputError", "CommTimeoutError", "PeerError", "ScheduleError"]
 
 
 class SparseCommError(Exception):
@@ -32,4 +32,15 @@ class PeerError(SparseCommError):
 
     In the simulated world: a peer raised. On torch.distributed: the
     transport reported a broken connection (a peer exited) before the timeout.
+    """
+
+
+class ScheduleError(SparseCommError, RuntimeError):
+    """A schedule was driven in a way it cannot honour without losing gradient.
+
+    Its reductions start during backward, so a second backward before
+    ``step()`` (gradient accumulation), or an in-place change of the gradients
+    between backward and ``step()`` (``clip_grad_norm_``, ``GradScaler.unscale_``),
+    would be left out of what is reduced. Raised on the rank that did it; the
+    message says what to do instead.
     """

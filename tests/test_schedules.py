@@ -710,3 +710,63 @@ def test_dear_updates_a_group_whose_modules_skip_a_forward(algorithm, density):
         for a, b in zip(out["dear"], out["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(out["dear"], results[0]["dear"]))
+
+
+@pytest.mark.parametrize("cls", ["WFBP", "SyncEASGD", "MGWFBP", "DeAR"])
+def test_gradients_changed_after_their_allreduce_started_are_refused_not_lost(cls):
+    # Clipping between backward and step(), or a second backward, would be left out of what was
+    # reduced: a ScheduleError says so. The group schedules' way (synchronize, clip, step) is exact.
+    import sparsecomm.schedules as schedules
+
+    def make(model, opt):
+        kw = dict(MG_FAST) if cls == "MGWFBP" else {}
+        return getattr(schedules, cls)(model, opt, algorithm="oktopk", density=0.05, **kw)
+
+    def body(rank: int):
+        out = {}
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = make(model, opt)
+        _train(model, opt, sched, rank, 2)
+        opt.zero_grad()
+        _loss(model, rank, 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with pytest.raises(sparsecomm.ScheduleError, match="clip_grad_norm_"):
+            sched.step()
+        if cls == "DeAR":
+            sched.synchronize()
+        opt.zero_grad()
+        _loss(model, rank, 3).backward()
+        with pytest.raises(sparsecomm.ScheduleError, match="second backward"):
+            _loss(model, rank, 4).backward()
+        sched.close()
+        if cls == "DeAR":
+            return out
+        # Clipping the reduced gradients: synchronize(), clip, optimizer.step(), as with DDP.
+        for name in ("scheduled", "reference"):
+            model = _model()
+            params = list(model.parameters())
+            opt = torch.optim.SGD(params, lr=0.05)
+            sched = getattr(schedules, "SyncEASGD")(model, opt, algorithm="oktopk", density=0.05) \
+                if name == "scheduled" else None
+            state = sparsecomm.OkTopkState(0.05)
+            for step in range(3):
+                opt.zero_grad()
+                _loss(model, rank, step).backward()
+                if sched is not None:
+                    sched.synchronize()
+                else:
+                    flat = torch.cat([p.grad.reshape(-1) for p in reversed(params)])
+                    red = sparsecomm.allreduce(flat, 0.05, state=state, op="avg")
+                    for p, r in zip(reversed(params), red.split([p.numel() for p in reversed(params)])):
+                        p.grad.copy_(r.view_as(p))
+                torch.nn.utils.clip_grad_norm_(params, 0.1)
+                opt.step()
+            if sched is not None:
+                sched.close()
+            out[name] = [p.detach().clone() for p in params]
+        return out
+
+    for out in sparsecomm.simulate(2, body, timeout=60).results:
+        if out:
+            assert all(torch.equal(a, b) for a, b in zip(out["scheduled"], out["reference"]))

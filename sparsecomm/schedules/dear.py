@@ -57,7 +57,8 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
-from .engine import Engine, Job, write_grads
+from ..errors import ScheduleError
+from .engine import Engine, Job, check_grads_unchanged, grad_versions, write_grads
 
 __all__ = ["DeAR"]
 
@@ -164,12 +165,21 @@ class DeAR:
     def _reset_backward(self) -> None:
         self._missing = [len(ps) for ps in self.params]
         self._next = len(self.groups) - 1  # first phases start from the last group
+        self._arrived: set[int] = set()
+        self._seen: dict[int, list] = {}  # per group started in backward: its grads and their versions
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if id(p) in self._arrived:
+            raise ScheduleError(
+                "DeAR: a second backward before step(). Each group's first phase starts as soon as its "
+                "gradients are ready, so gradients accumulated over several backward passes would be "
+                "left out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
+        self._arrived.add(id(p))
         gi = self._group_of[id(p)]
         self._missing[gi] -= 1
         while self._next >= 0 and self._missing[self._next] == 0:
             self._first[self._next] = self._start_first(self._next)
+            self._seen[self._next] = grad_versions(self.params[self._next])
             self._next -= 1
 
     def _flat(self, gi: int) -> torch.Tensor:
@@ -203,6 +213,14 @@ class DeAR:
         other groups' updates are applied first, and the failed group's gradient
         stays out of the update (a refused call keeps it in its residual).
         """
+        changed = None
+        for gi, seen in self._seen.items():
+            try:
+                check_grads_unchanged(self.params[gi], seen, "DeAR",
+                                      "DeAR reduces and updates group by group: change gradients inside the "
+                                      "optimizer, or use a schedule that reduces what step() finds (PipeSGD).")
+            except ScheduleError as exc:
+                changed = changed or exc
         if self._next >= 0:  # groups that got no gradient this step (unused): reduce zeros
             self._missing = [0] * len(self.groups)
             while self._next >= 0:
@@ -213,6 +231,8 @@ class DeAR:
                 self._start_second(gi)
         self._pending = True
         self._reset_backward()
+        if changed is not None:  # raised after queueing, so every rank made the same calls
+            raise changed
         if self._tune is not None:
             self._tune.after_step()
 

@@ -35,9 +35,9 @@ import torch
 
 from ..api import allreduce
 from ..comm import Communicator, resolve
-from ..errors import CommTimeoutError, InputError
+from ..errors import CommTimeoutError, InputError, ScheduleError
 
-__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in"]
+__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "check_grads_unchanged"]
 
 
 def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
@@ -75,6 +75,25 @@ def grads_in(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> bool:
             return False
         offset += p.numel()
     return True
+
+
+def grad_versions(params: "list[torch.nn.Parameter]") -> list:
+    """Each param's ``.grad`` and its version counter, taken when a schedule reads them in
+    backward, for :func:`check_grads_unchanged` at ``step()``."""
+    return [(p.grad, None if p.grad is None else p.grad._version) for p in params]
+
+
+def check_grads_unchanged(params: "list[torch.nn.Parameter]", seen: list, what: str, instead: str) -> None:
+    """Raise :class:`ScheduleError` where a ``.grad`` was replaced or changed in place since
+    :func:`grad_versions` (torch bumps a tensor's version on every in-place op): the schedule
+    reduced the old values, and the change would silently be lost."""
+    for i, (p, (g, version)) in enumerate(zip(params, seen)):
+        if p.grad is not g or (g is not None and g._version != version):
+            raise ScheduleError(
+                f"{what}: the gradient of a parameter (shape {tuple(p.shape)}, #{i} of its group) changed "
+                "between backward and step() (an in-place change such as clip_grad_norm_ or "
+                "GradScaler.unscale_, zero_grad, or a new .grad). Its allreduce had already started "
+                f"in backward from the old values, so the change would be lost. {instead}")
 
 
 class Job:

@@ -36,7 +36,8 @@ import torch
 from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
-from .engine import Engine, Job, write_grads
+from ..errors import ScheduleError
+from .engine import Engine, Job, check_grads_unchanged, grad_versions, write_grads
 from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
@@ -126,10 +127,17 @@ class GroupSchedule:
         self._jobs: list[Job] = []
         self._ready_at: dict[int, float] = {}
         self._t0: float | None = None
+        self._seen: list[list] = []  # per group submitted in backward: its grads and their versions
 
     # ---- during backward -------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         i = self._index[id(p)]
+        if i in self._ready_at:
+            raise ScheduleError(
+                f"{type(self).__name__}: a second backward before step(). Each group's allreduce starts "
+                "as soon as its gradients are ready, so gradients accumulated over several backward "
+                "passes would be left out. Call step() after every backward, or use PipeSGD, which "
+                "reduces what step() finds.")
         now = time.perf_counter()
         if self._t0 is None:
             self._t0 = now
@@ -153,6 +161,7 @@ class GroupSchedule:
             buf = self._buffers[gi] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
         torch.cat([g.reshape(-1) for g in grads], out=buf)
+        self._seen.append(grad_versions([self.params[i] for i in layers]))
         state = self._states[gi]
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
@@ -161,7 +170,19 @@ class GroupSchedule:
         """Wait for every group's allreduce and write the results into the gradients.
 
         Layers that got no gradient this step (unused parameters) are reduced as zeros.
+        To change the reduced gradients (clipping), call this, change them, then
+        ``optimizer.step()``: a change made before this call, to gradients whose
+        allreduce started in backward, raises :class:`~sparsecomm.ScheduleError`
+        (it would be lost).
         """
+        changed = None
+        for gi, seen in enumerate(self._seen):
+            try:
+                check_grads_unchanged([self.params[i] for i in self.groups[gi]], seen, type(self).__name__,
+                                      "Call synchronize(), change the gradients, then optimizer.step().")
+            except ScheduleError as exc:
+                changed = exc
+                break
         for gi in range(self._next, len(self.groups)):
             for i in self.groups[gi]:
                 p = self.params[i]
@@ -174,7 +195,11 @@ class GroupSchedule:
         for gi, job in enumerate(self._jobs):
             out = job.wait()
             self.job_timings.append((int(out.numel()), float(job.seconds)))
-            write_grads([self.params[i] for i in self.groups[gi]], out)
+            if changed is None:
+                write_grads([self.params[i] for i in self.groups[gi]], out)
+        if changed is not None:  # every job is done: the next step starts clean
+            self._reset()
+            raise changed
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
         self._after_step()
         self._reset()
