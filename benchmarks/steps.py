@@ -5,7 +5,10 @@ Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, issue 11's 5000 -> 5000 -> 10
 a classifier (12.6M parameters in 26 tensors: backward to overlap with);
 ``cnn``, a ResNet-18-like CNN at half width on 32 x 32 images (2.8M parameters
 in 62 tensors, most of them small: what MG-WFBP's merging is for).
-Batch 64 per rank (the CNN: 16 images), cross-entropy, seeded per rank.
+Batch 64 per rank (the CNN: 16 images), or ``SPARSECOMM_BENCH_BATCH``: the
+knob that moves a model between communication-bound and compute-bound (DeAR
+gains only where the allreduce takes longer than backward but not longer
+than forward and backward together). Cross-entropy, seeded per rank.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from conftest import STEPS
 
 ROUNDS = int(os.environ.get("SPARSECOMM_BENCH_ROUNDS", "8"))
 #: The name of the model the last ``model()`` built (recorded in each row).
-_BUILT = {"name": ""}
+_BUILT: dict = {"name": "", "batch": None}
 
 
 def model(default: str) -> torch.nn.Module:
@@ -73,12 +76,15 @@ def _resnet(width: int) -> torch.nn.Module:
 
 def batch(net: torch.nn.Module, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
+    size = os.environ.get("SPARSECOMM_BENCH_BATCH")
     first = next(m for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
     if isinstance(first, torch.nn.Conv2d):
-        return (torch.randn(16, 3, 32, 32, generator=gen).to(device),
-                torch.randint(0, 10, (16,), generator=gen).to(device))
-    return (torch.randn(64, first.in_features, generator=gen).to(device),
-            torch.randint(0, 10, (64,), generator=gen).to(device))
+        n = _BUILT["batch"] = int(size or 16)
+        return (torch.randn(n, 3, 32, 32, generator=gen).to(device),
+                torch.randint(0, 10, (n,), generator=gen).to(device))
+    n = _BUILT["batch"] = int(size or 64)
+    return (torch.randn(n, first.in_features, generator=gen).to(device),
+            torch.randint(0, 10, (n,), generator=gen).to(device))
 
 
 def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None], warmup: int,
@@ -118,7 +124,7 @@ def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None
         extra["none_ms"] = 1e3 * float(comm.allreduce(torch.tensor([statistics.median(nones)], dtype=torch.float64,
                                                                    device=comm.control_device), "max"))
     row = {"suite": suite, "config": config, "ranks": comm.size, "backend": comm.name,
-           "model": _BUILT["name"], "time_ms": 1e3 * t, "calls": len(times),
+           "model": _BUILT["name"], "batch": _BUILT["batch"], "time_ms": 1e3 * t, "calls": len(times),
            "times_s": times, **extra}
     benchmark.extra_info["row"] = row
     STEPS.append(row)

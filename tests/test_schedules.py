@@ -89,7 +89,12 @@ def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, set_to
 @pytest.mark.parametrize("cls", [WFBP, SyncEASGD])
 @pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05), ("topka", 0.1)])
 @pytest.mark.parametrize("P,set_to_none", [(1, True), (3, True), (3, False)])
-def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algorithm, density):
+def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algorithm, density, monkeypatch):
+    from sparsecomm.schedules import wfbp
+
+    gathered_in_place = []
+    monkeypatch.setattr(wfbp, "grads_in", lambda *a: gathered_in_place.append(grads_in(*a)) or gathered_in_place[-1])
+
     def body(rank: int):
         got, groups, _ = _scheduled(rank, kind, cls, algorithm, density, set_to_none)
         want = _reference(rank, kind, groups, algorithm, density)
@@ -99,6 +104,11 @@ def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algori
     assert all(same for same, _ in out)
     for _, params in out:  # every rank the same model
         assert all(torch.equal(a, b) for a, b in zip(params, out[0][1]))
+    # After a step the gradients are views of the results; zeroed in place, every later step's
+    # backward accumulates into them and the gather copies nothing.
+    groups = len(list(_model().parameters())) if cls is WFBP else 1
+    assert len(gathered_in_place) == P * STEPS * groups
+    assert sum(gathered_in_place) == (0 if set_to_none else P * (STEPS - 1) * groups)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])

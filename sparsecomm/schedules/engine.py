@@ -93,7 +93,8 @@ def check_grads_unchanged(params: "list[torch.nn.Parameter]", seen: list, what: 
                 f"{what}: the gradient of a parameter (shape {tuple(p.shape)}, #{i} of its group) changed "
                 "between backward and step() (an in-place change such as clip_grad_norm_ or "
                 "GradScaler.unscale_, zero_grad, or a new .grad). Its allreduce had already started "
-                f"in backward from the old values, so the change would be lost. {instead}")
+                f"in backward from the old values, so the change would be lost (or race the allreduce "
+                f"reading them). {instead}")
 
 
 class Job:

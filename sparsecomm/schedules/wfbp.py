@@ -37,7 +37,7 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import ScheduleError
-from .engine import Engine, Job, check_grads_unchanged, grad_versions, write_grads
+from .engine import Engine, Job, check_grads_unchanged, grad_versions, grads_in, point_grads, write_grads
 from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
@@ -104,7 +104,8 @@ class GroupSchedule:
                                          for i in g])
         # Per group: the gathered gradients, and the result, in a buffer of its own so that
         # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
-        # pass over the group after the call, competing with backward for the core.
+        # pass over the group after the call, competing with backward for the core. The
+        # gradients are then views of the result, and the two swap (see synchronize).
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._reset()
@@ -153,15 +154,16 @@ class GroupSchedule:
             self._next += 1
 
     def _submit(self, gi: int) -> Job:
-        layers = self.groups[gi]
-        grads = [self.params[i].grad for i in layers]
+        params = [self.params[i] for i in self.groups[gi]]
+        grads = [p.grad for p in params]
         buf = self._buffers[gi]
         numel = sum(g.numel() for g in grads)
         if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
             buf = self._buffers[gi] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
-        torch.cat([g.reshape(-1) for g in grads], out=buf)
-        self._seen.append(grad_versions([self.params[i] for i in layers]))
+        if not grads_in(params, buf):  # else the backward accumulated into it (see synchronize)
+            torch.cat([g.reshape(-1) for g in grads], out=buf)
+        self._seen.append(grad_versions(params))
         state = self._states[gi]
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
@@ -195,8 +197,18 @@ class GroupSchedule:
         for gi, job in enumerate(self._jobs):
             out = job.wait()
             self.job_timings.append((int(out.numel()), float(job.seconds)))
-            if changed is None:
-                write_grads([self.params[i] for i in self.groups[gi]], out)
+            if changed is not None:
+                continue
+            params = [self.params[i] for i in self.groups[gi]]
+            # The gradients become views of the result (no copy), and the two buffers swap
+            # roles: after zero_grad(set_to_none=False) the next backward accumulates into
+            # this one, so the next _submit copies nothing; the old input takes the result.
+            # (The job may read the gradients themselves, so a change before this call races
+            # it: the version check above refuses that step.)
+            if out is self._results[gi] and point_grads(params, out):
+                self._buffers[gi], self._results[gi] = out, self._buffers[gi]
+            else:
+                write_grads(params, out)
         if changed is not None:  # every job is done: the next step starts clean
             self._reset()
             raise changed
