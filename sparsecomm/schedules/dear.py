@@ -58,7 +58,7 @@ import torch
 from .. import registry
 from ..api import begin_allreduce
 from ..errors import ScheduleError
-from .engine import Engine, Job, check_grads_unchanged, grad_versions, write_grads
+from .engine import Engine, Job, at_backward_end, check_grads_unchanged, grad_versions, write_grads
 
 __all__ = ["DeAR"]
 
@@ -166,7 +166,7 @@ class DeAR:
         self._missing = [len(ps) for ps in self.params]
         self._next = len(self.groups) - 1  # first phases start from the last group
         self._arrived: set[int] = set()
-        self._seen: dict[int, list] = {}  # per group started in backward: its grads and their versions
+        self._seen: dict[int, list] = {}  # per group started in backward: its grads and versions at its end
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if id(p) in self._arrived:
@@ -174,12 +174,13 @@ class DeAR:
                 "DeAR: a second backward before step(). Each group's first phase starts as soon as its "
                 "gradients are ready, so gradients accumulated over several backward passes would be "
                 "left out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
+        if not self._arrived:
+            at_backward_end(self._backward_ended)
         self._arrived.add(id(p))
         gi = self._group_of[id(p)]
         self._missing[gi] -= 1
         while self._next >= 0 and self._missing[self._next] == 0:
             self._first[self._next] = self._start_first(self._next)
-            self._seen[self._next] = grad_versions(self.params[self._next])
             self._next -= 1
 
     def _flat(self, gi: int) -> torch.Tensor:
@@ -200,6 +201,9 @@ class DeAR:
         return self.engine.run(lambda c: begin_allreduce(buf, comm=c, state=state, op=self.op,
                                                          compressor=self.compressor, out=out),
                                what=f"first half of group {gi}'s allreduce")
+
+    def _backward_ended(self) -> None:
+        self._seen = {gi: grad_versions(self.params[gi]) for gi in range(self._next + 1, len(self.groups))}
 
     def step(self) -> None:
         """End of backward: queue every second phase; the updates follow in the next forward.

@@ -37,7 +37,8 @@ from ..api import allreduce
 from ..comm import Communicator, resolve
 from ..errors import CommTimeoutError, InputError, ScheduleError
 
-__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "check_grads_unchanged"]
+__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "check_grads_unchanged",
+           "at_backward_end"]
 
 
 def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
@@ -77,9 +78,20 @@ def grads_in(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> bool:
     return True
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass now running ends (call it from a hook inside it),
+    as DDP finalises its reduction."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def grad_versions(params: "list[torch.nn.Parameter]") -> list:
-    """Each param's ``.grad`` and its version counter, taken when a schedule reads them in
-    backward, for :func:`check_grads_unchanged` at ``step()``."""
+    """Each param's ``.grad`` and its version counter, taken at the end of backward (see
+    :func:`at_backward_end`), for :func:`check_grads_unchanged` at ``step()``.
+
+    Not when a group is read: views of one buffer share one counter, so a
+    backward accumulating into another group's views of it (a user's flat
+    gradient buffer; this schedule's own after a regrouping) would count as a
+    change."""
     return [(p.grad, None if p.grad is None else p.grad._version) for p in params]
 
 

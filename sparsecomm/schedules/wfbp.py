@@ -37,7 +37,8 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import ScheduleError
-from .engine import Engine, Job, check_grads_unchanged, grad_versions, grads_in, point_grads, write_grads
+from .engine import (Engine, Job, at_backward_end, check_grads_unchanged, grad_versions, grads_in, point_grads,
+                     write_grads)
 from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
@@ -128,7 +129,8 @@ class GroupSchedule:
         self._jobs: list[Job] = []
         self._ready_at: dict[int, float] = {}
         self._t0: float | None = None
-        self._seen: list[list] = []  # per group submitted in backward: its grads and their versions
+        self._seen: list | None = None  # every grad and its version when backward ended
+        self._in_backward = 0  # groups submitted before then
 
     # ---- during backward -------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -142,6 +144,7 @@ class GroupSchedule:
         now = time.perf_counter()
         if self._t0 is None:
             self._t0 = now
+            at_backward_end(self._backward_ended)
         self._ready_at[i] = now
         gi = self._group_of[i]
         self._missing[gi] -= 1
@@ -163,9 +166,11 @@ class GroupSchedule:
             self._results[gi] = torch.empty_like(buf)
         if not grads_in(params, buf):  # else the backward accumulated into it (see synchronize)
             torch.cat([g.reshape(-1) for g in grads], out=buf)
-        self._seen.append(grad_versions(params))
         state = self._states[gi]
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
+
+    def _backward_ended(self) -> None:
+        self._in_backward, self._seen = self._next, grad_versions(self.params)
 
     # ---- after backward ----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -178,9 +183,10 @@ class GroupSchedule:
         (it would be lost).
         """
         changed = None
-        for gi, seen in enumerate(self._seen):
+        for gi in range(self._in_backward if self._seen is not None else 0):
             try:
-                check_grads_unchanged([self.params[i] for i in self.groups[gi]], seen, type(self).__name__,
+                check_grads_unchanged([self.params[i] for i in self.groups[gi]],
+                                      [self._seen[i] for i in self.groups[gi]], type(self).__name__,
                                       "Call synchronize(), change the gradients, then optimizer.step().")
             except ScheduleError as exc:
                 changed = exc
