@@ -5,7 +5,8 @@ Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, issue 11's 5000 -> 5000 -> 10
 a classifier (12.6M parameters in 26 tensors: backward to overlap with);
 ``cnn``, a ResNet-18-like CNN at half width on 32 x 32 images (2.8M parameters
 in 62 tensors, most of them small: what MG-WFBP's merging is for).
-Batch 64 per rank (the CNN: 16 images), or ``SPARSECOMM_BENCH_BATCH``: the
+Each step takes the next of 32 batches made up front (``batches``). Batch 64
+per rank (the CNN: 16 images), or ``SPARSECOMM_BENCH_BATCH``: the
 knob that moves a model between communication-bound and compute-bound (DeAR
 gains only where the allreduce takes longer than backward but not longer
 than forward and backward together). Cross-entropy, seeded per rank.
@@ -74,17 +75,36 @@ def _resnet(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def batch(net: torch.nn.Module, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batches(net: torch.nn.Module, rank: int, device: torch.device) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """The rank's next batch, cycling through ``SPARSECOMM_BENCH_BATCHES`` (default 32) made up front.
+
+    A step on the same batch every time is not a training step: the model
+    memorises it within the warm-up, the gradient shrinks call after call,
+    and Ok-Topk's threshold, predicted from the last call, keeps overshooting
+    (on the 25M MLP at P = 2 its local count fell below the bounds on 21 of
+    45 calls, each re-estimated by a counting pass: 52 against 39 ms of
+    communication-thread time a step). Random inputs and labels that change
+    every step keep the gradient's scale as in training.
+    """
     gen = torch.Generator().manual_seed(rank)
     size = os.environ.get("SPARSECOMM_BENCH_BATCH")
+    count = int(os.environ.get("SPARSECOMM_BENCH_BATCHES", "32"))
     first = next(m for m in net.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
     if isinstance(first, torch.nn.Conv2d):
         n = _BUILT["batch"] = int(size or 16)
-        return (torch.randn(n, 3, 32, 32, generator=gen).to(device),
-                torch.randint(0, 10, (n,), generator=gen).to(device))
-    n = _BUILT["batch"] = int(size or 64)
-    return (torch.randn(n, first.in_features, generator=gen).to(device),
-            torch.randint(0, 10, (n,), generator=gen).to(device))
+        shape: tuple[int, ...] = (n, 3, 32, 32)
+    else:
+        n = _BUILT["batch"] = int(size or 64)
+        shape = (n, first.in_features)
+    pool = [(torch.randn(shape, generator=gen).to(device), torch.randint(0, 10, (n,), generator=gen).to(device))
+            for _ in range(count)]
+    at = [0]
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        at[0] += 1
+        return pool[(at[0] - 1) % count]
+
+    return next_batch
 
 
 def time_steps(benchmark, comm, suite: str, config: str, step: Callable[[], None], warmup: int,

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sparsecomm.bench import bench_device
 from sparsecomm.hooks import SparseHookState, sparse_allreduce_hook
 
-from steps import batch, model, time_steps
+from steps import batches, model, time_steps
 
 
 def _register(name: str, ddp: DDP, group) -> None:
@@ -64,9 +64,10 @@ def test_ddp_step(benchmark, comm, torch_group, hook):
     if hook not in ("none", "ddp default"):
         _register(hook, ddp, torch_group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x, y = batch(net, comm.rank, device)
+    data = batches(net, comm.rank, device)
 
     def step(communicate: bool = hook != "none") -> None:
+        x, y = data()
         opt.zero_grad(set_to_none=False)
         if communicate:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()

@@ -25,7 +25,7 @@ import torch
 from sparsecomm.bench import bench_device
 from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
 
-from steps import batch, model, time_steps
+from steps import batches, model, time_steps
 
 SCHEDULES = {"wfbp": WFBP, "synceasgd": SyncEASGD, "mgwfbp": MGWFBP, "dear": DeAR, "pipesgd": PipeSGD}
 CHOSEN = [s for s in os.environ.get("SPARSECOMM_BENCH_SCHEDULES", ",".join(SCHEDULES)).split(",") if s]
@@ -49,9 +49,10 @@ def test_schedule_step(benchmark, comm, request, config):
     if config not in ("none", "ddp default"):
         name, algo = config.split(" ", 1)
         sched = SCHEDULES[name](net, opt, comm=comm, **ALGORITHMS[algo])
-    x, y = batch(net, comm.rank, device)
+    data = batches(net, comm.rank, device)
 
     def step() -> None:
+        x, y = data()
         opt.zero_grad(set_to_none=False)
         torch.nn.functional.cross_entropy(net(x), y).backward()
         if isinstance(sched, (PipeSGD, DeAR)):
