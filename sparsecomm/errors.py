@@ -40,7 +40,8 @@ class ScheduleError(SparseCommError, RuntimeError):
 
     Its reductions start during backward, so a second backward before
     ``step()`` (gradient accumulation), or an in-place change of the gradients
-    between backward and ``step()`` (``clip_grad_norm_``, ``GradScaler.unscale_``),
-    would be left out of what is reduced. Raised on the rank that did it; the
-    message says what to do instead.
+    after backward and before the schedule waits for them (``synchronize()``,
+    or ``step()`` which calls it; ``clip_grad_norm_``, ``GradScaler.unscale_``),
+    would be left out of what is reduced. Raised on the rank that did it, once
+    the step's collective calls are made; the message says what to do instead.
     """

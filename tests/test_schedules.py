@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -725,68 +727,87 @@ def test_dear_updates_a_group_whose_modules_skip_a_forward(algorithm, density):
 @pytest.mark.parametrize("cls", ["WFBP", "SyncEASGD", "MGWFBP", "DeAR"])
 def test_gradients_changed_after_their_allreduce_started_are_refused_not_lost(cls):
     # Clipping between backward and step(), or a second backward, would be left out of what was
-    # reduced: a ScheduleError says so. The group schedules' way (synchronize, clip, step) is exact.
+    # reduced: a ScheduleError says so, once the step is complete (the reduced gradients are in
+    # place, every rank made the same calls), and training goes on.
     import sparsecomm.schedules as schedules
 
-    def make(model, opt):
-        kw = dict(MG_FAST) if cls == "MGWFBP" else {}
-        return getattr(schedules, cls)(model, opt, algorithm="oktopk", density=0.05, **kw)
-
     def body(rank: int):
-        out = {}
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        sched = make(model, opt)
+        kw = dict(MG_FAST) if cls == "MGWFBP" else {}
+        sched = getattr(schedules, cls)(model, opt, algorithm="oktopk", density=0.05, **kw)
         _train(model, opt, sched, rank, 2)
         opt.zero_grad()
         _loss(model, rank, 2).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        with pytest.raises(sparsecomm.ScheduleError, match="clip_grad_norm_"):
+        clip = rank == 0  # one rank only: the other must not be left waiting
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        if clip:
+            with pytest.raises(sparsecomm.ScheduleError, match="clip_grad_norm_"):
+                sched.step()
+        else:
             sched.step()
         if cls == "DeAR":
             sched.synchronize()
+        _train(model, opt, sched, rank, 2)  # goes on
         opt.zero_grad()
         _loss(model, rank, 3).backward()
         with pytest.raises(sparsecomm.ScheduleError, match="second backward"):
             _loss(model, rank, 4).backward()
         sched.close()
-        if cls == "DeAR":
-            return out
-        # Clipping the reduced gradients: synchronize(), clip, optimizer.step(), as with DDP.
+        return [p.detach().clone() for p in model.parameters()]
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))  # the refused step's result was applied alike
+
+
+@pytest.mark.parametrize("cls", [WFBP, SyncEASGD])
+def test_synchronize_then_clip_then_step_clips_the_reduced_gradients(cls):
+    # As under DDP: synchronize(), clip, optimizer.step(); a step() after synchronize() only steps
+    # the optimizer (nothing is reduced twice). The reference: the same groups' synchronous calls.
+    def body(rank: int):
+        out = {}
         for name in ("scheduled", "reference"):
             model = _model()
             params = list(model.parameters())
-            opt = torch.optim.SGD(params, lr=0.05)
-            sched = getattr(schedules, "SyncEASGD")(model, opt, algorithm="oktopk", density=0.05) \
-                if name == "scheduled" else None
-            state = sparsecomm.OkTopkState(0.05)
-            for step in range(3):
-                opt.zero_grad()
+            opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            sched = cls(model, opt, algorithm="oktopk", density=0.05) if name == "scheduled" else None
+            L = len(params)
+            groups = [[i] for i in range(L - 1, -1, -1)] if cls is WFBP else [list(range(L - 1, -1, -1))]
+            assert sched is None or sched.groups == groups
+            states = [sparsecomm.OkTopkState(0.05) for _ in groups]
+            for step in range(4):
+                opt.zero_grad(set_to_none=step % 2 == 0)
                 _loss(model, rank, step).backward()
                 if sched is not None:
                     sched.synchronize()
                 else:
-                    flat = torch.cat([p.grad.reshape(-1) for p in reversed(params)])
-                    red = sparsecomm.allreduce(flat, 0.05, state=state, op="avg")
-                    for p, r in zip(reversed(params), red.split([p.numel() for p in reversed(params)])):
-                        p.grad.copy_(r.view_as(p))
+                    for g, st in zip(groups, states):
+                        flat = torch.cat([params[i].grad.reshape(-1) for i in g])
+                        red = sparsecomm.allreduce(flat, 0.05, state=st, op="avg")
+                        for i, r in zip(g, red.split([params[i].numel() for i in g])):
+                            params[i].grad.copy_(r.view_as(params[i]))
                 torch.nn.utils.clip_grad_norm_(params, 0.1)
-                opt.step()
+                if sched is not None:
+                    sched.step()
+                else:
+                    opt.step()
             if sched is not None:
+                out["calls"] = [st.iteration for st in sched._states]
                 sched.close()
             out[name] = [p.detach().clone() for p in params]
         return out
 
     for out in sparsecomm.simulate(2, body, timeout=60).results:
-        if out:
-            assert all(torch.equal(a, b) for a, b in zip(out["scheduled"], out["reference"]))
+        assert out["calls"] == [4] * len(out["calls"])
+        assert all(torch.equal(a, b) for a, b in zip(out["scheduled"], out["reference"]))
 
 
-@pytest.mark.parametrize("cls", ["WFBP", "MGWFBP", "DeAR"])
+@pytest.mark.parametrize("cls", ["WFBP", "SyncEASGD", "MGWFBP", "DeAR"])
 def test_gradients_that_share_one_buffer_are_not_taken_for_changed(cls):
     # Views of one buffer share one version counter: the backward accumulating into later
-    # layers' views (a user's flat gradient buffer; MG-WFBP's own views across a re-plan) is no
-    # change to a group read earlier. Only the end of backward is compared with step().
+    # layers' views (a user's flat gradient buffer; a schedule's own views after a regrouping)
+    # is no change to a group read earlier. Only the end of backward is compared with step().
     import sparsecomm.schedules as schedules
 
     def body(rank: int):
@@ -800,12 +821,154 @@ def test_gradients_that_share_one_buffer_are_not_taken_for_changed(cls):
         opt = torch.optim.SGD(params, lr=0.05)
         kw = dict(MG_FAST) if cls == "MGWFBP" else {}
         sched = getattr(schedules, cls)(model, opt, algorithm="oktopk", density=0.05, **kw)
-        _train(model, opt, sched, rank, 12, set_to_none=False)  # MG-WFBP plans and runs its trials
+        _train(model, opt, sched, rank, 2, set_to_none=False)
+        if cls == "MGWFBP":  # its own re-plans and trials regroup it
+            _train(model, opt, sched, rank, 10, set_to_none=False)
+            assert sched.plans >= 1
+        elif cls == "DeAR":  # regroup, then back to a group per layer
+            sched.synchronize()
+            sched.regroup(1 << 30)
+            _train(model, opt, sched, rank, 2, set_to_none=False)
+            sched.synchronize()
+            sched.regroup(1)
+        else:  # one group (every gradient a view of its result), then a group per layer again
+            sched.set_groups([list(range(len(params) - 1, -1, -1))])
+            _train(model, opt, sched, rank, 2, set_to_none=False)
+            sched.set_groups([[i] for i in range(len(params) - 1, -1, -1)])
+        _train(model, opt, sched, rank, 2, set_to_none=False)
         if cls == "DeAR":
             sched.synchronize()
+        groups = len(sched.groups)
         sched.close()
-        return getattr(sched, "plans", 1), [p.detach().clone() for p in params]
+        return groups, [p.detach().clone() for p in params]
 
     out = sparsecomm.simulate(2, body, timeout=60).results
-    assert out[0][0] >= 1
-    assert all(torch.equal(a, b) for o in out for a, b in zip(o[1], out[0][1]))
+    assert out[0][0] > 1 or cls == "MGWFBP"
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_a_gradient_hook_that_changes_a_group_being_read_is_refused():
+    # With the gradients as views of a group's buffer, the job reads .grad itself: an in-place
+    # change after its group was submitted (a post-accumulate hook registered after the
+    # schedule's) would race it.
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = WFBP(model, opt, algorithm="oktopk", density=0.05)
+        _train(model, opt, sched, rank, 2, set_to_none=False)
+        first = next(model.parameters())
+        def prune(p):
+            p.grad.mul_(0.5)
+
+        handle = first.register_post_accumulate_grad_hook(prune)
+        opt.zero_grad(set_to_none=False)
+        _loss(model, rank, 2).backward()
+        with pytest.raises(sparsecomm.ScheduleError, match="during backward"):
+            sched.step()
+        handle.remove()
+        sched.close()
+        return True
+
+    assert all(sparsecomm.simulate(2, body, timeout=60).results)
+
+
+def test_dear_reduces_and_updates_a_tied_weight_once():
+    # The classifier is tied to the middle layer's weight: it belongs to the middle layer's group
+    # only (before, it was in two groups, reduced and stepped twice).
+    from sparsecomm.schedules import DeAR
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.middle = torch.nn.Linear(20, 64), torch.nn.Linear(64, 64)
+            self.head = torch.nn.Linear(64, 64, bias=False)
+            self.head.weight = self.middle.weight
+
+        def forward(self, x):
+            h = torch.relu(self.first(x))
+            h = h + torch.relu(self.middle(h))
+            return self.head(h)[:, :10]
+
+    def make():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return Tied()
+
+    def body(rank: int):
+        out = {}
+        for name in ("dear", "plain"):
+            model = make()
+            params = list(model.parameters())
+            opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=1) if name == "dear" else None
+            for step in range(5):
+                opt.zero_grad()
+                _loss(model, rank, step).backward()
+                if sched is not None:
+                    sched.step()
+                    continue
+                for p in params:
+                    p.grad.copy_(sparsecomm.allreduce(p.grad, 1.0, algorithm="dense", op="avg"))
+                opt.step()
+            if sched is not None:
+                sched.synchronize()
+                out["groups"] = [len(ps) for ps in sched.params]
+                sched.close()
+            out[name] = [p.detach().clone() for p in params]
+        return out
+
+    for out in sparsecomm.simulate(2, body, timeout=60).results:
+        assert out["groups"] == [2, 2]
+        for a, b in zip(out["dear"], out["plain"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dear_catches_up_in_backward_on_a_group_used_without_its_module():
+    # On odd steps the middle layer's parameters are used without calling the module: no
+    # pre-hook applies its pending update, so it goes in during backward, before the group's
+    # next first phase (the forward used the weights one update old). Every step's update is
+    # applied once, on every rank alike.
+    from sparsecomm.schedules import DeAR
+
+    class Functional(_Skipping):
+        def forward(self, x):
+            h = torch.relu(self.first(x))
+            if self.use:
+                h = h + torch.relu(self.middle(h))
+            else:
+                h = h + torch.relu(torch.nn.functional.linear(h, self.middle.weight, self.middle.bias))
+            return self.last(h)
+
+    def body(rank: int):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = Functional()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = DeAR(model, opt, algorithm="oktopk", density=0.05, buffer_bytes=1)
+        applied, during_backward = [0] * len(sched.groups), []
+        apply, catch_up = sched._apply, sched._catch_up
+
+        def counting_apply(gi, flat):
+            applied[gi] += flat is not None
+            return apply(gi, flat)
+
+        def spying_catch_up(gi):
+            in_hook = any(f.function == "_on_grad" for f in inspect.stack())  # a post-accumulate hook
+            during_backward.append(in_hook and gi)
+            return catch_up(gi)
+
+        sched._apply, sched._catch_up = counting_apply, spying_catch_up
+        for step in range(6):
+            model.use = step % 2 == 0
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            sched.step()
+        sched.synchronize()
+        sched.close()
+        return applied, during_backward, [p.detach().clone() for p in model.parameters()]
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    for applied, during_backward, params in out:
+        assert applied == [6, 6, 6]
+        assert during_backward == [1, 1, 1]  # the middle group, after each odd step's forward
+        assert all(torch.equal(a, b) for a, b in zip(params, out[0][2]))

@@ -133,15 +133,25 @@ class DeAR:
         for h in self._handles:
             h.remove()
         self.buffer_bytes = buffer_bytes
-        self.groups = [[]]
-        size = 0
+        # A parameter shared by several modules (tied weights) belongs to the first module that
+        # holds it: reduced once, updated once.
+        seen: set[int] = set()
+        owned = []
         for m in self._modules:
+            new = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in new)
+            if new:
+                owned.append((m, new))
+        self.groups, self.params = [[]], [[]]
+        size = 0
+        for m, new in owned:
             if size >= buffer_bytes:
                 self.groups.append([])
+                self.params.append([])
                 size = 0
             self.groups[-1].append(m)
-            size += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.requires_grad)
-        self.params = [[p for m in g for p in m.parameters(recurse=False) if p.requires_grad] for g in self.groups]
+            self.params[-1] += new
+            size += sum(p.numel() * p.element_size() for p in new)
         self.states = [self._spec.state_class(self.density, **self._kwargs) for _ in self.groups]
         for ps, st in zip(self.params, self.states):
             if any(id(p) in residuals for p in ps):
@@ -153,10 +163,11 @@ class DeAR:
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.params for p in ps]
-        # On every module of a group: whichever runs first applies the update (models need not
-        # call their modules in registration order).
-        self._handles += [m.register_forward_pre_hook(self._before_forward(gi))
-                          for gi, g in enumerate(self.groups) for m in g]
+        # On every module, for the groups of every parameter it uses: whichever runs first applies
+        # the update (models need not call their modules in registration order).
+        self._handles += [m.register_forward_pre_hook(self._before_forward(
+            sorted({self._group_of[id(p)] for p in m.parameters(recurse=False) if p.requires_grad})))
+            for m in self._modules]
         self._first: list[Job | None] = [None] * len(self.groups)  # phase 1 of this step
         self._second: list[Job | None] = [None] * len(self.groups)  # phase 2, started in forward
         self._reset_backward()
@@ -166,6 +177,7 @@ class DeAR:
         self._missing = [len(ps) for ps in self.params]
         self._next = len(self.groups) - 1  # first phases start from the last group
         self._arrived: set[int] = set()
+        self._queued = False  # an end-of-backward callback is pending
         self._seen: dict[int, list] = {}  # per group started in backward: its grads and versions at its end
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -174,7 +186,8 @@ class DeAR:
                 "DeAR: a second backward before step(). Each group's first phase starts as soon as its "
                 "gradients are ready, so gradients accumulated over several backward passes would be "
                 "left out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
-        if not self._arrived:
+        if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
+            self._queued = True
             at_backward_end(self._backward_ended)
         self._arrived.add(id(p))
         gi = self._group_of[id(p)]
@@ -203,6 +216,7 @@ class DeAR:
                                what=f"first half of group {gi}'s allreduce")
 
     def _backward_ended(self) -> None:
+        self._queued = False
         self._seen = {gi: grad_versions(self.params[gi]) for gi in range(self._next + 1, len(self.groups))}
 
     def step(self) -> None:
@@ -216,6 +230,10 @@ class DeAR:
         pre-hook waits for its own). A failed call's error surfaces there, once: the
         other groups' updates are applied first, and the failed group's gradient
         stays out of the update (a refused call keeps it in its residual).
+
+        Raises :class:`~sparsecomm.ScheduleError` (after queueing, so every rank
+        made the same calls) if gradients whose first phase started in backward
+        were changed since backward ended: the change would be lost.
         """
         changed = None
         for gi, seen in self._seen.items():
@@ -235,10 +253,10 @@ class DeAR:
                 self._start_second(gi)
         self._pending = True
         self._reset_backward()
-        if changed is not None:  # raised after queueing, so every rank made the same calls
-            raise changed
         if self._tune is not None:
             self._tune.after_step()
+        if changed is not None:  # raised last, so every rank made the same calls
+            raise changed
 
     def _catch_up(self, gi: int) -> None:
         """Apply the group's update from the last step before its new first phase starts.
@@ -268,10 +286,11 @@ class DeAR:
         self._second[gi] = self.engine.run(lambda c: first.future.value().finish(),
                                            what=f"second half of group {gi}'s allreduce")
 
-    def _before_forward(self, gi: int):
+    def _before_forward(self, groups: list[int]):
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._pending and self._second[gi] is not None:  # not yet updated this forward
-                self._update(gi)
+            for gi in groups:
+                if self._pending and self._second[gi] is not None:  # not yet updated this forward
+                    self._update(gi)
         return hook
 
     def _update(self, gi: int) -> None:

@@ -4,7 +4,7 @@
     for x, y in data:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()   # groups are reduced on the engine as they become ready
-        sched.step()                      # wait for them, write the gradients back, optimizer.step()
+        sched.step()                      # wait for them, .grad become views of the results, optimizer.step()
 
 A *layer* here is one parameter tensor, numbered in ``model.parameters()``
 order (forward order for the usual models); backward produces them roughly
@@ -80,6 +80,7 @@ class GroupSchedule:
         self.set_groups(groups if groups is not None else [list(range(len(self.params) - 1, -1, -1))])
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.stats: dict[str, list] = {"exposed_seconds": []}
+        self._synchronized = False  # synchronize() ran and no backward since
         self.job_timings: list[tuple[int, float]] = []  # (elements, seconds on the thread), last step
 
     # ---- groups --------------------------------------------------------------------
@@ -131,6 +132,9 @@ class GroupSchedule:
         self._t0: float | None = None
         self._seen: list | None = None  # every grad and its version when backward ended
         self._in_backward = 0  # groups submitted before then
+        self._queued = False  # an end-of-backward callback is pending
+        self._views_at: dict[int, int] = {}  # group -> its buffer's version when a job began reading it
+        self._changed: ScheduleError | None = None  # found at the end of backward
 
     # ---- during backward -------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -141,9 +145,12 @@ class GroupSchedule:
                 "as soon as its gradients are ready, so gradients accumulated over several backward "
                 "passes would be left out. Call step() after every backward, or use PipeSGD, which "
                 "reduces what step() finds.")
+        self._synchronized = False
         now = time.perf_counter()
         if self._t0 is None:
             self._t0 = now
+        if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
+            self._queued = True
             at_backward_end(self._backward_ended)
         self._ready_at[i] = now
         gi = self._group_of[i]
@@ -164,33 +171,51 @@ class GroupSchedule:
         if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
             buf = self._buffers[gi] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
-        if not grads_in(params, buf):  # else the backward accumulated into it (see synchronize)
+        if grads_in(params, buf):  # the backward accumulated into it (see synchronize): the job reads .grad
+            self._views_at[gi] = buf._version
+        elif any(g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for g in grads):
+            buf.copy_(torch.cat([g.reshape(-1) for g in grads]))  # some still view buf: cat cannot write over them
+        else:
             torch.cat([g.reshape(-1) for g in grads], out=buf)
         state = self._states[gi]
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
     def _backward_ended(self) -> None:
+        self._queued = False
         self._in_backward, self._seen = self._next, grad_versions(self.params)
+        # A group's buffer is its own, so any change to it after its job began reading it (e.g.
+        # a post-accumulate hook registered after the schedule's, pruning in place) is a race.
+        for gi, version in self._views_at.items():
+            if self._buffers[gi]._version != version and self._changed is None:
+                self._changed = ScheduleError(
+                    f"{type(self).__name__}: gradients changed in place during backward, after their group's "
+                    "allreduce had started reading them (a gradient hook registered after the schedule's?). "
+                    "Change gradients before they are accumulated (tensor hooks), or after synchronize().")
 
     # ---- after backward ----------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for every group's allreduce and write the results into the gradients.
+        """Wait for every group's allreduce and make the gradients views of the results.
 
         Layers that got no gradient this step (unused parameters) are reduced as zeros.
         To change the reduced gradients (clipping), call this, change them, then
-        ``optimizer.step()``: a change made before this call, to gradients whose
-        allreduce started in backward, raises :class:`~sparsecomm.ScheduleError`
-        (it would be lost).
+        ``optimizer.step()`` (``step()`` after this only steps the optimizer). A change
+        made before this call, to gradients whose allreduce started in backward, raises
+        :class:`~sparsecomm.ScheduleError` (it would be lost) once the step is
+        complete: the results are in the gradients, as every other rank has them.
+        Changes through ``.data`` have a version counter of their own and escape the check.
         """
-        changed = None
+        if self._synchronized:
+            return
+        changed = self._changed
         for gi in range(self._in_backward if self._seen is not None else 0):
+            if changed is not None:
+                break
             try:
                 check_grads_unchanged([self.params[i] for i in self.groups[gi]],
                                       [self._seen[i] for i in self.groups[gi]], type(self).__name__,
                                       "Call synchronize(), change the gradients, then optimizer.step().")
             except ScheduleError as exc:
                 changed = exc
-                break
         for gi in range(self._next, len(self.groups)):
             for i in self.groups[gi]:
                 p = self.params[i]
@@ -203,28 +228,29 @@ class GroupSchedule:
         for gi, job in enumerate(self._jobs):
             out = job.wait()
             self.job_timings.append((int(out.numel()), float(job.seconds)))
-            if changed is not None:
-                continue
             params = [self.params[i] for i in self.groups[gi]]
             # The gradients become views of the result (no copy), and the two buffers swap
             # roles: after zero_grad(set_to_none=False) the next backward accumulates into
             # this one, so the next _submit copies nothing; the old input takes the result.
-            # (The job may read the gradients themselves, so a change before this call races
-            # it: the version check above refuses that step.)
             if out is self._results[gi] and point_grads(params, out):
                 self._buffers[gi], self._results[gi] = out, self._buffers[gi]
             else:
                 write_grads(params, out)
-        if changed is not None:  # every job is done: the next step starts clean
-            self._reset()
-            raise changed
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
-        self._after_step()
+        self._after_step()  # every rank makes its collective calls, whatever is raised below
         self._reset()
+        self._synchronized = True
+        if changed is not None:
+            raise changed
 
     def step(self) -> None:
-        """:meth:`synchronize`, then the optimizer's step."""
-        self.synchronize()
+        """:meth:`synchronize` (unless called since the backward), then the optimizer's step
+        (taken before a :class:`~sparsecomm.ScheduleError` is raised, as on every other rank)."""
+        try:
+            self.synchronize()
+        except ScheduleError:
+            self.optimizer.step()
+            raise
         self.optimizer.step()
 
     def _after_step(self) -> None:
@@ -324,6 +350,11 @@ class MGWFBP(GroupSchedule):
         self._last_end: float | None = None
         self._baseline: float | None = None  # total backward first profiled under the groups a trial kept
         self._rebase = False  # take that profile next
+
+    def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """As :meth:`GroupSchedule.set_groups`; a profile under way restarts under the new groups."""
+        super().set_groups(groups)
+        self._profile, self._jobs_seen = [], []
 
     def _now(self) -> float:
         """The clock that times whole steps (step 4)."""
