@@ -165,9 +165,14 @@ def test_bad_groups_are_refused():
     sched.close()
 
 
+#: What :func:`schedule_cases` returns on every rank.
+CASES_PASS = {"wfbp": True, "dear": True, "pipesgd": True, "views": True, "dear_skip": True}
+
+
 def schedule_cases(rank: int, size: int) -> dict[str, bool]:
-    """Ok-Topk under WFBP, DeAR (halves apart) and Pipe-SGD, each against its reference, on
-    whatever world this runs in (the gloo and MPI tests, and the simulated world)."""
+    """Ok-Topk under WFBP, DeAR (halves apart), Pipe-SGD, SyncEASGD with gradient views and DeAR
+    with a skipped layer, each against its reference, on whatever world this runs in (the gloo
+    and MPI tests, and the simulated world)."""
     from sparsecomm.schedules import PipeSGD
 
     torch.set_num_threads(1)
@@ -185,6 +190,12 @@ def schedule_cases(rank: int, size: int) -> dict[str, bool]:
     sched.close()
     want = _stale_reference(rank, "sgd", "oktopk", 0.05, None, 1, STEPS)
     out["pipesgd"] = all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), want))
+    # The gradients as views of the results, the backward accumulating into them.
+    got, groups, _ = _scheduled(rank, "sgd", SyncEASGD, "oktopk", 0.05, set_to_none=False)
+    out["views"] = all(torch.equal(a, b) for a, b in zip(got, _reference(rank, "sgd", groups, "oktopk", 0.05)))
+    # DeAR with a layer skipped on some steps, on some ranks.
+    skip = _dear_skip_run(rank, "oktopk", 0.05)
+    out["dear_skip"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(skip["dear"], skip["plain"]))
     return out
 
 
@@ -194,20 +205,20 @@ def _schedule_case(rank, size):
 
 def test_schedules_in_the_simulated_world():
     assert sparsecomm.simulate(4, schedule_cases, 4, timeout=120).results == [
-        {"wfbp": True, "dear": True, "pipesgd": True}] * 4
+        {"wfbp": True, "dear": True, "pipesgd": True, "views": True, "dear_skip": True}] * 4
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_schedules_on_gloo():
-    assert engines.run_gloo(2, _schedule_case) == [{"wfbp": True, "dear": True, "pipesgd": True}] * 2
+    assert engines.run_gloo(2, _schedule_case) == [CASES_PASS] * 2
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
 def test_schedules_on_mpi():
-    assert engines.run_mpi(4, "schedules") == [{"wfbp": True, "dear": True, "pipesgd": True}] * 4
+    assert engines.run_mpi(4, "schedules") == [CASES_PASS] * 4
 
 
 def test_mgwfbp_fits_from_its_own_jobs_or_else_calibrates():
@@ -672,51 +683,51 @@ class _Skipping(torch.nn.Module):
         return self.last(h)
 
 
-@pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05)])
-def test_dear_updates_a_group_whose_modules_skip_a_forward(algorithm, density):
-    # The middle group is skipped on steps where (step + rank) % 3 == 1: its update from the step
-    # before has no pre-hook to apply it, and must go in before its next first phase reuses its
-    # buffers (it used to be zeroed there: a lost update). Its gradient is reduced as zeros where
-    # it did not run. The reference: each layer's allreduce after every backward, then the step.
+def _dear_skip_run(rank: int, algorithm: str, density: float) -> dict:
+    """DeAR and the per-layer synchronous reference on :class:`_Skipping`, whose middle layer is
+    skipped on steps where (step + rank) % 3 == 1."""
     from sparsecomm.schedules import DeAR
 
-    def make():
+    out = {}
+    for name in ("dear", "plain"):
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            return _Skipping()
-
-    def body(rank: int):
-        out = {}
-        for name in ("dear", "plain"):
-            model = make()
-            params = list(model.parameters())
-            opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-            sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=5_000) \
-                if name == "dear" else None
-            states = [sparsecomm.registry.get(algorithm).state_class(density) for _ in range(3)]
-            for step in range(7):
-                model.use = (step + rank) % 3 != 1
-                opt.zero_grad()
-                _loss(model, rank, step).backward()
-                if sched is not None:
-                    sched.step()
-                    continue
-                for gi, layer in enumerate((model.first, model.middle, model.last)):
-                    ps = list(layer.parameters())
-                    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                      for p in ps])
-                    red = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=states[gi], op="avg")
-                    for p, r in zip(ps, red.split([p.numel() for p in ps])):
-                        p.grad = r.view_as(p).clone()
-                opt.step()
+            model = _Skipping()
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=5_000) \
+            if name == "dear" else None
+        states = [sparsecomm.registry.get(algorithm).state_class(density) for _ in range(3)]
+        for step in range(7):
+            model.use = (step + rank) % 3 != 1
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
             if sched is not None:
-                sched.synchronize()
-                out["groups"] = len(sched.groups)
-                sched.close()
-            out[name] = [p.detach().clone() for p in model.parameters()]
-        return out
+                sched.step()
+                continue
+            for gi, layer in enumerate((model.first, model.middle, model.last)):
+                ps = list(layer.parameters())
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in ps])
+                red = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=states[gi], op="avg")
+                for p, r in zip(ps, red.split([p.numel() for p in ps])):
+                    p.grad = r.view_as(p).clone()
+            opt.step()
+        if sched is not None:
+            sched.synchronize()
+            out["groups"] = len(sched.groups)
+            sched.close()
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
 
-    results = sparsecomm.simulate(3, body, timeout=60).results
+
+@pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05)])
+def test_dear_updates_a_group_whose_modules_skip_a_forward(algorithm, density):
+    # The middle group's update from the step before has no pre-hook to apply it on a skipped
+    # step, and must go in before its next first phase reuses its buffers (it used to be zeroed
+    # there: a lost update). Its gradient is reduced as zeros where it did not run. The
+    # reference: each layer's allreduce after every backward, then the step.
+    results = sparsecomm.simulate(3, _dear_skip_run, algorithm, density, timeout=60).results
     for out in results:
         assert out["groups"] == 3
         for a, b in zip(out["dear"], out["plain"]):

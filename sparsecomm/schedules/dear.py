@@ -8,7 +8,9 @@
     sched.synchronize()                   # apply what is pending (before evaluating or saving)
 
 Fusion: consecutive modules that own parameters (forward order) join a group
-until it holds ``buffer_bytes``. Per step (DeAR paper, section 4 of
+until it holds ``buffer_bytes``; a parameter shared by several modules (tied
+weights) is owned by the first, and every module that uses it waits for its
+group's update. Per step (DeAR paper, section 4 of
 ``../shared/papers/README.md``):
 
 1. BackPipe: when a group's gradients are all ready, its first phase is a
