@@ -619,10 +619,55 @@ def test_dear_tunes_its_fusion_size_and_regrouping_keeps_every_residual():
         assert all(torch.equal(a, b) for a, b in zip(o[3], params))
 
 
+def _dear_against_layers(rank: int, make, steps: int, buffer_bytes: int, algorithm: str = "dense",
+                         density: float = 1.0, before=None) -> dict:
+    """DeAR and its reference on ``make()``'s model: each module's own parameters (a shared one
+    counts for the first module holding it) reduced as one synchronous call after every backward
+    (no gradient: zeros), then the step. ``before(model, step, rank)`` runs before each forward.
+    Returns both runs' parameters and DeAR's group sizes (in parameters)."""
+    from sparsecomm.schedules import DeAR
+
+    out = {}
+    for name in ("dear", "plain"):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = make()
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=buffer_bytes) \
+            if name == "dear" else None
+        seen, layers = set(), []
+        for m in model.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                layers.append(own)
+        states = [sparsecomm.registry.get(algorithm).state_class(density) for _ in layers]
+        for step in range(steps):
+            if before is not None:
+                before(model, step, rank)
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            if sched is not None:
+                sched.step()
+                continue
+            for ps, st in zip(layers, states):
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+                red = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=st, op="avg")
+                for p, r in zip(ps, red.split([p.numel() for p in ps])):
+                    p.grad = r.view_as(p).clone()
+            opt.step()
+        if sched is not None:
+            sched.synchronize()
+            out["groups"] = [len(ps) for ps in sched.params]
+            sched.close()
+        out[name] = [p.detach().clone() for p in params]
+    return out
+
+
 def test_dear_updates_a_group_before_any_of_its_modules_runs():
     # Modules registered in another order than they run (and one reused): every group is
     # updated before its first module to run, once, and the result equals plain data parallelism.
-    from sparsecomm.schedules import DeAR
 
     class Shuffled(torch.nn.Module):
         def __init__(self):
@@ -635,35 +680,8 @@ def test_dear_updates_a_group_before_any_of_its_modules_runs():
             h = torch.relu(self.middle(torch.relu(self.first(x))))
             return self.last(torch.relu(self.middle(h)))  # middle twice
 
-    def make():
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            return Shuffled()
-
-    def body(rank: int):
-        out = {}
-        for name in ("dear", "plain"):
-            model = make()
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=6_000) if name == "dear" else None
-            for step in range(4):
-                opt.zero_grad()
-                _loss(model, rank, step).backward()
-                if sched is not None:
-                    sched.step()
-                else:
-                    for p in model.parameters():
-                        p.grad.copy_(sparsecomm.allreduce(p.grad, 1.0, algorithm="dense", op="avg"))
-                    opt.step()
-            if sched is not None:
-                sched.synchronize()
-                out["groups"] = len(sched.groups)
-                sched.close()
-            out[name] = [p.detach().clone() for p in model.parameters()]
-        return out
-
-    for out in sparsecomm.simulate(2, body, timeout=60).results:
-        assert out["groups"] == 2
+    for out in sparsecomm.simulate(2, _dear_against_layers, Shuffled, 4, 6_000, timeout=60).results:
+        assert len(out["groups"]) == 2
         for a, b in zip(out["dear"], out["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -684,41 +702,12 @@ class _Skipping(torch.nn.Module):
 
 
 def _dear_skip_run(rank: int, algorithm: str, density: float) -> dict:
-    """DeAR and the per-layer synchronous reference on :class:`_Skipping`, whose middle layer is
-    skipped on steps where (step + rank) % 3 == 1."""
-    from sparsecomm.schedules import DeAR
+    """:func:`_dear_against_layers` on :class:`_Skipping`, its middle layer skipped on steps where
+    (step + rank) % 3 == 1."""
+    def skip(model, step, rank):
+        model.use = (step + rank) % 3 != 1
 
-    out = {}
-    for name in ("dear", "plain"):
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = _Skipping()
-        params = list(model.parameters())
-        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-        sched = DeAR(model, opt, algorithm=algorithm, density=density, buffer_bytes=5_000) \
-            if name == "dear" else None
-        states = [sparsecomm.registry.get(algorithm).state_class(density) for _ in range(3)]
-        for step in range(7):
-            model.use = (step + rank) % 3 != 1
-            opt.zero_grad()
-            _loss(model, rank, step).backward()
-            if sched is not None:
-                sched.step()
-                continue
-            for gi, layer in enumerate((model.first, model.middle, model.last)):
-                ps = list(layer.parameters())
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in ps])
-                red = sparsecomm.allreduce(flat, density, algorithm=algorithm, state=states[gi], op="avg")
-                for p, r in zip(ps, red.split([p.numel() for p in ps])):
-                    p.grad = r.view_as(p).clone()
-            opt.step()
-        if sched is not None:
-            sched.synchronize()
-            out["groups"] = len(sched.groups)
-            sched.close()
-        out[name] = [p.detach().clone() for p in model.parameters()]
-    return out
+    return _dear_against_layers(rank, _Skipping, 7, 5_000, algorithm, density, before=skip)
 
 
 @pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05)])
@@ -729,7 +718,7 @@ def test_dear_updates_a_group_whose_modules_skip_a_forward(algorithm, density):
     # reference: each layer's allreduce after every backward, then the step.
     results = sparsecomm.simulate(3, _dear_skip_run, algorithm, density, timeout=60).results
     for out in results:
-        assert out["groups"] == 3
+        assert len(out["groups"]) == 3
         for a, b in zip(out["dear"], out["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(out["dear"], results[0]["dear"]))
@@ -886,7 +875,6 @@ def test_a_gradient_hook_that_changes_a_group_being_read_is_refused():
 def test_dear_reduces_and_updates_a_tied_weight_once():
     # The classifier is tied to the middle layer's weight: it belongs to the middle layer's group
     # only (before, it was in two groups, reduced and stepped twice).
-    from sparsecomm.schedules import DeAR
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -900,35 +888,7 @@ def test_dear_reduces_and_updates_a_tied_weight_once():
             h = h + torch.relu(self.middle(h))
             return self.head(h)[:, :10]
 
-    def make():
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            return Tied()
-
-    def body(rank: int):
-        out = {}
-        for name in ("dear", "plain"):
-            model = make()
-            params = list(model.parameters())
-            opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-            sched = DeAR(model, opt, algorithm="dense", buffer_bytes=1) if name == "dear" else None
-            for step in range(5):
-                opt.zero_grad()
-                _loss(model, rank, step).backward()
-                if sched is not None:
-                    sched.step()
-                    continue
-                for p in params:
-                    p.grad.copy_(sparsecomm.allreduce(p.grad, 1.0, algorithm="dense", op="avg"))
-                opt.step()
-            if sched is not None:
-                sched.synchronize()
-                out["groups"] = [len(ps) for ps in sched.params]
-                sched.close()
-            out[name] = [p.detach().clone() for p in params]
-        return out
-
-    for out in sparsecomm.simulate(2, body, timeout=60).results:
+    for out in sparsecomm.simulate(2, _dear_against_layers, Tied, 5, 1, timeout=60).results:
         assert out["groups"] == [2, 2]
         for a, b in zip(out["dear"], out["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
