@@ -235,9 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--ranks", type=int, default=4)
     tr.add_argument("--epochs", type=int, default=30, help="digits: passes over the data; lm: 50-step periods")
     tr.add_argument("--lr", type=float, default=None, help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
-    tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw", "adamw-frozen"],
-                    help="default: the task's (digits: SGD with momentum, lm: AdamW); adamw-frozen: "
-                         "AdamW whose second moment freezes after the --warmup-steps dense steps")
+    tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                    help="default: the task's (digits: SGD with momentum, lm: AdamW)")
     tr.add_argument("--momentum", type=float, default=0.9,
                     help="SGD's momentum (one-step-stale Pipe-SGD diverged on the LM at 0.9; see README)")
     tr.add_argument("--batch", type=int, default=16, help="per rank")

@@ -39,25 +39,13 @@ class Task:
     #: The optimizer it trains with by default ("sgd": SGD with momentum 0.9, or "adamw").
     default_optimizer = "sgd"
 
-    def optimizer(self, params, lr: float, kind: str | None = None, momentum: float = 0.9,
-                  freeze_after: int = 0) -> torch.optim.Optimizer:
-        """``kind``: "sgd" (with ``momentum``), "adamw", or "adamw-frozen"
-        (:class:`sparsecomm.optim.FrozenVarianceAdamW`, its second moment frozen after
-        ``freeze_after`` steps: the dense warm-up)."""
+    def optimizer(self, params, lr: float, kind: str | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
         kind = kind or self.default_optimizer
         if kind == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=momentum)
         if kind == "adamw":
             return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        if kind == "adamw-frozen":
-            from .optim import FrozenVarianceAdamW
-
-            if freeze_after < 1:
-                raise ValueError("adamw-frozen freezes its second moment after the dense warm-up: "
-                                 "give warmup steps (sparsecomm train --warmup-steps N, N >= 1)")
-            return FrozenVarianceAdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
-                                       freeze_after=freeze_after)
-        raise ValueError(f"unknown optimizer {kind!r}; choose sgd, adamw or adamw-frozen")
+        raise ValueError(f"unknown optimizer {kind!r}; choose sgd or adamw")
 
     def steps_per_epoch(self, size: int, batch: int) -> int:
         raise NotImplementedError

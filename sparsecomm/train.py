@@ -71,8 +71,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                momentum: float = 0.9) -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised).
 
-    ``lr``, ``optimizer`` ("sgd" with momentum, "adamw", or "adamw-frozen": its second
-    moment frozen after the ``warmup_steps`` dense steps): None takes the
+    ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
     task's (a cosine decay over the run follows; the LM task warms up over its
     first 5% of steps); ``momentum``: SGD's. ``warmup_steps``: with the DDP hook, so many dense
     steps before the sparse ones (DGC's warm-up); with Pipe-SGD, so many
@@ -105,8 +104,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum,
-                        freeze_after=warmup_steps)
+    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
     sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
