@@ -847,21 +847,23 @@ def test_gradients_that_share_one_buffer_are_not_taken_for_changed(cls):
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
-def test_a_gradient_hook_that_changes_a_group_being_read_is_refused():
-    # With the gradients as views of a group's buffer, the job reads .grad itself: an in-place
-    # change after its group was submitted (a post-accumulate hook registered after the
-    # schedule's) would race it.
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_gradient_hook_that_changes_a_group_being_read_is_refused(set_to_none):
+    # An in-place change after a group was submitted (a post-accumulate hook registered after
+    # the schedule's) would race the job (the gradients are views of its buffer) or be lost
+    # (they were copied into it).
     def body(rank: int):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         sched = WFBP(model, opt, algorithm="oktopk", density=0.05)
-        _train(model, opt, sched, rank, 2, set_to_none=False)
+        _train(model, opt, sched, rank, 2, set_to_none=set_to_none)
         first = next(model.parameters())
+
         def prune(p):
             p.grad.mul_(0.5)
 
         handle = first.register_post_accumulate_grad_hook(prune)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         _loss(model, rank, 2).backward()
         with pytest.raises(sparsecomm.ScheduleError, match="during backward"):
             sched.step()
@@ -943,3 +945,51 @@ def test_dear_catches_up_in_backward_on_a_group_used_without_its_module():
         assert applied == [6, 6, 6]
         assert during_backward == [1, 1, 1]  # the middle group, after each odd step's forward
         assert all(torch.equal(a, b) for a, b in zip(params, out[0][2]))
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_rank_without_a_backward_still_takes_part(explicit):
+    # A rank with nothing to learn from on one step still calls step() (or synchronize() and
+    # the optimizer): it reduces zeros with the others, who would otherwise wait for it.
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = WFBP(model, opt, algorithm="oktopk", density=0.05)
+        for step in range(4):
+            opt.zero_grad()
+            if not (rank == 1 and step == 2):
+                _loss(model, rank, step).backward()
+            if explicit:
+                sched.synchronize()
+                opt.step()
+            else:
+                sched.step()
+        calls = [st.iteration for st in sched._states]
+        sched.close()
+        return calls, [p.detach().clone() for p in model.parameters()]
+
+    out = sparsecomm.simulate(2, body, timeout=30).results
+    for calls, params in out:
+        assert calls == [4] * len(calls)
+        assert all(torch.equal(a, b) for a, b in zip(params, out[0][1]))
+
+
+def test_a_refused_call_leaves_the_schedule_ready_for_the_next_step():
+    # NaN gradients on one rank: the allreduce refuses on every rank alike; every job is waited
+    # for, the step is dropped, and the next steps go on (no "second backward").
+    def body(rank: int):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = MGWFBP(model, opt, algorithm="oktopk", density=0.05, **MG_FAST)
+        _train(model, opt, sched, rank, 2)
+        opt.zero_grad()
+        (_loss(model, rank, 2) * (float("nan") if rank == 1 else 1.0)).backward()
+        with pytest.raises(sparsecomm.InputError):
+            sched.step()
+        _train(model, opt, sched, rank, 8)
+        sched.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    assert all(bool(torch.isfinite(p).all()) for p in out[0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))

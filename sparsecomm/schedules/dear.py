@@ -255,10 +255,12 @@ class DeAR:
                 self._start_second(gi)
         self._pending = True
         self._reset_backward()
-        if self._tune is not None:
-            self._tune.after_step()
-        if changed is not None:  # raised last, so every rank made the same calls
-            raise changed
+        try:
+            if self._tune is not None:
+                self._tune.after_step()
+        finally:
+            if changed is not None:  # raised last, so every rank made the same calls
+                raise changed
 
     def _catch_up(self, gi: int) -> None:
         """Apply the group's update from the last step before its new first phase starts.

@@ -80,7 +80,8 @@ class GroupSchedule:
         self.set_groups(groups if groups is not None else [list(range(len(self.params) - 1, -1, -1))])
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.stats: dict[str, list] = {"exposed_seconds": []}
-        self._synchronized = False  # synchronize() ran and no backward since
+        self._synchronized = False  # synchronize() ran, and neither a gradient nor the optimizer's step since
+        self._opt_handle = optimizer.register_step_post_hook(lambda *args: setattr(self, "_synchronized", False))
         self.job_timings: list[tuple[int, float]] = []  # (elements, seconds on the thread), last step
 
     # ---- groups --------------------------------------------------------------------
@@ -134,6 +135,7 @@ class GroupSchedule:
         self._in_backward = 0  # groups submitted before then
         self._queued = False  # an end-of-backward callback is pending
         self._views_at: dict[int, int] = {}  # group -> its buffer's version when a job began reading it
+        self._copied_at: dict[int, list] = {}  # group -> its own-storage grads and versions when copied
         self._changed: ScheduleError | None = None  # found at the end of backward
 
     # ---- during backward -------------------------------------------------------------
@@ -173,10 +175,14 @@ class GroupSchedule:
             self._results[gi] = torch.empty_like(buf)
         if grads_in(params, buf):  # the backward accumulated into it (see synchronize): the job reads .grad
             self._views_at[gi] = buf._version
-        elif any(g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for g in grads):
-            buf.copy_(torch.cat([g.reshape(-1) for g in grads]))  # some still view buf: cat cannot write over them
         else:
-            torch.cat([g.reshape(-1) for g in grads], out=buf)
+            if any(g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for g in grads):
+                buf.copy_(torch.cat([g.reshape(-1) for g in grads]))  # some still view buf: cat cannot write over them
+            else:
+                torch.cat([g.reshape(-1) for g in grads], out=buf)
+            # A change after this copy is lost: checked at the end of backward for gradients with a
+            # storage of their own (views of a shared buffer share a counter: later layers bump it).
+            self._copied_at[gi] = [(g, g._version) for g in grads if g._base is None]
         state = self._states[gi]
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
@@ -185,12 +191,13 @@ class GroupSchedule:
         self._in_backward, self._seen = self._next, grad_versions(self.params)
         # A group's buffer is its own, so any change to it after its job began reading it (e.g.
         # a post-accumulate hook registered after the schedule's, pruning in place) is a race.
-        for gi, version in self._views_at.items():
-            if self._buffers[gi]._version != version and self._changed is None:
-                self._changed = ScheduleError(
-                    f"{type(self).__name__}: gradients changed in place during backward, after their group's "
-                    "allreduce had started reading them (a gradient hook registered after the schedule's?). "
-                    "Change gradients before they are accumulated (tensor hooks), or after synchronize().")
+        raced = [gi for gi, version in self._views_at.items() if self._buffers[gi]._version != version]
+        raced += [gi for gi, seen in self._copied_at.items() if any(g._version != v for g, v in seen)]
+        if raced and self._changed is None:
+            self._changed = ScheduleError(
+                f"{type(self).__name__}: gradients changed in place during backward, after their group's "
+                "allreduce had started from them (a gradient hook registered after the schedule's?). "
+                "Change gradients before they are accumulated (tensor hooks), or after synchronize().")
 
     # ---- after backward ----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -198,7 +205,8 @@ class GroupSchedule:
 
         Layers that got no gradient this step (unused parameters) are reduced as zeros.
         To change the reduced gradients (clipping), call this, change them, then
-        ``optimizer.step()`` (``step()`` after this only steps the optimizer). A change
+        ``optimizer.step()`` (until the optimizer steps or a gradient arrives, a second call,
+        or ``step()``, reduces nothing again). A change
         made before this call, to gradients whose allreduce started in backward, raises
         :class:`~sparsecomm.ScheduleError` (it would be lost) once the step is
         complete: the results are in the gradients, as every other rank has them.
@@ -225,8 +233,13 @@ class GroupSchedule:
         self._submit_ready()
         t0 = time.perf_counter()
         self.job_timings = []
+        failed: Exception | None = None
         for gi, job in enumerate(self._jobs):
-            out = job.wait()
+            try:
+                out = job.wait()
+            except Exception as exc:  # InputError alike on every rank, or a broken engine: wait the others
+                failed = failed or exc
+                continue
             self.job_timings.append((int(out.numel()), float(job.seconds)))
             params = [self.params[i] for i in self.groups[gi]]
             # The gradients become views of the result (no copy), and the two buffers swap
@@ -237,6 +250,9 @@ class GroupSchedule:
             else:
                 write_grads(params, out)
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
+        if failed is not None:  # raised alike on every rank: none profiles this step; the next starts clean
+            self._reset()
+            raise failed
         self._after_step()  # every rank makes its collective calls, whatever is raised below
         self._reset()
         self._synchronized = True
@@ -259,6 +275,7 @@ class GroupSchedule:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        self._opt_handle.remove()
         self.engine.close()
 
 
