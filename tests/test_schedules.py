@@ -847,15 +847,20 @@ def test_gradients_that_share_one_buffer_are_not_taken_for_changed(cls):
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
+def _oktopk_wfbp():
+    """The test model, plain SGD and Ok-Topk 5% under WFBP."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return model, opt, WFBP(model, opt, algorithm="oktopk", density=0.05)
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_a_gradient_hook_that_changes_a_group_being_read_is_refused(set_to_none):
     # An in-place change after a group was submitted (a post-accumulate hook registered after
     # the schedule's) would race the job (the gradients are views of its buffer) or be lost
     # (they were copied into it).
     def body(rank: int):
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        sched = WFBP(model, opt, algorithm="oktopk", density=0.05)
+        model, opt, sched = _oktopk_wfbp()
         _train(model, opt, sched, rank, 2, set_to_none=set_to_none)
         first = next(model.parameters())
 
@@ -952,9 +957,7 @@ def test_a_rank_without_a_backward_still_takes_part(explicit):
     # A rank with nothing to learn from on one step still calls step() (or synchronize() and
     # the optimizer): it reduces zeros with the others, who would otherwise wait for it.
     def body(rank: int):
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        sched = WFBP(model, opt, algorithm="oktopk", density=0.05)
+        model, opt, sched = _oktopk_wfbp()
         for step in range(4):
             opt.zero_grad()
             if not (rank == 1 and step == 2):
