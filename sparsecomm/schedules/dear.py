@@ -59,8 +59,7 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
-from ..errors import ScheduleError
-from .engine import Engine, Job, at_backward_end, check_grads_unchanged, grad_versions, write_grads
+from .engine import Engine, Job, at_backward_end, grad_versions, grads_changed, second_backward, write_grads
 
 __all__ = ["DeAR"]
 
@@ -184,10 +183,7 @@ class DeAR:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if id(p) in self._arrived:
-            raise ScheduleError(
-                "DeAR: a second backward before step(). Each group's first phase starts as soon as its "
-                "gradients are ready, so gradients accumulated over several backward passes would be "
-                "left out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
+            raise second_backward("DeAR")
         if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
             self._queued = True
             at_backward_end(self._backward_ended)
@@ -239,12 +235,9 @@ class DeAR:
         """
         changed = None
         for gi, seen in self._seen.items():
-            try:
-                check_grads_unchanged(self.params[gi], seen, "DeAR",
-                                      "DeAR reduces and updates group by group: change gradients inside the "
-                                      "optimizer, or use a schedule that reduces what step() finds (PipeSGD).")
-            except ScheduleError as exc:
-                changed = changed or exc
+            changed = changed or grads_changed(
+                self.params[gi], seen, "DeAR", "DeAR reduces and updates group by group: change gradients inside "
+                "the optimizer, or use a schedule that reduces what step() finds (PipeSGD).")
         if self._next >= 0:  # groups that got no gradient this step (unused): reduce zeros
             self._missing = [0] * len(self.groups)
             while self._next >= 0:

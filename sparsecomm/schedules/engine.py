@@ -37,8 +37,8 @@ from ..api import allreduce
 from ..comm import Communicator, resolve
 from ..errors import CommTimeoutError, InputError, ScheduleError
 
-__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "check_grads_unchanged",
-           "at_backward_end"]
+__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "grads_changed",
+           "second_backward", "at_backward_end"]
 
 
 def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ def at_backward_end(callback: Callable[[], None]) -> None:
 
 def grad_versions(params: "list[torch.nn.Parameter]") -> list:
     """Each param's ``.grad`` and its version counter, taken at the end of backward (see
-    :func:`at_backward_end`), for :func:`check_grads_unchanged` at ``step()``.
+    :func:`at_backward_end`), for :func:`grads_changed` at ``step()``.
 
     Not when a group is read: views of one buffer share one counter, so a
     backward accumulating into another group's views of it (a user's flat
@@ -95,18 +95,27 @@ def grad_versions(params: "list[torch.nn.Parameter]") -> list:
     return [(p.grad, None if p.grad is None else p.grad._version) for p in params]
 
 
-def check_grads_unchanged(params: "list[torch.nn.Parameter]", seen: list, what: str, instead: str) -> None:
-    """Raise :class:`ScheduleError` where a ``.grad`` was replaced or changed in place since
+def grads_changed(params: "list[torch.nn.Parameter]", seen: list, what: str, instead: str) -> ScheduleError | None:
+    """The :class:`ScheduleError` to raise where a ``.grad`` was replaced or changed in place since
     :func:`grad_versions` (torch bumps a tensor's version on every in-place op): the schedule
-    reduced the old values, and the change would silently be lost."""
+    reduced the old values, and the change would silently be lost. None if nothing changed."""
     for i, (p, (g, version)) in enumerate(zip(params, seen)):
         if p.grad is not g or (g is not None and g._version != version):
-            raise ScheduleError(
+            return ScheduleError(
                 f"{what}: the gradient of a parameter (shape {tuple(p.shape)}, #{i} of its group) changed "
                 "between backward and step() (an in-place change such as clip_grad_norm_ or "
                 "GradScaler.unscale_, zero_grad, or a new .grad). Its allreduce had already started "
                 f"in backward from the old values, so the change would be lost (or race the allreduce "
                 f"reading them). {instead}")
+    return None
+
+
+def second_backward(what: str) -> ScheduleError:
+    """The error of a gradient arriving twice before ``step()`` (gradient accumulation)."""
+    return ScheduleError(
+        f"{what}: a second backward before step(). Each group's allreduce starts as soon as its "
+        "gradients are ready, so gradients accumulated over several backward passes would be left "
+        "out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
 
 
 class Job:

@@ -37,8 +37,8 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import ScheduleError
-from .engine import (Engine, Job, at_backward_end, check_grads_unchanged, grad_versions, grads_in, point_grads,
-                     write_grads)
+from .engine import (Engine, Job, at_backward_end, grad_versions, grads_changed, grads_in, point_grads,
+                     second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
@@ -142,11 +142,7 @@ class GroupSchedule:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         i = self._index[id(p)]
         if i in self._ready_at:
-            raise ScheduleError(
-                f"{type(self).__name__}: a second backward before step(). Each group's allreduce starts "
-                "as soon as its gradients are ready, so gradients accumulated over several backward "
-                "passes would be left out. Call step() after every backward, or use PipeSGD, which "
-                "reduces what step() finds.")
+            raise second_backward(type(self).__name__)
         self._synchronized = False
         now = time.perf_counter()
         if self._t0 is None:
@@ -216,14 +212,9 @@ class GroupSchedule:
             return
         changed = self._changed
         for gi in range(self._in_backward if self._seen is not None else 0):
-            if changed is not None:
-                break
-            try:
-                check_grads_unchanged([self.params[i] for i in self.groups[gi]],
-                                      [self._seen[i] for i in self.groups[gi]], type(self).__name__,
-                                      "Call synchronize(), change the gradients, then optimizer.step().")
-            except ScheduleError as exc:
-                changed = exc
+            changed = changed or grads_changed(
+                [self.params[i] for i in self.groups[gi]], [self._seen[i] for i in self.groups[gi]],
+                type(self).__name__, "Call synchronize(), change the gradients, then optimizer.step().")
         for gi in range(self._next, len(self.groups)):
             for i in self.groups[gi]:
                 p = self.params[i]
