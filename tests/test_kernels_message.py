@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_paths import backend_params, runner
+from gpu_paths import backend_params, missing, runner
 
 from sparsecomm import kernels
 from sparsecomm.kernels import dispatch
@@ -128,6 +128,7 @@ def test_indexes_that_descend_or_leave_the_span_are_refused(backend, monkeypatch
                                              msg[16:].view(1000, -1))
 
 
+@pytest.mark.skipif(missing("triton") is not None, reason=str(missing("triton")))
 def test_explicit_gpu_backends_have_a_path_for_blocked_messages(monkeypatch):
     # backend= names a path for the blocked layout too (its records by that library's kernel):
     # Triton's, in its interpreter here, gives the reference's bytes.
