@@ -579,9 +579,13 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
             ``tensor`` itself reduces in place) instead of into a new tensor:
             steady-state calls then allocate nothing of size n. When the call
             raises, its contents are unspecified (a fused pass may have zeroed it).
+            Without it a stateful call writes into one of the state's result
+            buffers, taken only when nothing refers to it any more
+            (:meth:`State.result_buffer`): the plain call costs what this one does.
 
     Returns:
-        A dense tensor with the shape, dtype and device of ``tensor`` (``out`` if given).
+        A dense tensor with the shape, dtype and device of ``tensor`` (``out`` if given),
+        the caller's until it lets go of it (and of every view of it).
 
     Raises:
         InputError: on every rank, for bad or mismatched arguments, NaN/Inf
@@ -594,6 +598,7 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         st = sparsecomm.OkTopkState(density=0.01, tau=32, tau_prime=64)
         out = sparsecomm.allreduce(grad, state=st, op="avg")
     """
+    out = _plain_out(tensor, state, out)
     call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     result = _execute(call, check, tensor.dtype, scale)
@@ -601,6 +606,14 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
         result.to_dense(tensor.dtype, scale, out=out.view(-1), zeroed=call.out_zeroed)
         return out
     return result.to_dense(tensor.dtype, scale).reshape(tensor.shape)
+
+
+def _plain_out(tensor: Any, state: State | None, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``out``, or for a stateful call without it one of the state's result buffers
+    (:meth:`State.result_buffer`): the plain call then runs as the ``out=`` call does."""
+    if out is not None or state is None or not isinstance(tensor, torch.Tensor):
+        return out
+    return state.result_buffer(tensor)
 
 
 def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
@@ -622,6 +635,7 @@ def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algor
     allreduce, to rounding). Same arguments as :func:`allreduce`; ``out``
     holds the result once ``finish()`` returns, and nothing to read before.
     """
+    out = _plain_out(tensor, state, out)
     call = _Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     return Pending(_execute(call, check, tensor.dtype, scale, split=True), out)

@@ -182,7 +182,10 @@ class State:
     #: early (:class:`~sparsecomm.result.SparseResult` ``settled``); not saved in checkpoints.
     result_limit = math.inf
     #: Attributes that live for one call or are buffers: never saved in checkpoints.
-    _TRANSIENT = ("_scratch", "_workspace", "result_limit", "_maxima", "_scales_wanted")
+    _TRANSIENT = ("_scratch", "_workspace", "_results", "result_limit", "_maxima", "_scales_wanted")
+    #: How many result buffers a plain call (no ``out=``) may keep (:meth:`result_buffer`):
+    #: two serve ``out = allreduce(g, state=s)``, whose previous result lives through the call.
+    RESULT_BUFFERS = 2
     #: Where the next call starts collecting candidates (None: select over all n next call).
     topk_guide: float | None = None
     #: The guide is the last call's (GUIDE_RANK k)-th largest |acc|, found among its
@@ -389,6 +392,48 @@ class State:
         if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
             buf = bufs[name] = torch.zeros(numel, dtype=dtype, device=device)
         return buf
+
+    def result_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A tensor shaped like ``like`` for a plain call's result, on a buffer the state keeps.
+
+        A fresh n-element result costs n/1024 minor page faults a call on CPU (the
+        allocator maps large blocks anew each time: ~3x the rest of a steady Ok-Topk
+        call at 25M), and CUDA graphs want fixed addresses. So the state keeps up to
+        ``RESULT_BUFFERS`` flat buffers and hands out a *view* of one that nobody else
+        uses:
+
+        1. A buffer is free when its storage has no user besides the state's own
+           tensor (``torch._C._storage_Use_Count``): every tensor the caller can hold
+           that reads it (the returned view, views of it, ``.grad`` set to it, a
+           tensor autograd saved, a NumPy array of it) is a tensor of its own on the
+           same storage, and holds it busy. A returned result is therefore never
+           overwritten while anything can still read it.
+        2. Else, below the limit, a new buffer joins the set (its pages are faulted
+           in once).
+        3. Else None: the caller allocates a fresh tensor, as without a state.
+
+        Buffers are dropped when the tensor's size, dtype or device changes, and are
+        never saved in checkpoints.
+        """
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if (use_count is None or like.layout != torch.strided
+                or like.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
+            return None
+        n = like.numel()
+        if self.n is not None and self.n != n:
+            return None  # the call is refused (one state per tensor): keep the buffers
+        pool = self.__dict__.setdefault("_results", [])
+        if pool and (pool[0][0].numel() != n or pool[0][0].dtype != like.dtype or pool[0][0].device != like.device):
+            pool.clear()
+        for buf, idle in pool:
+            if use_count(buf.untyped_storage()._cdata) == idle:
+                return buf.view(like.shape)
+        if len(pool) >= self.RESULT_BUFFERS:
+            return None
+        buf = torch.empty(n, dtype=like.dtype, device=like.device)
+        # The count with no other user, as this torch reports it (the query holds one too).
+        pool.append((buf, use_count(buf.untyped_storage()._cdata)))
+        return buf.view(like.shape)
 
     def buffers(self) -> list[torch.Tensor]:
         """The persistent buffers (scratch and workspace) this state holds."""

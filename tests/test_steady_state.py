@@ -243,3 +243,72 @@ def test_a_state_whose_compensate_predates_zero_out_still_takes_out():
         g = grad(0, step)
         out.fill_(float("nan"))
         assert torch.equal(sparsecomm.allreduce(g, state=mine, out=out), sparsecomm.allreduce(g, state=plain))
+
+
+def _drifting(rank, steps, n=3000):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    for step in range(steps):
+        x = 0.9 * x + 0.1 * grad(rank, step, n)
+        yield x
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("P", [1, 3])
+def test_plain_call_reuses_two_buffers_and_never_overwrites_a_live_result(algorithm, P):
+    # The usual loop: `out = allreduce(g, state=s)` keeps the previous result alive through
+    # the call, so two buffers serve it; results a caller still holds (the tensor, a view
+    # of it, a .grad set to it) are never written again, and every result equals the out=
+    # call's of a twin state.
+    def body(rank):
+        cls = sparsecomm.registry.get(algorithm).state_class
+        plain, twin = cls(0.05, error_feedback=True), cls(0.05, error_feedback=True)
+        into = torch.empty(3000)
+        ptrs, kept, wanted, same = set(), [], [], []
+        param = torch.nn.Parameter(torch.zeros(3000))
+        for step, x in enumerate(_drifting(rank, 12)):
+            out = sparsecomm.allreduce(x, state=plain)
+            want = sparsecomm.allreduce(x, state=twin, out=into).clone()
+            same.append(torch.equal(out, want))
+            if step < 8:
+                ptrs.add(out.data_ptr())
+            if step == 8:
+                kept.append(out.view(30, 100)), wanted.append(want.view(30, 100))  # a view held
+            if step == 9:
+                param.grad = out  # held as a gradient
+                wanted.append(want)
+        held = [torch.equal(k, w) for k, w in zip(kept + [param.grad], wanted)]
+        return same, held, len(ptrs)
+
+    for same, held, buffers in sparsecomm.simulate(P, body).results:
+        assert all(same) and all(held), (same, held)
+        assert buffers == 2, buffers  # the loop alone: two buffers, taken in turn
+
+
+def test_plain_call_buffer_is_free_again_once_every_view_is_gone():
+    state = sparsecomm.OkTopkState(0.05, error_feedback=True)
+    xs = list(_drifting(0, 6))
+    first = sparsecomm.allreduce(xs[0], state=state)
+    ptr, view = first.data_ptr(), first.view(3, 1000)
+    del first
+    second = sparsecomm.allreduce(xs[1], state=state)
+    assert second.data_ptr() != ptr  # the view still reads the first buffer
+    del view, second
+    third = sparsecomm.allreduce(xs[2], state=state)
+    assert third.data_ptr() == ptr  # nothing refers to it now: taken again, not a fresh tensor
+    arr = third.numpy()  # a NumPy array of the result holds it too
+    del third
+    assert sparsecomm.allreduce(xs[3], state=state).data_ptr() != ptr
+    del arr
+    # Buffers are transient: a checkpoint carries none of them.
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    assert "_results" not in torch.load(io.BytesIO(buf.getvalue()), weights_only=True).__dict__
+
+
+def test_plain_split_call_holds_its_buffer_until_finished():
+    a, b = sparsecomm.OkTopkState(0.05, error_feedback=True), sparsecomm.OkTopkState(0.05, error_feedback=True)
+    for x in _drifting(0, 6):
+        pending = sparsecomm.begin_allreduce(x, state=a)
+        other = sparsecomm.allreduce(x + 1, state=sparsecomm.OkTopkState(0.05))  # a stateless call between
+        got = pending.finish()
+        assert torch.equal(got, sparsecomm.allreduce(x, state=b)) and other.data_ptr() != got.data_ptr()
