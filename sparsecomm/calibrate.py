@@ -33,10 +33,13 @@ import functools
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from .errors import InputFileError
 from .network import Network
+from .output import progress, read_json
 
 __all__ = ["Profile", "Point", "traffic", "points", "fit", "model", "compare", "project", "reuse_traffic",
            "profile_dir", "main"]
@@ -141,9 +144,11 @@ def traffic(algorithm: str, compressor: str | None, P: int, n: int, density: flo
 def reuse_traffic(path: str) -> int:
     """Seed :func:`traffic` with the projection of an earlier ``calibration.json`` (same code, same
     workload: the simulation is deterministic), so a re-fit does not simulate P = 1024 again.
-    Returns how many entries were loaded."""
-    with open(path) as f:
-        rows = json.load(f).get("projection", [])
+    Returns how many entries were loaded; InputFileError if ``path`` is not a calibration file."""
+    data = read_json(path)
+    rows = data.get("projection") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and _PROJECTION_KEYS <= set(r) for r in rows):
+        raise InputFileError(f'{path}: not a sparsecomm calibration file (no "projection" list of rows)')
     for r in rows:
         algorithm, _, comp = r["algorithm"].partition("+")
         _TRAFFIC_SEEN[(algorithm, comp or None, r["P"], r["n"], r.get("density", 0.01), "model")] = (
@@ -151,23 +156,32 @@ def reuse_traffic(path: str) -> int:
     return len(rows)
 
 
+_PROJECTION_KEYS = {"algorithm", "P", "n", "messages", "bytes"}
 #: Traffic loaded by :func:`reuse_traffic`, consulted by :func:`project` before simulating.
 _TRAFFIC_SEEN: dict[tuple, tuple[float, float]] = {}
 
 
-def points(records: Iterable, n_sim: int = 1 << 18) -> list[Point]:
-    """The allreduce rows at P > 1 of ``records`` (``sparsecomm.report.load``), with simulated traffic."""
-    out, cache = [], {}
-    for rec in records:
+def _case(row: dict) -> tuple:
+    """:func:`traffic`'s arguments for a measured row: (algorithm, compressor, P, n, density, kind)."""
+    comp = None if row.get("compressor") in (None, "none") else row["compressor"]
+    return (row["algorithm"], comp, int(row["ranks"]), int(row["n"]), float(row["density"]),
+            row.get("kind", "model"))
+
+
+def points(records: Iterable, n_sim: int = 1 << 18, show_progress: bool = False) -> list[Point]:
+    """The allreduce rows at P > 1 of ``records`` (``sparsecomm.report.load``), with simulated traffic.
+
+    ``show_progress``: a progress bar over the simulated cases (on a terminal).
+    """
+    measured = [rec for rec in records if rec.suite == "allreduce" and rec.row.get("algorithm") != "memcpy"
+                and int(rec.row["ranks"]) >= 2]
+    cases = list(dict.fromkeys(_case(rec.row) for rec in measured))
+    simulated = {case: traffic(*case, n_sim=n_sim)
+                 for case in progress(cases, show=show_progress, desc="simulating traffic", unit="case")}
+    out = []
+    for rec in measured:
         row = rec.row
-        if rec.suite != "allreduce" or row.get("algorithm") == "memcpy" or int(row["ranks"]) < 2:
-            continue
-        comp = None if row.get("compressor") in (None, "none") else row["compressor"]
-        key = (row["algorithm"], comp, int(row["ranks"]), int(row["n"]), float(row["density"]),
-               row.get("kind", "model"))
-        if key not in cache:
-            cache[key] = traffic(*key, n_sim=n_sim)
-        M, B = cache[key]
+        M, B = simulated[_case(row)]
         env = rec.env or {}
         nodes = max(1, int(env.get("nodes", 1)))
         sharing = max(1.0, int(row["ranks"]) / nodes / max(1, int(env.get("cpus", 1))))
@@ -231,18 +245,22 @@ def compare(pts: list[Point], profiles: dict[str, Profile]) -> list[dict]:
 
 
 def project(profile: Profile, labels: Iterable[str], world_sizes: Iterable[int], n: int,
-            density: float = 0.01, kind: str = "model", n_sim: int = 1 << 16) -> list[dict]:
-    """Modelled time per call at each P for each algorithm label, one rank per node (no core sharing)."""
+            density: float = 0.01, kind: str = "model", n_sim: int = 1 << 16,
+            show_progress: bool = False) -> list[dict]:
+    """Modelled time per call at each P for each algorithm label, one rank per node (no core sharing).
+
+    ``show_progress``: a progress bar over the (P, label) pairs (on a terminal).
+    """
     rows = []
-    for P in world_sizes:
-        for label in labels:
-            algorithm, _, comp = label.partition("+")
-            key = (algorithm, comp or None, P, n, density, kind)
-            M, B = _TRAFFIC_SEEN.get(key) or traffic(*key, n_sim=n_sim, calls=2)
-            t = model(profile, label, M, B, n)
-            rows.append({"profile": profile.name, "algorithm": label, "P": P, "n": n, "density": density,
-                         "messages": M, "bytes": B,
-                         "time_ms": 1e3 * t, "network_ms": 1e3 * (profile.alpha * M + profile.beta * B)})
+    pairs = [(P, label) for P in world_sizes for label in labels]
+    for P, label in progress(pairs, show=show_progress, desc=f"projecting {profile.name}", unit="case"):
+        algorithm, _, comp = label.partition("+")
+        key = (algorithm, comp or None, P, n, density, kind)
+        M, B = _TRAFFIC_SEEN.get(key) or traffic(*key, n_sim=n_sim, calls=2)
+        t = model(profile, label, M, B, n)
+        rows.append({"profile": profile.name, "algorithm": label, "P": P, "n": n, "density": density,
+                     "messages": M, "bytes": B,
+                     "time_ms": 1e3 * t, "network_ms": 1e3 * (profile.alpha * M + profile.beta * B)})
     dense = {r["P"]: r["time_ms"] for r in rows if r["algorithm"] == "dense"}
     for r in rows:
         r["speedup_over_dense"] = dense[r["P"]] / r["time_ms"] if r["P"] in dense else float("nan")
@@ -266,13 +284,14 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
         reuse_traffic(traffic_from)
 
     records = load(paths)
-    pts = points(records, n_sim=n_sim)
+    pts = points(records, n_sim=n_sim, show_progress=True)
     if not pts:
-        print("sparsecomm calibrate: no allreduce rows at P > 1 in " + ", ".join(paths))
+        print("sparsecomm calibrate: no allreduce rows at P > 1 in " + ", ".join(paths), file=sys.stderr)
         return 1
     machines = sorted({p.machine for p in pts})
     if names and len(names) != len(machines):
-        print(f"sparsecomm calibrate: {len(names)} name(s) for {len(machines)} machine(s): {machines}")
+        print(f"sparsecomm calibrate: {len(names)} name(s) for {len(machines)} machine(s): {machines}",
+              file=sys.stderr)
         return 2
     profiles = fit(pts, dict(zip(machines, names)) if names else None)
     for prof in profiles.values():
@@ -304,7 +323,7 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
             labels = sorted(prof.local_s_per_element)
             n = project_n or max(p.n for p in pts if p.machine == prof.machine)
             density = max(p.density for p in pts if p.machine == prof.machine)
-            proj += project(prof, labels, sizes, n, density, n_sim=min(n_sim, 1 << 16))
+            proj += project(prof, labels, sizes, n, density, n_sim=min(n_sim, 1 << 16), show_progress=True)
             sub = [r for r in proj if r["profile"] == prof.name]
             out += [f"\n## projection with {prof.name}: n = {n:,}, one rank per node", "",
                     _table(sub,

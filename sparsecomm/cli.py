@@ -28,11 +28,15 @@ ranks are already there and the command runs on each of them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Any, Callable
 
-from .output import write_json
+from . import argtypes as at
+from .errors import InputFileError
+from .output import progress, write_json
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> tuple[list, dict]:
@@ -46,8 +50,6 @@ def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> tuple[list, d
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import os
-
     from .bench import format_table, write_results
 
     if args.launcher == "spawn":
@@ -62,7 +64,9 @@ def _bench(args: argparse.Namespace) -> int:
         rows, env = simulate(args.ranks, lambda r: _bench_rank(r, args.ranks, args)).results[0]
     else:
         from .comm import resolve
+        from .launch import join_launched_group
 
+        join_launched_group()  # torchrun; under mpiexec/srun resolve() finds MPI
         comm = resolve()
         rows, env = _bench_rank(comm.rank, comm.size, args)
         if comm.rank != 0:
@@ -78,39 +82,41 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    import os
-
     from . import study
 
-    os.makedirs(args.out, exist_ok=True)
-    sizes = [int(p) for p in args.ranks.split(",")]
-    kinds = args.kinds.split(",")
-    algs = args.algorithms
-
+    volume = args.what == "volume"
+    sizes = args.ranks or ([2, 4, 8, 16, 32, 64, 128, 256] if volume else [32, 64, 128, 256])
+    kinds = args.kinds or (["gaussian", "student_t", "skewed"] if volume else ["model"])
+    algs = args.algorithms or study.ALGORITHMS
+    print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
+          f"P={sizes} kinds={kinds}", flush=True)
     done: list = []
     base = os.path.join(args.out, args.what)
+    bar = progress(total=len(kinds) * len(sizes) * len(algs), desc="study", unit="case")
 
-    def progress(row: "study.VolumeRow") -> None:
+    def measured(row: "study.VolumeRow") -> None:
         done.append(row)
+        os.makedirs(args.out, exist_ok=True)  # only once there is something to keep
         write_json(done, base + ".partial.json")  # a long study keeps what it measured
-        print(f"  {row.kind:<9} P={row.P:<4} {row.algorithm:<10} bytes/rank max {row.bytes_max:>14,.0f} "
-              f"mean {row.bytes_mean:>14,.0f}  msgs max {row.messages_max:>6.0f}  "
-              f"measured/formula {row.ratio:6.3f}", flush=True)
+        bar.update()
+        bar.write(f"  {row.kind:<9} P={row.P:<4} {row.algorithm:<10} bytes/rank max {row.bytes_max:>14,.0f} "
+                  f"mean {row.bytes_mean:>14,.0f}  msgs max {row.messages_max:>6.0f}  "
+                  f"measured/formula {row.ratio:6.3f}", file=sys.stdout)
+        sys.stdout.flush()
 
-    print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
-          f"P={sizes} kinds={kinds}")
-    rows = study.volume_study(sizes, algs, kinds, args.n, args.density, args.tau, progress=progress)
+    with bar:
+        rows = study.volume_study(sizes, algs, kinds, args.n, args.density, args.tau, progress=measured)
     write_json(rows, base + ".json")
     study.write_csv(rows, base + ".csv")
-    if args.what == "volume":
+    if volume:
         study.plot_volume(rows, base + ".png")
         _print_ratios(rows)
     else:
         proj = []
-        for net in args.networks.split(","):
+        for net in args.networks:
             proj += study.project(rows, net, args.target_n)
         write_json(proj, base + "_projection.json")
-        for net in args.networks.split(","):
+        for net in args.networks:
             sub = [d for d in proj if d["network"] == net]
             study.plot_projection(sub, f"{base}_{net}.png")
             _print_projection(sub)
@@ -119,13 +125,10 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import os
-
     from . import train
 
-    os.makedirs(args.out, exist_ok=True)
     print(f"# sparsecomm train: task {args.task}, {args.ranks} gloo ranks, {args.epochs} epochs, "
-          f"configs {args.configs}", flush=True)
+          f"configs {','.join(args.configs)}", flush=True)
     # One configuration at a time, the JSON rewritten after each: a run that fails (a diverging
     # configuration raises on NaN) is reported and the others still land.
     results, failed = [], []
@@ -141,14 +144,50 @@ def _train(args: argparse.Namespace) -> int:
             lines = [x for x in str(exc).strip().splitlines() if x.strip() and not x.startswith("(then")]
             print(f"\n# {config} failed: {lines[-1] if lines else type(exc).__name__}", flush=True)
             results.append({"config": config, "failed": str(exc)})
-        write_json(results, os.path.join(args.out, "train.json"))
+        if len(results) > len(failed):  # a file only once some configuration trained
+            os.makedirs(args.out, exist_ok=True)
+            write_json(results, os.path.join(args.out, "train.json"))
     done = [r for r in results if "failed" not in r]
-    if done:
-        print(train.format_results(done))
-        train.plot(done, os.path.join(args.out, "train.png"))
+    if not done:
+        print(f"sparsecomm train: every configuration failed ({', '.join(failed)}); nothing written",
+              file=sys.stderr)
+        return 1
+    print(train.format_results(done))
+    train.plot(done, os.path.join(args.out, "train.png"))
     print(f"# wrote {args.out}/train.json and {args.out}/train.png"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _train_problem(args: argparse.Namespace) -> str | None:
+    """An option combination ``train`` would refuse for a configuration, before any rank starts."""
+    from .train import check_warmup, parse_config
+
+    for config in args.configs:
+        try:
+            check_warmup(parse_config(config)[1] or args.schedule, args.warmup_steps)
+        except ValueError as exc:
+            return f"argument --warmup-steps: {config}: {exc}"
+    return None
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import report
+
+    return report.main(args.results, args.out)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from . import calibrate
+
+    return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
+                          args.n_sim, args.traffic_from)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from . import emulate
+
+    return emulate.main(args)
 
 
 def _print_ratios(rows: list) -> None:
@@ -170,118 +209,123 @@ def _print_projection(proj: list[dict]) -> None:
                                          for d in proj if d["P"] == P))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from . import algorithms
-    from .synthetic import KINDS
+def _names(known: at.Known, what: str) -> Callable[[str], list]:
+    """A comma-separated list of names from ``known`` (a registry: a sequence or a function)."""
+    return at.comma_list(at.name_in(known, what))
 
+
+def _command(sub: Any, name: str, help: str, run: Callable[[argparse.Namespace], int],
+             check: Callable[[argparse.Namespace], str | None] | None = None) -> argparse.ArgumentParser:
+    """Add subcommand ``name``; parsed arguments carry what runs it, its parser (for its errors) and
+    ``check``, a test of option combinations that no single type can make."""
+    command = sub.add_parser(name, help=help)
+    command.set_defaults(run=run, command=command, check=check)
+    return command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sparsecomm`` parser: one subcommand each, every argument checked by its type."""
+    from . import algorithms, emulate, study, train
+    from .compress import COMPRESSORS
+    from .network import resolve_network
+    from .synthetic import KINDS
+    from .tasks import OPTIMIZERS, TASKS
+
+    network = at.checked_by(resolve_network, "network")
     parser = argparse.ArgumentParser(prog="sparsecomm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="subcommand", required=True)
-    b = sub.add_parser("bench", help="time sparse and dense allreduces on local or launched ranks")
-    b.add_argument("--ranks", type=int, default=4, help="local ranks to start (spawn/sim)")
-    b.add_argument("--n", type=int, default=4_000_000, help="gradient elements per rank")
-    b.add_argument("--density", type=float, default=0.01)
-    b.add_argument("--steps", type=int, default=10, help="timed calls per algorithm")
-    b.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    b = _command(sub, "bench", "time sparse and dense allreduces on local or launched ranks", _bench)
+    b.add_argument("--ranks", type=at.positive_int, default=4, help="local ranks to start (spawn/sim)")
+    b.add_argument("--n", type=at.positive_int, default=4_000_000, help="gradient elements per rank")
+    b.add_argument("--density", type=at.density, default=0.01, help="fraction selected, in (0, 1]")
+    b.add_argument("--steps", type=at.positive_int, default=10, help="timed calls per algorithm")
+    b.add_argument("--warmup", type=at.nonnegative_int, default=3, help="untimed calls first")
     b.add_argument("--kind", choices=KINDS, default="model", help="synthetic gradient")
-    b.add_argument("--algorithms", type=lambda s: s.split(","), default=["oktopk", "dense"],
-                   help=f"comma-separated, from {algorithms()}")
-    b.add_argument("--compressors", type=lambda s: [None if c == "none" else c for c in s.split(",")],
-                   default=[None], help="comma-separated: none, fp16, bf16, trunc16, q8, q4, ...")
+    b.add_argument("--algorithms", type=_names(algorithms, "algorithm"), default=["oktopk", "dense"],
+                   help=f"comma-separated, from {', '.join(algorithms())}")
+    b.add_argument("--compressors", type=_names(["none", *COMPRESSORS], "compressor"), default=["none"],
+                   help=f"comma-separated, from none, {', '.join(COMPRESSORS)}")
     b.add_argument("--launcher", choices=["spawn", "sim", "external"], default="spawn",
                    help="spawn gloo processes, simulate in-process, or use ranks "
                         "started by torchrun/mpiexec/srun")
-    b.add_argument("--json", help="also write the rows to this JSON file")
-    st = sub.add_parser("study", help="volume and scaling study in the simulated world")
+    b.add_argument("--json", type=at.new_file, help="also write the rows to this JSON file")
+    st = _command(sub, "study", "volume and scaling study in the simulated world", _study)
     st.add_argument("what", choices=["volume", "bert"],
                     help="volume: bytes/messages per rank vs P for every algorithm; "
                          "bert: the same at P=32..256 projected to BERT's 133,547,324 elements")
-    st.add_argument("--ranks", default=None, help="comma-separated world sizes")
-    st.add_argument("--n", type=int, default=1 << 20, help="elements per rank in the simulation")
-    st.add_argument("--density", type=float, default=0.01)
-    st.add_argument("--tau", type=int, default=4, help="threshold period (calls 2..tau are measured)")
-    st.add_argument("--kinds", default=None, help="gradient kinds, comma-separated")
-    st.add_argument("--algorithms", type=lambda s: s.split(","), default=None)
-    st.add_argument("--networks", default="pizdaint,10gbe,56gbib,100gbib",
+    st.add_argument("--ranks", type=at.comma_list(at.int_in(2)), default=None,
+                    help="comma-separated world sizes, each >= 2 (default: volume 2..256, bert 32..256)")
+    st.add_argument("--n", type=at.positive_int, default=1 << 20, help="elements per rank in the simulation")
+    st.add_argument("--density", type=at.density, default=0.01, help="fraction selected, in (0, 1]")
+    st.add_argument("--tau", type=at.positive_int, default=4, help="threshold period (calls 2..tau are measured)")
+    st.add_argument("--kinds", type=_names(KINDS, "gradient kind"), default=None,
+                    help=f"gradient kinds, comma-separated, from {', '.join(KINDS)} "
+                         "(default: volume gaussian,student_t,skewed; bert model)")
+    st.add_argument("--algorithms", type=_names(study.ALGORITHMS, "algorithm"), default=None,
+                    help=f"comma-separated, from {', '.join(study.ALGORITHMS)} (default: all)")
+    st.add_argument("--networks", type=at.comma_list(network), default="pizdaint,10gbe,56gbib,100gbib",
                     help="profiles (or alpha:beta) for the projection")
-    st.add_argument("--target-n", type=int, default=133_547_324)
-    st.add_argument("--out", default="study", help="output folder")
-    rp = sub.add_parser("report", help="tables and plots from benchmark JSON files (any machines)")
+    st.add_argument("--target-n", type=at.positive_int, default=133_547_324)
+    st.add_argument("--out", type=at.out_folder, default="study", help="output folder")
+    rp = _command(sub, "report", "tables and plots from benchmark JSON files (any machines)", _report)
     rp.add_argument("results", nargs="+",
                     help="pytest-benchmark JSON of benchmarks/, sparsecomm bench --json, or folders of them")
-    rp.add_argument("--out", default=None, help="folder for report.md, rows.csv and the plots")
-    ca = sub.add_parser("calibrate", help="fit the network model's alpha, beta (and local costs) to measured runs")
+    rp.add_argument("--out", type=at.out_folder, default=None, help="folder for report.md, rows.csv and the plots")
+    ca = _command(sub, "calibrate", "fit the network model's alpha, beta (and local costs) to measured runs",
+                  _calibrate)
     ca.add_argument("results", nargs="+", help="allreduce suite or sparsecomm bench JSON at P > 1")
-    ca.add_argument("--names", type=lambda s: s.split(","), default=None,
+    ca.add_argument("--names", type=at.comma_list(str), default=None,
                     help="profile names, one per machine found (comma-separated, in sorted machine order)")
     ca.add_argument("--save", action="store_true", help="save the profiles where resolve_network finds them")
-    ca.add_argument("--project", type=int, default=1024, help="project to this many ranks (0: no projection)")
-    ca.add_argument("--project-n", type=int, default=None, help="elements for the projection (default: measured)")
-    ca.add_argument("--n-sim", type=int, default=1 << 18, help="largest n simulated to count traffic")
+    ca.add_argument("--project", type=at.nonnegative_int, default=1024,
+                    help="project to this many ranks (0: no projection)")
+    ca.add_argument("--project-n", type=at.positive_int, default=None,
+                    help="elements for the projection (default: measured)")
+    ca.add_argument("--n-sim", type=at.int_in(2), default=1 << 18, help="largest n simulated to count traffic")
     ca.add_argument("--traffic-from", default=None,
                     help="an earlier calibration.json whose projection traffic is reused (no re-simulation)")
-    ca.add_argument("--out", default=None, help="folder for calibration.md/.json/.png")
-    em = sub.add_parser("emulate", help="run a command on P ranks of an emulated slow-link cluster (root)")
-    from .emulate import add_arguments as _emulate_arguments
-
-    _emulate_arguments(em)
-    tr = sub.add_parser("train", help="convergence comparison: digits MLP or a transformer LM (4 gloo ranks)")
-    tr.add_argument("--task", default="digits", choices=["digits", "lm"],
+    ca.add_argument("--out", type=at.out_folder, default=None, help="folder for calibration.md/.json/.png")
+    em = _command(sub, "emulate", "run a command on P ranks of an emulated slow-link cluster (root)", _emulate)
+    emulate.add_arguments(em)
+    tr = _command(sub, "train", "convergence comparison: digits MLP or a transformer LM (4 gloo ranks)", _train,
+                  check=_train_problem)
+    tr.add_argument("--task", default="digits", choices=list(TASKS),
                     help="digits: scikit-learn's digits, an MLP; lm: a byte-level transformer language model "
                          "on the Python standard library's sources")
-    tr.add_argument("--configs", type=lambda s: s.split(","),
-                    default=["dense", "oktopk", "topka", "gtopk", "gaussiank", "dense-q4",
-                             "dense-fp16", "oktopk-q8"],
-                    help="comma-separated; each may name its schedule, e.g. oktopk/pipesgd")
-    tr.add_argument("--ranks", type=int, default=4)
-    tr.add_argument("--epochs", type=int, default=30, help="digits: passes over the data; lm: 50-step periods")
-    tr.add_argument("--lr", type=float, default=None, help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
-    tr.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+    tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
+                    default=list(train.CONFIGS),
+                    help=f"comma-separated, from {', '.join(train.CONFIGS)}; each may name its schedule, "
+                         "e.g. oktopk/pipesgd")
+    tr.add_argument("--ranks", type=at.positive_int, default=4)
+    tr.add_argument("--epochs", type=at.positive_int, default=30,
+                    help="digits: passes over the data; lm: 50-step periods")
+    tr.add_argument("--lr", type=at.positive_float, default=None,
+                    help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
+    tr.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: the task's (digits: SGD with momentum, lm: AdamW)")
-    tr.add_argument("--momentum", type=float, default=0.9,
+    tr.add_argument("--momentum", type=at.float_in(0.0, 1.0, hi_open=True), default=0.9,
                     help="SGD's momentum (one-step-stale Pipe-SGD diverged on the LM at 0.9; see README)")
-    tr.add_argument("--batch", type=int, default=16, help="per rank")
-    tr.add_argument("--warmup-steps", type=int, default=0,
+    tr.add_argument("--batch", type=at.positive_int, default=16, help="per rank")
+    tr.add_argument("--warmup-steps", type=at.nonnegative_int, default=0,
                     help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first")
-    tr.add_argument("--network", default="10gbe", help="profile for the modelled time")
-    tr.add_argument("--schedule", default="none", choices=["none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd"],
+    tr.add_argument("--network", type=network, default="10gbe", help="profile for the modelled time")
+    tr.add_argument("--schedule", default="none", choices=train.SCHEDULES,
                     help="reduce with a schedule around the plain model instead of the DDP hook")
-    tr.add_argument("--out", default="train", help="output folder")
+    tr.add_argument("--out", type=at.out_folder, default="train", help="output folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``sparsecomm`` command; its exit status (2: bad arguments or input files)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.subcommand == "report":
-        from . import report
-
-        return report.main(args.results, args.out)
-    if args.subcommand == "emulate":
-        from . import emulate
-
-        return emulate.main(args)
-    if args.subcommand == "calibrate":
-        from . import calibrate
-
-        return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
-                              args.n_sim, args.traffic_from)
-    if args.subcommand == "train":
-        return _train(args)
-    if args.subcommand == "study":
-        from .study import ALGORITHMS
-
-        args.algorithms = args.algorithms or ALGORITHMS
-        if args.what == "volume":
-            args.ranks = args.ranks or "2,4,8,16,32,64,128,256"
-            args.kinds = args.kinds or "gaussian,student_t,skewed"
-        else:
-            args.ranks = args.ranks or "32,64,128,256"
-            args.kinds = args.kinds or "model"
-    unknown = [a for a in args.algorithms if a not in algorithms()]
-    if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; registered: {algorithms()}")
-    if args.subcommand == "study":
-        return _study(args)
-    if args.launcher == "external":
-        from .launch import join_launched_group
-
-        join_launched_group()  # torchrun; under mpiexec/srun resolve() finds MPI
-    return _bench(args)
+    problem = args.check(args) if args.check else None
+    if problem:
+        args.command.error(problem)
+    try:
+        return args.run(args)
+    except InputFileError as exc:  # one line naming the file, as argparse reports a bad argument
+        args.command.exit(2, f"{args.command.prog}: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 from typing import IO, Iterator, Sequence
 
-__all__ = ["EmulateError", "preflight", "up", "down", "cluster", "run", "network_label",
+from .argtypes import checked_by, int_in, positive_float, positive_int
+
+__all__ = ["EmulateError", "preflight", "tc_rate", "up", "down", "cluster", "run", "network_label",
            "add_arguments", "main", "MAX_RANKS", "SUBNET"]
 
 #: The ranks' addresses are ``SUBNET.{r+1}``, visible only inside the namespaces.
@@ -100,8 +102,18 @@ def preflight(P: int, rate: str | None = None) -> None:
         raise EmulateError(f"sparsecomm emulate needs iproute2 ({' and '.join(missing)} not found on PATH)")
     if not 1 <= P <= MAX_RANKS:
         raise EmulateError(f"sparsecomm emulate: --ranks must be between 1 and {MAX_RANKS}, got {P}")
-    if rate is not None and not re.fullmatch(r"\d+(\.\d+)?([kmgt]?(bit|bps)|[kmgt]?)", rate.lower()):
-        raise EmulateError(f"sparsecomm emulate: {rate!r} is not a tc rate (e.g. 1gbit, 100mbit, 125mbps)")
+    if rate is not None:
+        try:
+            tc_rate(rate)
+        except ValueError as exc:
+            raise EmulateError(f"sparsecomm emulate: {exc}") from None
+
+
+def tc_rate(rate: str) -> str:
+    """``rate`` if it looks like a tc rate (``1gbit``, ``100mbit``, ``125mbps``), else ValueError."""
+    if not re.fullmatch(r"\d+(\.\d+)?([kmgt]?(bit|bps)|[kmgt]?)", rate.lower()):
+        raise ValueError(f"{rate!r} is not a tc rate (e.g. 1gbit, 100mbit, 125mbps)")
+    return rate
 
 
 def _switch(prefix: str) -> tuple[str, str]:
@@ -594,15 +606,15 @@ def _launch_and_wait(P: int, rate: str, command: list[str], timeout: float, thre
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``sparsecomm emulate`` to ``parser`` (the command is the REMAINDER after ``--``)."""
-    parser.add_argument("--ranks", "-n", type=int, required=True, metavar="P",
-                        help="number of ranks (one network namespace each)")
-    parser.add_argument("--rate", default="1gbit",
+    parser.add_argument("--ranks", "-n", type=int_in(1, MAX_RANKS), required=True, metavar="P",
+                        help=f"number of ranks, 1 to {MAX_RANKS} (one network namespace each)")
+    parser.add_argument("--rate", type=checked_by(tc_rate, "rate"), default="1gbit",
                         help="tbf rate of every port, both directions, in tc syntax (default: 1gbit)")
-    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+    parser.add_argument("--timeout", type=positive_float, default=3600.0, metavar="S",
                         help="kill every rank after S seconds (default: 3600)")
-    parser.add_argument("--threads", type=int, default=1, metavar="T",
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
                         help="OMP_NUM_THREADS of each rank (default: 1)")
-    parser.add_argument("--port", type=int, default=29600, help="MASTER_PORT (default: 29600)")
+    parser.add_argument("--port", type=int_in(1, 65535), default=29600, help="MASTER_PORT (default: 29600)")
     parser.add_argument("--mpi", action="store_true",
                         help="run the ranks under MPICH's mpiexec (MPI over TCP) instead of as "
                              "torch.distributed ranks (RANK, WORLD_SIZE, MASTER_ADDR)")

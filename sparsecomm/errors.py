@@ -8,7 +8,7 @@ wait that ran out).
 
 from __future__ import annotations
 
-__all__ = ["SparseCommError", "InputError", "CommTimeoutError", "PeerError", "ScheduleError"]
+__all__ = ["SparseCommError", "InputError", "InputFileError", "CommTimeoutError", "PeerError", "ScheduleError"]
 
 
 class SparseCommError(Exception):
@@ -20,6 +20,13 @@ class InputError(SparseCommError, ValueError):
 
     Raised on *every* rank of the group, so that no rank is left waiting in a
     collective for a peer that gave up.
+    """
+
+
+class InputFileError(SparseCommError, ValueError):
+    """A file given to a command cannot be used: missing, unreadable, not JSON, or not what it reads.
+
+    The message starts with the file's path and says in one line what is wrong.
     """
 
 

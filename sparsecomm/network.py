@@ -40,18 +40,24 @@ PROFILES: dict[str, Network] = {
 
 
 def _saved_profile(name: str) -> Network | None:
-    """A profile written by ``sparsecomm calibrate --save``: a .json path or a name in its folder."""
-    import json
+    """A profile written by ``sparsecomm calibrate --save``: a .json path or a name in its folder.
+
+    None if there is no such file; InputFileError (a ValueError) if it is not a profile.
+    """
     import os
 
     from .calibrate import profile_dir
+    from .errors import InputFileError
+    from .output import read_json
 
     path = name if name.endswith(".json") else os.path.join(profile_dir(), f"{name}.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        d = json.load(f)
-    return Network(float(d["alpha"]), float(d["beta"]), d.get("name", name))
+    d = read_json(path)
+    try:
+        return Network(float(d["alpha"]), float(d["beta"]), d.get("name", name))
+    except (TypeError, KeyError, ValueError):
+        raise InputFileError(f"{path}: not a network profile (numbers alpha and beta)") from None
 
 
 def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:
@@ -61,7 +67,11 @@ def resolve_network(network: "str | tuple[float, float] | Network | None") -> Ne
         return network
     if isinstance(network, str) and ":" in network:  # "alpha:beta" from a command line
         alpha, beta = network.split(":", 1)
-        return Network(float(alpha), float(beta), network)
+        try:
+            return Network(float(alpha), float(beta), network)
+        except ValueError:
+            raise ValueError(f"network {network!r}: alpha:beta must be two numbers >= 0 "
+                             "(seconds per message, seconds per byte)") from None
     if isinstance(network, str):
         if network.lower() in PROFILES:
             return PROFILES[network.lower()]

@@ -20,7 +20,6 @@ no-communication step. Tables go to stdout and ``report.md``, plots to PNG.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -28,7 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .output import pyplot
+from .errors import InputFileError
+from .output import pyplot, read_json
 
 __all__ = ["Record", "load", "machine_label", "tables", "plot", "main"]
 
@@ -61,10 +61,56 @@ def machine_label(env: dict[str, Any]) -> str:
 
 
 _ROW_KEYS = {"algorithm", "n", "ranks", "time_ms"}
+#: What the tables, plots and the calibration read of each suite's rows.
+_SUITE_KEYS = {"allreduce": {"algorithm", "n", "ranks", "density", "time_ms", "sent_per_rank"},
+               "ddp": {"config", "ranks", "time_ms"}, "schedules": {"config", "ranks", "time_ms"},
+               "kernels": {"n", "dtype", "operation", "time_ms", "gb_per_s"}}
+
+
+def _row_problem(row: Any) -> str | None:
+    """Why the tables cannot use ``row`` (not an object, or without what its suite needs), or None."""
+    if not isinstance(row, dict):
+        return "is not an object"
+    missing = _SUITE_KEYS.get(row.get("suite", "allreduce"), set()) - set(row)
+    return "has no " + ", ".join(map(repr, sorted(missing))) if missing else None
+
+
+def _rows(path: str, data: Any) -> tuple[dict, list[dict]] | None:
+    """(environment, rows) of one file's JSON in any format sparsecomm writes; None if it is none of them."""
+    if isinstance(data, list) and all(isinstance(r, dict) and _ROW_KEYS <= set(r) for r in data):
+        return {}, data  # sparsecomm bench before environments were written
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("benchmarks"), list):  # pytest-benchmark
+        rows = []
+        for b in data["benchmarks"]:
+            row = (b.get("extra_info") or {}).get("row") if isinstance(b, dict) else None
+            if row is None:
+                continue
+            stats = b.get("stats") or {}
+            rows.append({**row, "_pytest_median_ms": 1e3 * stats.get("median", float("nan")),
+                         "_name": b.get("name", "")} if isinstance(row, dict) else row)
+    elif isinstance(data.get("rows"), list):
+        rows = data["rows"]
+    else:
+        return None
+    env = data.get("sparsecomm") or {}
+    if not isinstance(env, dict):
+        raise InputFileError(f"{path}: its \"sparsecomm\" environment is not an object")
+    for i, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem:
+            raise InputFileError(f"{path}: row {i + 1} {problem}")
+    return env, rows
 
 
 def load(paths: Iterable[str]) -> list[Record]:
-    """Every row of every file (pytest-benchmark or ``sparsecomm bench`` JSON); a folder means its *.json."""
+    """Every row of every file (pytest-benchmark or ``sparsecomm bench`` JSON); a folder means its *.json.
+
+    A file that is missing, not JSON or not a benchmark file raises
+    :class:`~sparsecomm.errors.InputFileError`; in a folder, JSON files of
+    another kind (a calibration, a study) are skipped with a note on stderr.
+    """
     records: list[Record] = []
     files: list[tuple[str, bool]] = []
     for path in paths:
@@ -74,27 +120,13 @@ def load(paths: Iterable[str]) -> list[Record]:
         else:
             files.append((path, False))
     for path, found in files:
-        with open(path) as f:
-            data = json.load(f)
-        if isinstance(data, list) and all(isinstance(r, dict) and _ROW_KEYS <= set(r) for r in data):
-            env, rows = {}, data  # sparsecomm bench before environments were written
-        elif isinstance(data, dict) and "benchmarks" in data:  # pytest-benchmark
-            env = data.get("sparsecomm") or {}
-            rows = []
-            for b in data["benchmarks"]:
-                row = (b.get("extra_info") or {}).get("row")
-                if row is None:
-                    continue
-                stats = b.get("stats") or {}
-                rows.append({**row, "_pytest_median_ms": 1e3 * stats.get("median", float("nan")),
-                             "_name": b.get("name", "")})
-        elif isinstance(data, dict) and "rows" in data:
-            env, rows = data.get("sparsecomm") or {}, data["rows"]
-        elif found:  # a folder may hold other JSON (a calibration, a study): say so and go on
+        parsed = _rows(path, read_json(path))
+        if parsed is None and found:  # a folder may hold other JSON (a calibration, a study): say so and go on
             print(f"sparsecomm report: skipping {path}: not a benchmark file", file=sys.stderr)
             continue
-        else:
-            raise ValueError(f"{path}: not a sparsecomm benchmark file (no 'benchmarks' or 'rows')")
+        if parsed is None:
+            raise InputFileError(f'{path}: not a sparsecomm benchmark file (no "benchmarks" or "rows" list)')
+        env, rows = parsed
         label = machine_label(env)
         for row in rows:
             records.append(Record(row.get("suite", "allreduce"), label, env, row, path))
@@ -238,7 +270,7 @@ def main(paths: list[str], outdir: str | None) -> int:
     """Print the tables; with ``outdir``, also write report.md, the plots and every row as CSV."""
     records = load(paths)
     if not records:
-        print("sparsecomm report: no rows in " + ", ".join(paths))
+        print("sparsecomm report: no rows in " + ", ".join(paths), file=sys.stderr)
         return 1
     text = tables(records)
     print(text)

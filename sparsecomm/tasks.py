@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["Task", "DigitsTask", "TextTask", "TASKS", "get_task"]
+__all__ = ["Task", "DigitsTask", "TextTask", "TASKS", "OPTIMIZERS", "get_task"]
 
 
 class Task:
@@ -45,7 +45,7 @@ class Task:
             return torch.optim.SGD(params, lr=lr, momentum=momentum)
         if kind == "adamw":
             return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        raise ValueError(f"unknown optimizer {kind!r}; choose sgd or adamw")
+        raise ValueError(f"unknown optimizer {kind!r}; choose from {OPTIMIZERS}")
 
     def steps_per_epoch(self, size: int, batch: int) -> int:
         raise NotImplementedError
@@ -181,6 +181,8 @@ class TextTask(Task):
 
 
 TASKS = {"digits": DigitsTask, "lm": TextTask}
+#: What :meth:`Task.optimizer` builds: SGD with momentum, or AdamW.
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def get_task(name: str, seed: int = 0) -> Task:

@@ -25,16 +25,15 @@ every allreduce's messages and bytes as if none overlapped (an upper bound).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any
 
 import torch
 
-from .output import pyplot
+from . import output
 from .tasks import get_task
 
-__all__ = ["CONFIGS", "SCHEDULES", "train_rank", "run", "format_results", "plot"]
+__all__ = ["CONFIGS", "SCHEDULES", "parse_config", "check_warmup", "train_rank", "run", "format_results", "plot"]
 
 #: ``--schedule`` choices.
 SCHEDULES = ("none", "wfbp", "synceasgd", "mgwfbp", "dear", "pipesgd")
@@ -50,6 +49,22 @@ CONFIGS: dict[str, dict | None] = {
     "dense-fp16": {"algorithm": "dense", "compressor": "fp16"},
     "oktopk-q8": {"algorithm": "oktopk", "density": 0.01, "compressor": "q8"},
 }
+
+
+def parse_config(name: str) -> tuple[str, str | None]:
+    """(configuration, schedule or None) of ``"oktopk"`` or ``"oktopk/pipesgd"``; ValueError if unknown."""
+    config, _, schedule = name.partition("/")
+    if config not in CONFIGS or (schedule and schedule not in SCHEDULES):
+        raise ValueError(f"unknown configuration {name!r}; known: {list(CONFIGS)}, each optionally "
+                         f"followed by /schedule, one of {SCHEDULES}")
+    return config, schedule or None
+
+
+def check_warmup(schedule: str, warmup_steps: int) -> None:
+    """ValueError unless ``warmup_steps`` means something under ``schedule`` (the DDP hook or Pipe-SGD)."""
+    if warmup_steps and schedule not in ("none", "pipesgd"):
+        raise ValueError("warmup_steps applies to the DDP hook (dense steps first) and to Pipe-SGD "
+                         "(synchronous steps first) only")
 
 
 def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None,
@@ -79,9 +94,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
-    if warmup_steps and schedule not in ("none", "pipesgd"):
-        raise ValueError("warmup_steps applies to the DDP hook (dense steps first) and to Pipe-SGD "
-                         "(synchronous steps first) only")
+    check_warmup(schedule, warmup_steps)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -120,6 +133,8 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 "steps": [], **{name: [] for name in ethernet}}
     modelled, compute, bytes_steps, selected = 0.0, 0.0, [], []
     on_ethernet = dict.fromkeys(ethernet, 0.0)
+    label = config if schedule == "none" else f"{config}/{schedule}"
+    bar = output.progress(total=epochs, show=progress and rank == 0, desc=label, unit="epoch")
     for epoch in range(epochs):
         total_loss = 0.0
         for x, y in job.batches(rank, size, batch, epoch):
@@ -167,18 +182,14 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
         history["steps"].append((epoch + 1) * steps_per_epoch)
         for name in ethernet:
             history[name].append(on_ethernet[name])
-        if progress and rank == 0:
-            bar = "#" * int(30 * (epoch + 1) / epochs)
-            label = config if schedule == "none" else f"{config}/{schedule}"
-            print(f"\r  {label:<17} [{bar:<30}] epoch {epoch + 1}/{epochs} {job.metric} {score:.4f}",
-                  end="", flush=True, file=sys.stderr)
-    if progress and rank == 0:
-        print(file=sys.stderr)
+        bar.set_postfix_str(f"{job.metric} {score:.4f}", refresh=False)
+        bar.update()
+    bar.close()
     if sched_comm is not None:
         sched_comm.close()
     sent = torch.tensor([sum(bytes_steps) / len(bytes_steps)], dtype=torch.float64)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-    return {"config": config if schedule == "none" else f"{config}/{schedule}", "schedule": schedule,
+    return {"config": label, "schedule": schedule,
             "task": task, "optimizer": optimizer or job.default_optimizer, "warmup_steps": warmup_steps,
             "momentum": momentum if (optimizer or job.default_optimizer) == "sgd" else None,
             "metric": job.metric,
@@ -200,10 +211,7 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> 
 
     runs = []
     for name in configs:
-        config, _, schedule = name.partition("/")
-        if config not in CONFIGS or (schedule and schedule not in SCHEDULES):
-            raise ValueError(f"unknown configuration {name!r}; known: {list(CONFIGS)}, each optionally "
-                             f"followed by /schedule, one of {SCHEDULES}")
+        config, schedule = parse_config(name)
         runs.append((config, {**kwargs, **({"schedule": schedule} if schedule else {})}))
     # Training runs for long: the collectives' own timeouts catch a dead peer.
     return [spawn(ranks, _train_spawned, config, epochs, options, timeout=7 * 86400)[0] for config, options in runs]
@@ -237,7 +245,7 @@ def plot(results: list[dict], path: str) -> None:
     """The task's metric against steps, and against modelled time on 1 and 10 Gbit/s Ethernet
     (measured compute plus the modelled communication, as if none overlapped), one line per
     configuration."""
-    plt = pyplot()
+    plt = output.pyplot()
     r0 = results[0]
     metric = r0.get("metric", "accuracy")
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))

@@ -1,0 +1,10 @@
+"""``python -m sparsecomm``: the ``sparsecomm`` command, for environments without the console script."""
+
+import sys
+
+from .cli import main
+
+__all__: list[str] = []
+
+if __name__ == "__main__":
+    sys.exit(main())
