@@ -8,7 +8,12 @@ Writes train/train.json and train/train.png and prints the final table.
 
 import sys
 
-from sparsecomm.cli import main
+from sparsecomm.cli import main as cli
+
+
+def main() -> int:
+    return cli(["train", *sys.argv[1:]])
+
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main())

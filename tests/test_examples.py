@@ -1,0 +1,124 @@
+"""The scripts in examples/ run for real at small sizes: each trains (its loss falls) on the sparse path.
+
+Each is started the way its docstring tells a user to (torchrun, mpiexec, plain
+python, Lightning's own launcher) on 2 CPU ranks; the checks read what rank 0
+prints: the loss per epoch, and the bytes sent next to a dense allreduce's.
+"""
+
+import ast
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engines
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+EPOCHS = 3
+
+
+def launch(*cmd: str, timeout: float = 120) -> str:
+    """Run a launcher's command line on CPU, one thread per rank; its stdout, once it exited 0."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # Its own process group, so that a hung run's ranks are killed with it, not only the launcher.
+    proc = subprocess.Popen(cmd, cwd=EXAMPLES.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{out}\n{err[-3000:]}"
+    return out
+
+
+def torchrun(script: str, *args: str) -> str:
+    return launch(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  str(EXAMPLES / script), "--epochs", str(EPOCHS), *args)
+
+
+def check_trained(out: str) -> None:
+    """One loss per epoch, all finite, the last below the first."""
+    losses = [float(v) for v in re.findall(r"^epoch \d+ loss (\S+)$", out, re.M)]
+    assert len(losses) == EPOCHS, out
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], out
+
+
+def check_sparse(out: str) -> None:
+    """What was sent is a fraction of what a dense allreduce sends (with the hook: buckets did go sparse)."""
+    sent, dense = map(float, re.search(r"sent (\S+) MB per rank \(a dense allreduce: (\S+) MB\)", out).groups())
+    assert 0 < sent < dense / 4, out
+    hook = re.search(r"^hook: \d+ steps, (\d+) buckets by oktopk", out, re.M)
+    assert hook is None or int(hook.group(1)) > 0, out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_is_a_script(script):
+    """Each example has a docstring (summary line, then how to run it) and runs main() as a script."""
+    tree = ast.parse((EXAMPLES / script).read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and doc.splitlines()[1] == "", script
+    assert re.search(r"^    (python|torchrun|mpiexec) ", doc, re.M), script
+    assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body), script
+    assert "if __name__ == \"__main__\":" in (EXAMPLES / script).read_text(), script
+
+
+@pytest.mark.parametrize("script", ["ddp_torchrun.py", "ddp_mpiexec.py", "lightning_ddp.py"])
+def test_hook_is_three_marked_lines(script):
+    """Adding the hook to a DDP script takes three lines, each marked for the reader."""
+    marked = [line for line in (EXAMPLES / script).read_text().splitlines() if line.endswith("  # sparsecomm")]
+    assert len(marked) == 3, marked
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_ddp_torchrun():
+    out = torchrun("ddp_torchrun.py")
+    check_trained(out)
+    check_sparse(out)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
+def test_ddp_mpiexec():
+    out = launch(engines.mpiexec(), "-n", "2", sys.executable, str(EXAMPLES / "ddp_mpiexec.py"),
+                 "--epochs", str(EPOCHS))
+    check_trained(out)
+    check_sparse(out)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("schedule", ["mgwfbp", "pipesgd"])
+def test_schedule_no_ddp(schedule):
+    out = torchrun("schedule_no_ddp.py", "--schedule", schedule)
+    check_trained(out)
+    check_sparse(out)
+    if schedule == "mgwfbp":
+        assert re.search(r"after [1-9]\d* plan\(s\)", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_schedule_no_ddp_world_of_one():
+    """Plain python, no launcher: a process group of one rank, the same code path."""
+    check_trained(launch(sys.executable, str(EXAMPLES / "schedule_no_ddp.py"), "--epochs", str(EPOCHS)))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_lightning_ddp():
+    pytest.importorskip("lightning", reason="PyTorch Lightning not installed (pip install lightning)")
+    out = launch(sys.executable, str(EXAMPLES / "lightning_ddp.py"), "--devices", "2", "--epochs", str(EPOCHS))
+    check_trained(out)
+    check_sparse(out)
