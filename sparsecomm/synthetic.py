@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-__all__ = ["gradient", "drifting", "KINDS"]
+__all__ = ["gradient", "drifting", "repeating", "digits_gradients", "KINDS"]
 
 KINDS = ("model", "gaussian", "student_t", "skewed")
 
@@ -72,6 +72,61 @@ def drifting(rank: int, n: int, shrink: float = 1.0, shared_scale: bool = False)
         g = x.clone() if scale is None else x * scale
         yield g if shrink == 1.0 else g * shrink ** t
         t += 1
+
+
+def repeating(rank: int, n: int, period: int = 4) -> Iterator[torch.Tensor]:
+    """Gradients whose noise repeats every ``period`` calls, endlessly (the same batches
+    coming back every epoch): call t yields pattern t mod ``period`` of ``rank``'s own,
+    each randn(n). Under error feedback the residual then grows steadily where the
+    patterns' mean is large, instead of wandering as on :func:`drifting`."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    patterns = [torch.randn(n, generator=gen) for _ in range(period)]
+    t = 0
+    while True:
+        yield patterns[t % period].clone()
+        t += 1
+
+
+def digits_gradients(ranks: int, steps: int, batches: int = 8, batch: int = 16, width: int = 512,
+                     lr: float = 0.05, seed: int = 0) -> list[list[torch.Tensor]]:
+    """Every rank's flat gradient at each step of a real model trained over a fixed dataset.
+
+    An MLP 64-``width``-``width``-10 (300k parameters at 512) on scikit-learn's bundled
+    digits (no download; needs scikit-learn). Rank r holds ``batches`` fixed batches of
+    ``batch`` samples and takes batch t mod ``batches`` at step t, so each epoch repeats
+    the last; the model steps with SGD (momentum 0.9) on the ranks' average gradient, as
+    dense data parallelism would. Returns ``[rank][step]`` gradients.
+    """
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    per = batches * batch
+    if ranks * per > len(x):
+        raise ValueError(f"digits has {len(x)} samples: {ranks} ranks x {batches} batches x {batch} do not fit")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                    torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    out: list[list[torch.Tensor]] = [[] for _ in range(ranks)]
+    for t in range(steps):
+        mean = None
+        for r in range(ranks):
+            at = order[r * per + (t % batches) * batch:][:batch]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[at]), y[at]).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            out[r].append(flat)
+            mean = flat.clone() if mean is None else mean.add_(flat)
+        at = 0
+        for p in model.parameters():
+            p.grad.copy_(mean[at:at + p.numel()].view_as(p)).div_(ranks)
+            at += p.numel()
+        opt.step()
+    return out
 
 
 def _student_t(n: int, gen: torch.Generator, dof: float = 3.0) -> torch.Tensor:

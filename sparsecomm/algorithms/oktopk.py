@@ -7,6 +7,7 @@ k largest-magnitude nonzero entries, ties broken by lower index
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -29,6 +30,9 @@ _TAG_BALANCE = 0x5C02
 FUSED_CAPACITY = 4
 #: Magnitudes the tail fit of :func:`tail_threshold` looks at, at most.
 _TAIL_SAMPLE = 1 << 16
+#: The local rungs of a reusing call: the reused threshold times exp(spacing * j),
+#: j = -LOCAL_BELOW..LOCAL_ABOVE (see ``_checked_select``).
+LOCAL_BELOW, LOCAL_ABOVE = 2, 8
 
 
 class OkTopkState(State):
@@ -85,6 +89,8 @@ class OkTopkState(State):
     global_select = "auto"
     #: The global rungs' spacing (see ``_global_select``); also the default for older checkpoints.
     global_spacing = 1 / 80
+    #: The local rungs' spacing (see ``_checked_select``); also the default for older checkpoints.
+    local_spacing = 1 / 80
 
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
@@ -117,11 +123,17 @@ class OkTopkState(State):
         self.local_stale = False
         self.global_stale = False
         self.global_spacing = OkTopkState.global_spacing
+        self.local_spacing = OkTopkState.local_spacing
         self.local_kth: float | None = None  # last call's k-th largest |acc| (exact or estimated)
 
     def reuse_due(self, t: int) -> bool:
         """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
         return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self.local_stale)
+
+    def local_floor(self) -> float:
+        """The lowest of the reused local threshold's rungs: a reusing call collects every
+        entry above it (see ``_checked_select``)."""
+        return self.local_threshold * math.exp(-LOCAL_BELOW * self.local_spacing)
 
     def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
         """residual += flat, fused with the reused-threshold selection when one is due.
@@ -137,7 +149,7 @@ class OkTopkState(State):
         self.n = flat.numel()
         self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
-        idx, val, count = kernels.ef_select(flat, self.residual, self.local_threshold, capacity,
+        idx, val, count = kernels.ef_select(flat, self.residual, self.local_floor(), capacity,
                                             zero_selected=False, zero_out=zero_out)
         return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None)
 
@@ -281,7 +293,7 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
             # give the same estimate every time): select exactly instead.
             stats.events["local_estimate_fallback"] = 1
         return _exact_local(acc, k, st)
-    th = st.local_threshold
+    th = st.local_floor()
     if preselected is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = preselected.indexes, preselected.count
         if count > idx.numel():  # more candidates than the buffer held: select exactly
@@ -300,7 +312,7 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
         # sending nothing would waste the call, so select exactly, as a re-evaluation would.
         stats.events["local_recomputed"] = 1
         return _exact_local(acc, k, st)
-    return _checked_select(acc, idx, val, count, th, k, st, stats)
+    return _checked_select(acc, idx, val, count, th, k, st, stats, rungs=True)
 
 
 def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,29 +324,53 @@ def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tens
 
 
 def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
-                    st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor]:
+                    st: OkTopkState, stats: CallStats, rungs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
 
-    1. Above the upper bound: keep the exact top-k of these few candidates.
-    2. Below the lower bound: go on with fewer; the next threshold is
-       ``kernels.estimate_threshold`` of ``acc`` (a sample and a sampled count,
-       ~6 ms at 25M on one CPU thread), with no trend.
-    3. Otherwise the next threshold is where this call would have selected k
-       (its exact k-th largest, or :func:`tail_threshold` of the magnitudes
-       above ``th``), moved on by the trend of those thresholds over the last
-       two calls, so that a count drifting with error feedback stays inside
-       the bounds without corrections.
+    1. A reusing call (``rungs``; ``th`` is the lowest rung, ``OkTopkState.local_floor``)
+       counts its candidates above each rung th * exp(spacing * j), j = 0..LOCAL_BELOW +
+       LOCAL_ABOVE (one bucketing pass over the few candidates), and keeps those above the
+       rung within the bounds whose count is nearest k. Under error feedback the
+       accumulated magnitudes crowd just above the last threshold (an entry is sent soon
+       after it crosses), so a threshold 3% low selected 1.7 k on a repeating gradient:
+       no single reused threshold holds the bounds, a ladder of them does. The spacing
+       doubles when the chosen rung is an outer one or k lies beyond the ladder, and
+       halves when the count jumps over the bounds between two rungs.
+    2. Above the upper bound at every rung (or at ``th`` without rungs): keep the exact
+       top-k of these few candidates (``local_corrected``).
+    3. Below the lower bound: the threshold is ``kernels.estimate_threshold`` of ``acc``
+       (a sample and a sampled count, ~6 ms at 25M on one CPU thread), with no trend,
+       for the next call and, in a reusing call, for this one too (one more read of acc,
+       ``local_reselected``; 2 then applies to it); else the call goes on with fewer.
+    4. Otherwise the next threshold is where this call would have selected k (between
+       the two rungs whose counts bracket k, interpolated in log-log; its exact k-th
+       largest without rungs; :func:`tail_threshold` of the magnitudes above ``th`` or
+       the top rung where k lies beyond them), moved on by the trend of those thresholds
+       over the last two calls, so that a count drifting with error feedback stays
+       centred on the ladder.
     """
     lo, hi = st.count_bounds
     mag = val.abs()
     under = idx.numel() < lo * k
-    if under and k < acc.numel():
+    est = None
+    if rungs and not under:
+        idx, val, mag, est = _ladder_select(idx, val, mag, count, th, k, st, stats)
+    elif under and k < acc.numel():
         # Measure rather than extrapolate: error feedback crowds the exceedances just
         # above th, so a tail fitted to them is too steep and the next count fell
         # short again (or, after a swing, overflowed the fused buffer).
         est = kernels.estimate_threshold(acc, k)
         if not est > torch.finfo(torch.float32).tiny:  # (almost) all zero: select exactly next call
             est = None
+        elif rungs:
+            # A reusing call's gradient fell below the whole ladder (a real model's gradient
+            # norm moves by half from one step to the next): one more read of acc above the
+            # estimate, rather than a short call.
+            again = kernels.select_above(acc, est, use_abs=True)
+            if again.numel() >= lo * k:
+                idx, val = again, acc[again]
+                mag, under = val.abs(), False
+                stats.events["local_reselected"] = 1
     elif k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
         est = kernels.kth_largest(mag, k)  # numpy's introselect on CPU: 8x torch.kthvalue
     else:  # fewer than k: extrapolate the tail downwards
@@ -351,6 +387,68 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
     else:  # never above this call's largest magnitude: the next call selects something
         _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None, trusted=not under)
     return idx, val
+
+
+def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, count: int, floor: float, k: int,
+                   st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+    """Step 1 of :func:`_checked_select`: the candidates above the chosen local rung, and
+    where this call's k-th largest lies (None when nothing could tell)."""
+    lo, hi = st.count_bounds
+    s = st.local_spacing
+    steps = torch.arange(LOCAL_BELOW + LOCAL_ABOVE + 1, dtype=torch.float64)
+    info = torch.finfo(mag.dtype)
+    grid = (floor * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
+    bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
+    above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # above[j]: candidates at or above rung j
+    above[0] = count  # the fused pass's own count (equal unless an entry sits exactly at the floor)
+    j = _nearest_rung(above, k, lo, hi)
+    if j is None:
+        if above[0] > hi * k and above[-1] < lo * k:
+            st.local_spacing = max(s / 2, SPACING_MIN)
+        else:
+            st.local_spacing = min(2 * s, SPACING_MAX)
+    else:
+        if j in (0, len(above) - 1):
+            st.local_spacing = min(2 * s, SPACING_MAX)
+        elif _bracket_too_wide(above, k):
+            st.local_spacing = max(s / 2, SPACING_MIN)
+        if j:
+            idx, val, mag = _masked(bucket > j, idx, val, mag)
+            stats.events["local_moved"] = 1
+    # Where k lies: between the rungs whose counts bracket it, else beyond the ladder.
+    g = grid.tolist()
+    for i in range(len(above) - 1):
+        if above[i] >= k > above[i + 1]:
+            # (an empty rung counts as half an entry: log-log needs a positive count)
+            frac = math.log(above[i] / k) / math.log(above[i] / max(above[i + 1], 0.5))
+            return idx, val, mag, g[i] * (g[i + 1] / g[i]) ** frac
+    if above[-1] >= k:  # k beyond the top rung: the tail above it
+        top = mag[mag >= g[-1]] if j is None or j < len(above) - 1 else mag
+        return idx, val, mag, tail_threshold(top, above[-1], g[-1], k)
+    return idx, val, mag, tail_threshold(mag, above[j or 0], g[j or 0], k)
+
+
+def _bracket_too_wide(totals: list[int], k: int) -> bool:
+    """Whether the two neighbouring rungs whose totals bracket k differ by more than
+    ``BRACKET`` (then no rung can land near k, and the spacing halves)."""
+    return any(totals[i] >= k > totals[i + 1] and totals[i] > BRACKET * totals[i + 1]
+               for i in range(len(totals) - 1))
+
+
+def _nearest_rung(totals: list[int], k: int, lo: float, hi: float, home: int | None = None,
+                  stay: tuple[float, float] = (1.0, 1.0)) -> int | None:
+    """The rung whose total lies within [lo k, hi k] nearest k (as a ratio), or None.
+
+    ``home`` (the reused threshold's rung) is kept while its total lies within ``stay``
+    (fractions of k), and wins ties. Compared exactly: the ranks must agree on the rung.
+    """
+    fits = [j for j, total in enumerate(totals) if lo * k <= total <= hi * k and total > 0]
+    if not fits:
+        return None
+    if home is not None and home in fits and stay[0] * k <= totals[home] <= stay[1] * k:
+        return home
+    near = 0 if home is None else home
+    return min(fits, key=lambda i: (Fraction(max(totals[i], k), min(totals[i], k)), abs(i - near)))
 
 
 def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None,
@@ -440,6 +538,15 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
 #: Rungs counted either side of the reused global threshold in a reusing call's one
 #: allgather: the grid is threshold * exp(spacing * j), j = -GRID_HALF..GRID_HALF.
 GRID_HALF = 8
+#: A reused global threshold stays while its total lies within these fractions of k: moving
+#: to the rung nearest k every call makes error feedback swing the count (a call that sends
+#: more leaves less for the next), staying anywhere within the bounds let the mean settle
+#: at 0.88 k on the drifting gradient.
+HOME_BAND = (0.95, 1.05)
+#: Neighbouring rungs whose totals bracket k and differ by more than this ratio halve the
+#: spacing: the reduced magnitudes crowd so that 1.25% in the threshold moved the global
+#: total from 1.6 k to 0.85 k, and the mean settled at 0.89 k.
+BRACKET = 1.5
 #: Range of the grid's spacing (a log-ratio): it halves when the count jumps over the
 #: bounds between two rungs and doubles when k lies beyond the grid.
 SPACING_MIN, SPACING_MAX = 2.0 ** -9, 0.5
@@ -452,16 +559,20 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     1. Every ``tau`` calls (and the first): the exact global top-k (``global_topk_mask``).
     2. In between, one allgather of every rank's counts at each rung of a geometric grid
        around the reused threshold (one bucketing pass). While the reused threshold's
-       total is within ``count_bounds`` it stays: chasing k every call makes error
+       total is within ``HOME_BAND`` of k it stays: chasing k every call makes error
        feedback swing the count from call to call (a call that sends more leaves less
        behind for the next). Otherwise the rung within the bounds whose total is nearest
        k becomes the threshold (``global_moved``), at no extra round.
-    3. No rung within the bounds: the exact top-k, among the candidates of the rung
+    3. No rung within the bounds, but all nonzero reduced entries together are at most
+       ``high * k``: take them all (``global_all``; at P = 1 the local selection always
+       fits). After a call that took them all there is no threshold to reuse: the next
+       call counts them (one allgather of an integer) and takes them all again if they fit.
+    4. Otherwise the exact top-k, among the candidates of the rung
        with the fewest that still hold k (``global_corrected``), or among all reduced
        entries (``global_under``, then ``global_recomputed``). So every call's result
        holds between ``low * k`` and ``high * k`` entries (fewer only when fewer
        reduced entries are nonzero).
-    4. The grid adapts, the same on every rank (it depends only on the totals): its
+    5. The grid adapts, the same on every rank (it depends only on the totals): its
        spacing halves when the total jumps over the bounds between two neighbouring
        rungs, and doubles when k lies beyond the grid or the threshold moved to its
        outermost rung. Under error feedback the reduced magnitudes crowd just above the
@@ -470,7 +581,13 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
        while the residuals build up.
     """
     lo, hi = st.count_bounds
-    if not (st.global_threshold is None or (t - 1) % st.tau == 0 or st.global_stale):
+    periodic = (t - 1) % st.tau == 0 or st.global_stale
+    if not periodic and st.global_threshold is None:  # the last call took every entry
+        per_rank = comm.allgather(torch.count_nonzero(mag).reshape(1, 1).to(torch.int64)).reshape(-1)
+        if int(per_rank.sum()) <= hi * k:
+            stats.events["global_all"] = 1
+            return mag != 0, per_rank.tolist()
+    elif not periodic:
         s = st.global_spacing
         steps = torch.arange(-GRID_HALF, GRID_HALF + 1, dtype=torch.float64)
         # Ascending (a cast to a narrow dtype may merge neighbours, which keeps it sorted), on
@@ -489,14 +606,15 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         local = torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32)
         per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).to(torch.int64)
         *totals, available = per_rank.sum(0).tolist()
-        fits = [j for j, total in enumerate(totals) if lo * k <= total <= hi * k and total > 0]
-        if fits:
-            # Nearest k as a ratio, compared exactly (a float tie could fall differently on
-            # another rank's math library, and the ranks would then disagree on the counts).
-            j = min(fits, key=lambda i: (i != GRID_HALF, Fraction(max(totals[i], k), min(totals[i], k)),
-                                         abs(i - GRID_HALF)))
+        j = _nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
+        if j is not None:
+            if _bracket_too_wide(totals, k):
+                st.global_spacing = max(s / 2, SPACING_MIN)
             if j != GRID_HALF:
-                st.global_threshold = float(grid[j])
+                # The next call's threshold goes on by half this move: under error feedback
+                # the reduced magnitudes grow call after call while the residuals build up,
+                # and a threshold that only followed fell below its whole grid.
+                st.global_threshold = float(grid[j]) * math.exp(s * (j - GRID_HALF) / 2)
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)
@@ -508,6 +626,11 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
             st.global_spacing = max(s / 2, SPACING_MIN)
         elif available >= lo * k:
             st.global_spacing = min(2 * s, SPACING_MAX)
+        if available <= hi * k:
+            # Every nonzero reduced entry fits under the cap (at P = 1 the local selection
+            # always does): take them all, as an exact selection would below k, with none.
+            stats.events["global_all"] = 1
+            return mag != 0, per_rank[:, -1].tolist()
         enough = [j for j, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
             j = enough[-1]
