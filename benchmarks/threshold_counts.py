@@ -18,7 +18,9 @@ the tau-periodic exact re-evaluations.
 Columns: mean and worst (farthest from 1) selected / k, local and global; the fraction of
 calls, not counting the tau-periodic re-evaluations, whose global selection was exact
 (``global_corrected`` or ``global_recomputed``), or moved the threshold to a rung
-(``global_moved``); and the fraction whose local selection was corrected or exact.
+(``global_moved``); the fraction whose local selection was corrected or exact, and the
+fraction that selected once more above a measured threshold (``local_reselected``: the
+gradient jumped past the local ladder).
 
     python benchmarks/threshold_counts.py [--n 1000000] [--world-sizes 2,4,8] [--json out.json]
 """
@@ -34,7 +36,7 @@ from sparsecomm.synthetic import KINDS, digits_gradients, drifting, gradient, re
 
 WORKLOADS = ("drift", "decay", "repeat") + KINDS + ("digits",)
 _EXACT_GLOBAL = ("global_corrected", "global_recomputed")
-_EXACT_LOCAL = ("local_corrected", "local_recomputed", "local_overflowed")
+_EXACT_LOCAL = ("local_corrected", "local_recomputed")
 
 
 def stream(workload: str, rank: int, n: int, recorded: list | None = None):
@@ -70,7 +72,7 @@ def _run(workload: str, P: int, n: int, calls: int, tau: int, warmup: int) -> di
             "local_mean": statistics.mean(local), "local_worst": worst(local),
             "global_mean": statistics.mean(glob), "global_worst": worst(glob),
             "global_exact": frac(set(_EXACT_GLOBAL)), "global_moved": frac({"global_moved"}),
-            "local_exact": frac(set(_EXACT_LOCAL))}
+            "local_exact": frac(set(_EXACT_LOCAL)), "local_reselected": frac({"local_reselected"})}
 
 
 def main() -> None:
@@ -84,7 +86,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     head = (f"{'workload':>10} {'P':>3} {'local mean':>10} {'worst':>6} {'global mean':>11} {'worst':>6} "
-            f"{'g exact':>7} {'g moved':>7} {'l exact':>7}")
+            f"{'g exact':>7} {'g moved':>7} {'l exact':>7} {'l resel':>7}")
     print(head)
     out = []
     for workload in args.workloads.split(","):
@@ -93,7 +95,7 @@ def main() -> None:
             out.append(r)
             print(f"{workload:>10} {P:>3} {r['local_mean']:>10.3f} {r['local_worst']:>6.3f} {r['global_mean']:>11.3f} "
                   f"{r['global_worst']:>6.3f} {r['global_exact']:>7.2f} {r['global_moved']:>7.2f} "
-                  f"{r['local_exact']:>7.2f}", flush=True)
+                  f"{r['local_exact']:>7.2f} {r['local_reselected']:>7.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -67,5 +67,6 @@ def test_conservation_over_50_steps(kind, dtype, local_select):
     assert totals["calls"] == STEPS
     assert totals.get("local_recomputed", 0) >= STEPS // 8
     if kind == "random":
-        # Residual accumulation pushes a reused threshold far off: the correction must fire.
-        assert totals.get("local_corrected", 0) > 0
+        # Residual accumulation pushes a reused threshold far off: another rung, a correction
+        # or a re-selection must take over (and conserve, as checked above).
+        assert sum(totals.get(e, 0) for e in ("local_moved", "local_corrected", "local_reselected")) > 0

@@ -127,7 +127,8 @@ def test_far_off_threshold_is_capped_on_random_gradients():
     for rows, st in res:
         assert max(local for local, _, _ in rows) <= math.floor(4 * k / 3)
         assert max(glob for _, glob, _ in rows) <= math.floor(4 * k / 3)
-        assert st.totals.get("local_corrected", 0) >= 1
+        # the reused threshold was far off: a rung, a correction or a re-selection took over
+        assert sum(st.totals.get(e, 0) for e in ("local_moved", "local_corrected", "local_reselected")) >= 1
 
 
 def test_stats_account_every_byte():
@@ -401,3 +402,55 @@ def test_a_finer_grid_finds_the_next_threshold_without_selecting_exactly(P, dtyp
         assert th2 == float(torch.tensor(th1 * math.exp(_S / 2), dtype=dtype)) * math.exp(_S / 4)
     mask2 = torch.cat([seen[1][3] for seen in sparsecomm.simulate(P, body).results])
     assert int(mask2.sum()) == 90  # the 30 at 1.2 and the 60 at 0.999
+
+
+@pytest.mark.parametrize("case, levels, want_event, want_count, want_spacing", [
+    # (magnitude, how many) around the reused local threshold 1.0 (k = 100), over noise below
+    # 0.5. The ladder's rungs are exp(j / 80), j = -2..8: the lowest at 0.9753. The spacing
+    # halves where neighbouring rungs' counts bracket k more than 1.5x apart (here 100 and 0),
+    # and doubles where the chosen rung is an outer one.
+    ("stays", [(1.001, 100)], None, 100, _S / 2),
+    ("moves down", [(1.2, 40), (0.98, 60)], "local_moved", 100, 2 * _S),
+    # Rungs 1 and 2 count 120: the nearest k, the lower one (nearer the predicted threshold).
+    ("moves up", [(1.2, 60), (1.03, 60), (1.001, 60)], "local_moved", 120, _S / 2),
+    # 180 at the two lowest rungs, 30 above: no rung fits, the exact top-k of the candidates.
+    ("corrected", [(1.2, 30), *[(0.988 + 0.00008 * i, 1) for i in range(150)]], "local_corrected", 100, _S / 2),
+    # 30 at every rung: the gradient fell below the ladder; a threshold measured from the
+    # data selects once more (1000 entries spread over 0.8-0.9 put the k-th largest at ~0.893).
+    ("reselected", [(1.001, 30), *[(0.8 + 0.0001 * i, 1) for i in range(1000)]], "local_reselected", None, _S),
+])
+def test_reused_local_threshold_takes_a_rung_corrects_or_selects_again(case, levels, want_event, want_count,
+                                                                         want_spacing):
+    k, n = 100, 20_000
+    x = torch.rand(n, generator=torch.Generator().manual_seed(8)) * 0.5
+    at = torch.randperm(n, generator=torch.Generator().manual_seed(9))
+    start = 0
+    for value, count in levels:
+        x[at[start:start + count]] = value
+        start += count
+    st = sparsecomm.OkTopkState(k / n, tau=100, error_feedback=False)
+    st.local_threshold, st.iteration = 1.0, 1  # the second call reuses it
+    sparsecomm.allreduce(x, state=st)
+    events = {e for e in st.last.events if e.startswith("local")}
+    assert events == ({want_event} if want_event else set()), events
+    got = st.last.local_selected
+    assert got == want_count if want_count else 0.9 * k <= got <= 1.1 * k, got
+    assert st.local_spacing == want_spacing
+    # The next threshold is where this call's count crossed k.
+    assert 0.8 * k <= int((x.abs() >= st.local_threshold).sum()) <= 1.25 * k, st.local_threshold
+
+
+def test_a_gradient_jump_past_the_fused_buffer_selects_again_and_narrows_the_ladder():
+    # The fused pass keeps 4k candidates; a threshold 100x too low finds far more. The call
+    # then selects above a measured threshold (one more read), not exactly, and halves the
+    # ladder's spacing (it reached too low).
+    k, n = 100, 20_000
+    gen = torch.Generator().manual_seed(10)
+    st = sparsecomm.OkTopkState(k / n, tau=100)
+    sparsecomm.allreduce(torch.randn(n, generator=gen), state=st)
+    st.local_threshold = 0.01
+    sparsecomm.allreduce(torch.randn(n, generator=gen), state=st)
+    assert {"local_overflowed", "local_reselected"} <= st.last.events.keys(), st.last.events
+    assert "local_recomputed" not in st.last.events
+    assert 2 * k / 3 <= st.last.local_selected <= 4 * k // 3
+    assert st.local_spacing == _S / 2

@@ -33,6 +33,9 @@ _TAIL_SAMPLE = 1 << 16
 #: The local rungs of a reusing call: the reused threshold times exp(spacing * j),
 #: j = -LOCAL_BELOW..LOCAL_ABOVE (see ``_checked_select``).
 LOCAL_BELOW, LOCAL_ABOVE = 2, 8
+#: The local rungs' widest spacing: the lowest rung then lies 18% below the threshold (a
+#: wider one collected more candidates than the fused pass keeps on every call).
+LOCAL_SPACING_MAX = 0.1
 
 
 class OkTopkState(State):
@@ -285,10 +288,9 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
         if st.local_select == "estimate" and k < acc.numel():
             # A threshold from a sample and sampled counts, then the same
             # checks as a reused one (the hard cap included).
-            th = kernels.estimate_threshold(acc, k)
-            idx = kernels.select_above(acc, th, use_abs=True)
-            if idx.numel() >= st.count_bounds[0] * k:
-                return _checked_select(acc, idx, acc[idx], idx.numel(), th, k, st, stats)
+            got = _estimated_select(acc, k, st, stats)
+            if got is not None:
+                return got
             # Too few (ties, or a sample in step with a periodic layout would
             # give the same estimate every time): select exactly instead.
             stats.events["local_estimate_fallback"] = 1
@@ -296,12 +298,12 @@ def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Cal
     th = st.local_floor()
     if preselected is not None:  # selected while accumulating the residual (fused, one pass)
         idx, count = preselected.indexes, preselected.count
-        if count > idx.numel():  # more candidates than the buffer held: select exactly
-            # ...which also gives this call's exact k-th largest: a better guide than a tail
-            # fitted to whichever candidates the buffer kept (they depend on span timing).
-            stats.events["local_corrected"] = 1
+        if count > idx.numel():  # more candidates than the buffer held (the gradient jumped)
+            # The ladder reached too low: narrow it, and select above a threshold measured
+            # from acc (a sample, a sampled count and one read), not exactly (four passes).
             stats.events["local_overflowed"] = 1
-            return _exact_local(acc, k, st)
+            st.local_spacing = max(st.local_spacing / 2, SPACING_MIN)
+            return _reselect(acc, k, st, stats)
         val = preselected.values if preselected.values is not None else acc[idx]
     else:
         idx = kernels.select_above(acc, th, use_abs=True)
@@ -366,11 +368,7 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
             # A reusing call's gradient fell below the whole ladder (a real model's gradient
             # norm moves by half from one step to the next): one more read of acc above the
             # estimate, rather than a short call.
-            again = kernels.select_above(acc, est, use_abs=True)
-            if again.numel() >= lo * k:
-                idx, val = again, acc[again]
-                mag, under = val.abs(), False
-                stats.events["local_reselected"] = 1
+            return _reselect(acc, k, st, stats, est)
     elif k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
         est = kernels.kth_largest(mag, k)  # numpy's introselect on CPU: 8x torch.kthvalue
     else:  # fewer than k: extrapolate the tail downwards
@@ -389,6 +387,33 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
     return idx, val
 
 
+def _reselect(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
+              est: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reusing call whose candidates missed the ladder: select above a threshold measured
+    from ``acc`` (``kernels.estimate_threshold``, unless given), checked like any selection
+    (step 2 of :func:`_checked_select` applies); exactly when that selects too few."""
+    stats.events["local_reselected"] = 1
+    got = _estimated_select(acc, k, st, stats, est)
+    if got is None:
+        stats.events["local_recomputed"] = 1
+        got = _exact_local(acc, k, st)
+    return got
+
+
+def _estimated_select(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
+                      th: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The entries above ``th`` (default: ``kernels.estimate_threshold`` of ``acc``: a sample
+    plus one sampled counting pass), checked by :func:`_checked_select` (the hard cap
+    included); None when they are fewer than the lower bound."""
+    th = kernels.estimate_threshold(acc, k) if th is None else th
+    if not th > torch.finfo(torch.float32).tiny:
+        return None
+    idx = kernels.select_above(acc, th, use_abs=True)
+    if idx.numel() < st.count_bounds[0] * k:
+        return None
+    return _checked_select(acc, idx, acc[idx], idx.numel(), th, k, st, stats)
+
+
 def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, count: int, floor: float, k: int,
                    st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
     """Step 1 of :func:`_checked_select`: the candidates above the chosen local rung, and
@@ -401,31 +426,39 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
     bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
     above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # above[j]: candidates at or above rung j
     above[0] = count  # the fused pass's own count (equal unless an entry sits exactly at the floor)
-    j = _nearest_rung(above, k, lo, hi)
+    est = _kth_from_rungs(mag, above, grid.tolist(), k)
+    j = _nearest_rung(above, k, lo, hi, home=LOCAL_BELOW)
     if j is None:
         if above[0] > hi * k and above[-1] < lo * k:
             st.local_spacing = max(s / 2, SPACING_MIN)
         else:
-            st.local_spacing = min(2 * s, SPACING_MAX)
+            st.local_spacing = min(2 * s, LOCAL_SPACING_MAX)
     else:
         if j in (0, len(above) - 1):
-            st.local_spacing = min(2 * s, SPACING_MAX)
+            st.local_spacing = min(2 * s, LOCAL_SPACING_MAX)
         elif _bracket_too_wide(above, k):
             st.local_spacing = max(s / 2, SPACING_MIN)
-        if j:
+        if j:  # above the floor: keep the candidates at or above rung j
             idx, val, mag = _masked(bucket > j, idx, val, mag)
+        if j != LOCAL_BELOW:  # not the predicted threshold's rung
             stats.events["local_moved"] = 1
-    # Where k lies: between the rungs whose counts bracket it, else beyond the ladder.
-    g = grid.tolist()
+    return idx, val, mag, est
+
+
+def _kth_from_rungs(mag: torch.Tensor, above: list[int], rungs: list[float], k: int) -> float | None:
+    """Where this call's k-th largest of the candidates ``mag`` lies, from their counts
+    ``above`` at the ascending ``rungs``: between the two rungs that bracket k (log-log
+    interpolation; at a cliff, where their counts differ by more than ``BRACKET``, the exact
+    k-th largest, O(candidates)), else by a tail fit beyond the ladder."""
+    if above[0] < k:  # fewer than k candidates: the tail below the floor
+        return tail_threshold(mag, above[0], rungs[0], k)
     for i in range(len(above) - 1):
         if above[i] >= k > above[i + 1]:
-            # (an empty rung counts as half an entry: log-log needs a positive count)
-            frac = math.log(above[i] / k) / math.log(above[i] / max(above[i + 1], 0.5))
-            return idx, val, mag, g[i] * (g[i + 1] / g[i]) ** frac
-    if above[-1] >= k:  # k beyond the top rung: the tail above it
-        top = mag[mag >= g[-1]] if j is None or j < len(above) - 1 else mag
-        return idx, val, mag, tail_threshold(top, above[-1], g[-1], k)
-    return idx, val, mag, tail_threshold(mag, above[j or 0], g[j or 0], k)
+            if above[i] > BRACKET * above[i + 1]:
+                return kernels.kth_largest(mag, k)
+            frac = math.log(above[i] / k) / math.log(above[i] / above[i + 1])
+            return rungs[i] * (rungs[i + 1] / rungs[i]) ** frac
+    return tail_threshold(mag[mag >= rungs[-1]], above[-1], rungs[-1], k)  # k beyond the top rung
 
 
 def _bracket_too_wide(totals: list[int], k: int) -> bool:
