@@ -133,18 +133,24 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
 
 
 def _steady_table() -> str:
-    add = {r["n"]: r["ms"] for r in STEADY if r["algorithm"] == "add"}
-    lines = [f"{'algorithm':>10} {'n':>11} {'time ms':>9} {'add ms':>7} {'/add':>6} {'faults':>7} "
-             f"{'exact%':>7} {'sel/k':>6} {'worst':>6}"
+    add = {(r["n"], r.get("threads")): r["ms"] for r in STEADY if r["algorithm"] == "add"}
+    into = {(r["algorithm"], r["n"], r.get("threads"), r.get("workload")): r["ms"]
+            for r in STEADY if r.get("call") == "out"}
+    lines = [f"{'algorithm':>10} {'n':>11} {'call':>5} {'thr':>7} {'workload':>8} {'time ms':>9} {'add ms':>7} "
+             f"{'/add':>6} {'/out=':>6} {'faults':>7} {'exact%':>7} {'sel/k':>6} {'worst':>6}"
              + ("  kernels copies syncs" if any("syncs" in r for r in STEADY) else "")]
     for r in STEADY:
+        threads = r.get("threads", "1")
         if r["algorithm"] == "add":
-            lines.append(f"{'add':>10} {r['n']:>11} {r['ms']:>9.2f} {r['ms']:>7.2f} {1.0:>6.2f}")
+            lines.append(f"{'add':>10} {r['n']:>11} {'':>5} {threads:>7} {'':>8} {r['ms']:>9.2f} {r['ms']:>7.2f} "
+                         f"{1.0:>6.2f}")
             continue
-        yardstick = r.get("add_ms", add.get(r["n"]))  # the add timed next to its calls
+        yardstick = r.get("add_ms", add.get((r["n"], threads)))  # the add timed next to its calls
         ratio = r["ms"] / yardstick if yardstick else float("nan")
-        lines.append(f"{r['algorithm']:>10} {r['n']:>11} {r['ms']:>9.2f} {yardstick or float('nan'):>7.2f} "
-                     f"{ratio:>6.2f} "
+        base = into.get((r["algorithm"], r["n"], threads, r.get("workload")))
+        lines.append(f"{r['algorithm']:>10} {r['n']:>11} {r.get('call', 'out'):>5} {threads:>7} "
+                     f"{r.get('workload', 'drift'):>8} {r['ms']:>9.2f} {yardstick or float('nan'):>7.2f} "
+                     f"{ratio:>6.2f} {r['ms'] / base if base else float('nan'):>6.2f} "
                      f"{r['faults_per_call']:>7.0f} {100 * r['exact_or_corrected']:>6.0f}% "
                      f"{r['selected_over_k_mean']:>6.2f} {r['selected_over_k_worst']:>6.2f}"
                      + (f"  {r['kernels']:>7} {r['copies']:>6} {r['syncs']:>5}" if "syncs" in r else ""))
@@ -163,7 +169,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(", ".join(f"{k}={v}" for k, v in ENV.items() if k != "versions"))
         terminalreporter.write_line(", ".join(f"{k} {v}" for k, v in ENV.get("versions", {}).items()))
     if STEADY:
-        terminalreporter.write_sep("=", "steady-state call at world size 1, one thread (ratios to add)")
+        terminalreporter.write_sep("=", "steady-state call at world size 1 (ratios to add and to the out= call)")
         terminalreporter.write_line(_steady_table())
     if ROWS:
         from sparsecomm.bench import add_ratios, format_table
