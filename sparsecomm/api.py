@@ -611,8 +611,8 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
 def _plain_out(tensor: Any, state: State | None, out: torch.Tensor | None) -> torch.Tensor | None:
     """``out``, or for a stateful call without it one of the state's result buffers
     (:meth:`State.result_buffer`): the plain call then runs as the ``out=`` call does."""
-    if out is not None or state is None or not isinstance(tensor, torch.Tensor):
-        return out
+    if out is not None or not isinstance(state, State) or not isinstance(tensor, torch.Tensor):
+        return out  # (a state of the wrong kind is refused by the collective check)
     return state.result_buffer(tensor)
 
 

@@ -67,28 +67,50 @@ _SUITE_KEYS = {"allreduce": {"algorithm", "n", "ranks", "density", "time_ms", "s
                "kernels": {"n", "dtype", "operation", "time_ms", "gb_per_s"}}
 
 
+#: Row fields that must be finite numbers >= 0 where present (time_ms > 0: the fit divides by it).
+_NUMBERS = ("n", "ranks", "density", "time_ms", "sent_per_rank", "gb_per_s", "critical_bytes")
+#: Environment fields that must be whole numbers where present.
+_ENV_INTS = ("nodes", "cpus", "ranks", "threads")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def _row_problem(row: Any) -> str | None:
-    """Why the tables cannot use ``row`` (not an object, or without what its suite needs), or None."""
+    """Why the tables cannot use ``row`` (not an object, without what its suite needs, or a
+    field of the wrong type), or None."""
     if not isinstance(row, dict):
         return "is not an object"
     missing = _SUITE_KEYS.get(row.get("suite", "allreduce"), set()) - set(row)
-    return "has no " + ", ".join(map(repr, sorted(missing))) if missing else None
+    if missing:
+        return "has no " + ", ".join(map(repr, sorted(missing)))
+    for key in _NUMBERS:
+        if key in row and not (_number(row[key]) and (key != "time_ms" or row[key] > 0)):
+            return f"has {key} = {row[key]!r}, not a {'positive' if key == 'time_ms' else 'non-negative'} number"
+    return None
+
+
+def _field(value: Any) -> dict:
+    """A JSON object field, or {} where it is absent or of another type."""
+    return value if isinstance(value, dict) else {}
 
 
 def _rows(path: str, data: Any) -> tuple[dict, list[dict]] | None:
     """(environment, rows) of one file's JSON in any format sparsecomm writes; None if it is none of them."""
     if isinstance(data, list) and all(isinstance(r, dict) and _ROW_KEYS <= set(r) for r in data):
-        return {}, data  # sparsecomm bench before environments were written
+        data = {"rows": data}  # sparsecomm bench before environments were written
     if not isinstance(data, dict):
         return None
     if isinstance(data.get("benchmarks"), list):  # pytest-benchmark
         rows = []
         for b in data["benchmarks"]:
-            row = (b.get("extra_info") or {}).get("row") if isinstance(b, dict) else None
+            row = _field(b).get("extra_info")
+            row = _field(row).get("row")
             if row is None:
                 continue
-            stats = b.get("stats") or {}
-            rows.append({**row, "_pytest_median_ms": 1e3 * stats.get("median", float("nan")),
+            median = _field(_field(b).get("stats")).get("median", float("nan"))
+            rows.append({**row, "_pytest_median_ms": 1e3 * median if _number(median) else float("nan"),
                          "_name": b.get("name", "")} if isinstance(row, dict) else row)
     elif isinstance(data.get("rows"), list):
         rows = data["rows"]
@@ -97,6 +119,9 @@ def _rows(path: str, data: Any) -> tuple[dict, list[dict]] | None:
     env = data.get("sparsecomm") or {}
     if not isinstance(env, dict):
         raise InputFileError(f"{path}: its \"sparsecomm\" environment is not an object")
+    for key in _ENV_INTS:
+        if key in env and not (isinstance(env[key], int) and not isinstance(env[key], bool)):
+            raise InputFileError(f"{path}: its environment has {key} = {env[key]!r}, not a whole number")
     for i, row in enumerate(rows):
         problem = _row_problem(row)
         if problem:

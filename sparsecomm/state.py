@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,14 @@ class Compensated:
     def finite(self) -> bool | None:
         """Whether every accumulated entry is finite, when the pass could tell (else None)."""
         return None if self.nonfinite is None else self.nonfinite == 0
+
+
+def _storage_users(buf: torch.Tensor) -> tuple[int, int]:
+    """(the use count of ``buf``'s storage, the references to its Python storage object):
+    what tensors and storage objects elsewhere in this process hold it. Host-side
+    bookkeeping only: no device read."""
+    storage = buf.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
 @functools.lru_cache(maxsize=None)
@@ -403,20 +412,26 @@ class State:
         uses:
 
         1. A buffer is free when its storage has no user besides the state's own
-           tensor (``torch._C._storage_Use_Count``): every tensor the caller can hold
-           that reads it (the returned view, views of it, ``.grad`` set to it, a
-           tensor autograd saved, a NumPy array of it) is a tensor of its own on the
-           same storage, and holds it busy. A returned result is therefore never
-           overwritten while anything can still read it.
-        2. Else, below the limit, a new buffer joins the set (its pages are faulted
-           in once).
-        3. Else None: the caller allocates a fresh tensor, as without a state.
+           tensor: every tensor the caller can hold that reads it (the returned view,
+           views of it, ``.grad`` set to it, a tensor autograd saved, a NumPy array
+           or DLPack capsule of it) is a tensor of its own on the same storage and
+           counts in the storage's use count, and a storage object taken from it
+           counts in that object's references. A returned result is therefore never
+           overwritten while anything in this process can still read it.
+        2. A buffer moved to shared memory (sent to another process) leaves the set:
+           the other process's reads count nowhere here.
+        3. Else, below the limit, a new buffer joins the set (its pages are faulted
+           in once); else None, and the caller allocates a fresh tensor, as without
+           a state. Under ``torch.inference_mode()`` always None (an inference
+           tensor would then come back from later ordinary calls).
 
         Buffers are dropped when the tensor's size, dtype or device changes, and are
-        never saved in checkpoints.
+        never saved in checkpoints. They cost up to two n-element tensors per state
+        for the state's life. On CUDA the set knows nothing of
+        ``Tensor.record_stream``: hold the result until other streams are done with it.
         """
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if (use_count is None or like.layout != torch.strided
+        if (not hasattr(torch._C, "_storage_Use_Count") or torch.is_inference_mode_enabled()
+                or like.layout != torch.strided
                 or like.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
             return None
         n = like.numel()
@@ -425,14 +440,14 @@ class State:
         pool = self.__dict__.setdefault("_results", [])
         if pool and (pool[0][0].numel() != n or pool[0][0].dtype != like.dtype or pool[0][0].device != like.device):
             pool.clear()
+        pool[:] = [(buf, idle) for buf, idle in pool if not buf.is_shared()]
         for buf, idle in pool:
-            if use_count(buf.untyped_storage()._cdata) == idle:
+            if _storage_users(buf) == idle:
                 return buf.view(like.shape)
         if len(pool) >= self.RESULT_BUFFERS:
             return None
         buf = torch.empty(n, dtype=like.dtype, device=like.device)
-        # The count with no other user, as this torch reports it (the query holds one too).
-        pool.append((buf, use_count(buf.untyped_storage()._cdata)))
+        pool.append((buf, _storage_users(buf)))  # the counts with no other user, as this torch reports them
         return buf.view(like.shape)
 
     def buffers(self) -> list[torch.Tensor]:

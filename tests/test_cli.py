@@ -175,6 +175,10 @@ def test_train_writes_nothing_when_every_configuration_failed(tmp_path, capsys, 
     assert not out.exists()
 
 
+#: A complete allreduce row, spoilt one field at a time below.
+_ROW = {"algorithm": "oktopk", "n": 1000, "ranks": 2, "density": 0.01, "time_ms": 1.5, "sent_per_rank": 80}
+
+
 @pytest.fixture
 def bad_files(tmp_path):
     """name -> (path, what the one-line error must say) for each kind of unusable input file."""
@@ -185,6 +189,12 @@ def bad_files(tmp_path):
         "binary": ("blob.json", b"\xff\xfe\x00\x01", "not JSON (not UTF-8 text)"),
         "not a benchmark": ("other.json", json.dumps({"profiles": []}), "not a sparsecomm benchmark file"),
         "bad row": ("row.json", json.dumps({"rows": [{"algorithm": "oktopk", "n": 10}]}), "row 1 has no 'density'"),
+        "old list format": ("list.json", json.dumps([{"algorithm": "oktopk", "n": 10, "ranks": 2, "time_ms": 1}]),
+                            "row 1 has no 'density'"),
+        "wrong type": ("type.json", json.dumps({"rows": [{**_ROW, "ranks": "two"}]}), "row 1 has ranks = 'two'"),
+        "zero time": ("zero.json", json.dumps({"rows": [{**_ROW, "time_ms": 0}]}), "row 1 has time_ms = 0"),
+        "bad environment": ("env.json", json.dumps({"rows": [_ROW], "sparsecomm": {"nodes": "x"}}),
+                            "its environment has nodes = 'x'"),
     }
     out = {}
     for name, (file, content, message) in files.items():
@@ -198,7 +208,8 @@ def bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["report", "calibrate"])
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "text", "binary", "not a benchmark", "bad row"])
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "text", "binary", "not a benchmark", "bad row",
+                                  "old list format", "wrong type", "zero time", "bad environment"])
 def test_report_and_calibrate_name_the_bad_file(command, kind, bad_files, tmp_path, capsys):
     path, message = bad_files[kind]
     out = tmp_path / "out"

@@ -454,3 +454,20 @@ def test_a_gradient_jump_past_the_fused_buffer_selects_again_and_narrows_the_lad
     assert "local_recomputed" not in st.last.events
     assert 2 * k / 3 <= st.last.local_selected <= 4 * k // 3
     assert st.local_spacing == _S / 2
+
+
+def test_a_gradient_past_float32s_range_over_the_threshold_raises_nothing():
+    # Magnitudes 1e10 over a threshold of 1e-29: the tail fit's ratios overflowed float32,
+    # its exponent came out 0 and the estimate divided by it (on one rank: the others hung).
+    from sparsecomm.algorithms.oktopk import tail_threshold
+
+    assert tail_threshold(torch.full((80,), 1e10), 80, 5e-30, 100) is not None
+    n = 10_000
+    for error_feedback in (False, True):
+        st = sparsecomm.OkTopkState(0.01, error_feedback=error_feedback)
+        for s in range(4):
+            sparsecomm.allreduce(torch.randn(n, generator=torch.Generator().manual_seed(s)) * 1e-30, state=st)
+        g = torch.zeros(n)
+        g[:80] = 1e10
+        out = sparsecomm.allreduce(g, state=st)
+        assert st.last.local_selected == 80 and torch.equal(out[:80], g[:80])

@@ -312,3 +312,38 @@ def test_plain_split_call_holds_its_buffer_until_finished():
         other = sparsecomm.allreduce(x + 1, state=sparsecomm.OkTopkState(0.05))  # a stateless call between
         got = pending.finish()
         assert torch.equal(got, sparsecomm.allreduce(x, state=b)) and other.data_ptr() != got.data_ptr()
+
+
+def test_plain_call_buffer_is_not_reused_while_a_storage_or_another_process_holds_it():
+    state = sparsecomm.OkTopkState(0.05, error_feedback=True)
+    xs = list(_drifting(0, 8))
+    first = sparsecomm.allreduce(xs[0], state=state)
+    storage, snap = first.untyped_storage(), first.clone()  # a storage object, no tensor
+    del first
+    for x in xs[1:4]:
+        sparsecomm.allreduce(x, state=state)
+    assert torch.equal(torch.empty(0).set_(storage), snap)
+    del storage
+    # Sent to another process (shared memory): that process's reads count nowhere here,
+    # so the buffer leaves the set for good.
+    shared = sparsecomm.allreduce(xs[4], state=state).share_memory_()
+    ptr = shared.data_ptr()
+    del shared
+    assert all(sparsecomm.allreduce(x, state=state).data_ptr() != ptr for x in xs[5:])
+
+
+def test_plain_call_under_inference_mode_leaves_no_inference_tensor_behind():
+    state = sparsecomm.OkTopkState(0.05, error_feedback=True)
+    xs = list(_drifting(0, 4))
+    with torch.inference_mode():
+        assert sparsecomm.allreduce(xs[0], state=state).is_inference()
+    out = sparsecomm.allreduce(xs[1], state=state)
+    assert not out.is_inference()
+    out.mul_(0.5)  # an inference tensor refuses this outside inference mode
+    w = torch.ones(3000, requires_grad=True)
+    (out * w).sum().backward()
+
+
+def test_plain_call_with_a_state_of_the_wrong_kind_is_bad_input():
+    with pytest.raises(InputError, match="OkTopkState"):
+        sparsecomm.allreduce(torch.randn(100), algorithm="oktopk", state="not a state")

@@ -79,7 +79,8 @@ class OkTopkState(State):
             the candidates to fewer bytes than the radix rounds (small k,
             P up to ~44), radix elsewhere. All three select the same entries.
 
-    Internal fields: ``local_threshold``, ``global_threshold``,
+    Internal fields: ``local_threshold``, ``local_spacing`` (the local rungs' spacing,
+    see ``_checked_select``), ``global_threshold``,
     ``global_spacing`` (the global rungs' grid, see ``_global_select``),
     ``boundaries`` (P+1 region starts), ``residual``, ``iteration``,
     ``local_stale`` (no local threshold could be estimated: the next call
@@ -425,7 +426,7 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
     grid = (floor * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
     bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
     above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # above[j]: candidates at or above rung j
-    above[0] = count  # the fused pass's own count (equal unless an entry sits exactly at the floor)
+    above[0] = count  # the pass's own count (the float64 floor may lie below grid[0], cast to mag's dtype)
     est = _kth_from_rungs(mag, above, grid.tolist(), k)
     j = _nearest_rung(above, k, lo, hi, home=LOCAL_BELOW)
     if j is None:
@@ -522,11 +523,13 @@ def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float |
     if count <= 0 or mags.numel() == 0 or not th > 0:
         return None
     sample = mags[::max(1, mags.numel() // _TAIL_SAMPLE)]  # plenty for one exponent
-    logs = float(torch.log(sample.to(torch.float32) / th).clamp_(min=0).sum())
-    if not logs > 0:
+    # float64: a ratio to th past float32's range (1e10 over 1e-30) must not make alpha 0
+    logs = float(torch.log(sample.to(torch.float64) / th).clamp_(min=0).sum())
+    if not 0 < logs < math.inf:
         return None
     alpha = sample.numel() / logs
-    return th * (count / k) ** (1.0 / alpha)
+    estimate = th * (count / k) ** (1.0 / alpha)
+    return estimate if 0 < estimate < math.inf else None
 
 
 # ---- step 2: region boundaries ---------------------------------------------------
