@@ -6,6 +6,7 @@ prints: the loss per epoch, and the bytes sent next to a dense allreduce's.
 """
 
 import ast
+import importlib.util
 import math
 import os
 import re
@@ -118,7 +119,10 @@ def test_schedule_no_ddp_world_of_one():
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_lightning_ddp():
-    pytest.importorskip("lightning", reason="PyTorch Lightning not installed (pip install lightning)")
+    # Looked up, not imported: importing lightning here imports triton.language before a later
+    # test's TRITON_INTERPRET, and the interpreted kernels then fail (the script imports it).
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("PyTorch Lightning not installed (pip install lightning)")
     out = launch(sys.executable, str(EXAMPLES / "lightning_ddp.py"), "--devices", "2", "--epochs", str(EPOCHS))
     check_trained(out)
     check_sparse(out)
