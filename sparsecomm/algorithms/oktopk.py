@@ -337,8 +337,10 @@ def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, cou
        accumulated magnitudes crowd just above the last threshold (an entry is sent soon
        after it crosses), so a threshold 3% low selected 1.7 k on a repeating gradient:
        no single reused threshold holds the bounds, a ladder of them does. The spacing
-       doubles when the chosen rung is an outer one or k lies beyond the ladder, and
-       halves when the count jumps over the bounds between two rungs.
+       doubles (to at most ``LOCAL_SPACING_MAX``) when the chosen rung is an outer one or
+       k lies beyond the ladder, and halves when the counts of two neighbouring rungs
+       bracket k more than ``BRACKET`` apart (or jump over the bounds) and when the fused
+       pass's buffer overflowed.
     2. Above the upper bound at every rung (or at ``th`` without rungs): keep the exact
        top-k of these few candidates (``local_corrected``).
     3. Below the lower bound: the threshold is ``kernels.estimate_threshold`` of ``acc``
