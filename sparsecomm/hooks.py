@@ -31,6 +31,7 @@ steps re-evaluate thresholds exactly, and no residual is lost either way.
 # No "from __future__ import annotations" here: DDP checks the hook's annotations
 # against the real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -180,11 +181,30 @@ class SparseHookState:
                 "totals": dict(self.totals)}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore a :meth:`state_dict`: the step, every parameter's residual, the per-layout states.
+
+        1. A checkpoint of another model (a residual or a layout naming a parameter this
+           model lacks, or one of another size) raises ValueError here, not at the first
+           bucket.
+        2. This hook's settings (algorithm, density, options, error feedback) win, as the
+           user just gave them: a saved state made with other settings is dropped (with a
+           warning naming both); its residuals carry over to the states this hook makes,
+           so the gradient memory goes on while thresholds and boundaries start afresh.
+           With the same settings the run resumes bit for bit.
+        """
+        self._check_checkpoint(d)
+        mine = self._settings(self.spec.state_class(self.density, **self._state_kwargs()))
+        kept = {key: st for key, st in d["algorithm_states"].items() if self._settings(st) == mine}
+        if len(kept) < len(d["algorithm_states"]):
+            other = next(st for st in d["algorithm_states"].values() if self._settings(st) != mine)
+            warnings.warn(f"SparseHookState.load_state_dict: the checkpoint's bucket states were made with "
+                          f"{self._settings(other)}, this hook makes {mine}: their residuals carry over, their "
+                          "thresholds and boundaries start afresh", stacklevel=2)
         self.step = d["step"]
         self._canonical, self._reordered = {}, {}  # layouts start over from the saved ones
         self.totals = dict(d["totals"])
         self.buckets = {}
-        for key, st in d["algorithm_states"].items():
+        for key, st in kept.items():
             st.residual = None
             self.buckets[key] = st
         self._pending = {}
@@ -196,6 +216,30 @@ class SparseHookState:
                                          else saved[0].new_zeros(self._numel[i]) for i in key])
         placed = {i for key in self.buckets for i in key}
         self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
+
+    @staticmethod
+    def _settings(state: State) -> tuple:
+        """What makes two per-layout states interchangeable: the class and its settings."""
+        settings = state.settings()
+        settings.pop("iteration", None)
+        return (type(state).__name__, tuple(sorted(settings.items())))
+
+    def _check_checkpoint(self, d: dict) -> None:
+        """Refuse a checkpoint of another model (see :meth:`load_state_dict`)."""
+        n = len(self._numel)
+        for i, r in d["residuals"].items():
+            if not (isinstance(i, int) and 0 <= i < n):
+                raise ValueError(f"SparseHookState.load_state_dict: the checkpoint holds a residual for parameter "
+                                 f"{i!r}; this model has {n} parameters (a checkpoint of another model?)")
+            if r.numel() != self._numel[i]:
+                raise ValueError(f"SparseHookState.load_state_dict: the checkpoint's residual for parameter {i} "
+                                 f"has {r.numel()} elements; this model's has {self._numel[i]} (a checkpoint "
+                                 "of another model?)")
+        for key in d["algorithm_states"]:
+            bad = [i for i in key if not (isinstance(i, int) and 0 <= i < n)]
+            if bad:
+                raise ValueError(f"SparseHookState.load_state_dict: a saved bucket holds parameter(s) {bad}; "
+                                 f"this model has {n} parameters (a checkpoint of another model?)")
 
     def _layout(self, order: Tuple[int, ...]) -> Tuple[int, ...]:
         """The layout (parameter order) the algorithm sees for a bucket of parameters ``order``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -160,6 +161,45 @@ def test_new_layout_inherits_residuals_and_state_pickles():
         return copy.step
 
     assert sparsecomm.simulate(2, body).results == [2, 2]
+
+
+def _hook_after_steps(sizes, algorithm, density, steps=3):
+    params = _params(sizes, 0)
+    model = torch.nn.Module()
+    model.ps = torch.nn.ParameterList(params)
+    st = SparseHookState(model, algorithm, density, min_bucket_elements=0)
+    for _ in range(steps):
+        sparse_allreduce_hook(st, FakeBucket(params)).wait()
+    return st, model, params
+
+
+def test_checkpoint_with_other_settings_keeps_this_hooks_settings_and_the_residuals():
+    # A hook built for dense at 1.0 that loads an Ok-Topk 5% checkpoint reduces with dense at
+    # 1.0 (it reduced with Ok-Topk at 5% before), and says so; the residuals carry over.
+    saved, model, params = _hook_after_steps([300, 200], "oktopk", 0.05)
+    ckpt = pickle.loads(pickle.dumps(saved.state_dict()))
+    hook = SparseHookState(model, "topka", 0.2, min_bucket_elements=0)
+    with pytest.warns(UserWarning, match="OkTopkState.*TopkAState"):
+        hook.load_state_dict(ckpt)
+    assert all(torch.equal(hook.residuals()[i], saved.residuals()[i]) for i in (0, 1))
+    sparse_allreduce_hook(hook, FakeBucket(params)).wait()
+    (state,) = hook.buckets.values()
+    assert type(state) is sparsecomm.TopkAState and state.density == 0.2
+    # The same settings: the saved state itself goes on, no warning.
+    same = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(pickle.loads(pickle.dumps(saved.state_dict())))
+    assert [st.iteration for st in same.buckets.values()] == [3]
+
+
+def test_checkpoint_of_another_model_is_refused_at_load():
+    saved, _, _ = _hook_after_steps([300, 200, 100], "oktopk", 0.05)
+    for sizes, match in (([300, 200], "parameter 2; this model has 2 parameters"),
+                         ([300, 250, 100], "parameter 1 has 200 elements; this model's has 250")):
+        _, model, _ = _hook_after_steps(sizes, "oktopk", 0.05, steps=0)
+        with pytest.raises(ValueError, match=match):
+            SparseHookState(model, "oktopk", 0.05).load_state_dict(saved.state_dict())
 
 
 def test_state_validation():
