@@ -996,3 +996,60 @@ def test_a_refused_call_leaves_the_schedule_ready_for_the_next_step():
     out = sparsecomm.simulate(2, body, timeout=60).results
     assert all(bool(torch.isfinite(p).all()) for p in out[0])
     assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
+
+
+def _mixed_model(layer: int = 4) -> torch.nn.Module:
+    """The test model with one layer in bfloat16 (the last: a mixed-precision head)."""
+    model = _model()
+    model[layer].to(torch.bfloat16)
+    return model
+
+
+def _mixed_loss(model, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+    for layer in model:  # each layer in its own dtype
+        x = layer(x.to(next(layer.parameters()).dtype) if list(layer.parameters()) else x)
+    return torch.nn.functional.cross_entropy(x.float(), y)
+
+
+@pytest.mark.parametrize("cls", [SyncEASGD, WFBP])
+def test_a_group_of_mixed_dtypes_reduces_each_gradient_in_the_widest(cls):
+    # One group holding float32 layers and a bfloat16 one: its buffer takes float32 (it took
+    # the first gradient's dtype, and the float32 layers were cast to bfloat16 and back).
+    def body(rank: int):
+        model = _mixed_model()
+        sched = cls(model, _optimizer("sgd", model.parameters()), algorithm="dense", density=1.0)
+        _mixed_loss(model, rank, 0).backward()
+        sched.synchronize()
+        got = [p.grad.clone() for p in model.parameters()]
+        sched.close()
+        twin = _mixed_model()
+        _mixed_loss(twin, rank, 0).backward()
+        want = [sparsecomm.allreduce(p.grad.float(), 1.0, algorithm="dense", op="avg").to(p.dtype)
+                for p in twin.parameters()]
+        return got, want
+
+    for got, want in sparsecomm.simulate(2, body).results:
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_dear_and_pipesgd_buffers_take_the_widest_dtype():
+    from sparsecomm.schedules import DeAR, PipeSGD
+
+    def body(rank: int):
+        dtypes = []
+        for cls in (PipeSGD, DeAR):
+            model = _mixed_model(layer=0)  # the first gradient is bfloat16
+            sched = cls(model, _optimizer("sgd", model.parameters()), algorithm="dense", density=1.0)
+            for step in range(2):
+                _mixed_loss(model, rank, step).backward()
+                sched.step()
+            dtypes.append({b.dtype for b in sched._buffers if b is not None})
+            sched.close()
+        return dtypes
+
+    for dtypes in sparsecomm.simulate(2, body).results:
+        assert dtypes == [{torch.float32}, {torch.float32}], dtypes

@@ -59,7 +59,7 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
-from .engine import Engine, Job, at_backward_end, grad_versions, grads_changed, second_backward, write_grads
+from .engine import Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward, write_grads
 
 __all__ = ["DeAR"]
 
@@ -198,8 +198,9 @@ class DeAR:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params[gi]]
         n = sum(g.numel() for g in grads)
         buf = self._buffers[gi]
-        if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
-            buf = self._buffers[gi] = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
+        dtype = flat_dtype(grads)
+        if buf is None or buf.numel() != n or buf.dtype != dtype:
+            buf = self._buffers[gi] = torch.empty(n, dtype=dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
         torch.cat([g.reshape(-1) for g in grads], out=buf)
         return buf

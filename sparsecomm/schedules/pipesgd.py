@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from .engine import Engine, Job, grads_in, point_grads, write_grads
+from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
 
@@ -77,7 +77,7 @@ class PipeSGD:
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
         n = sum(p.numel() for p in self.params)
         like = self.params[0]
-        self._buffers = [torch.empty(n, dtype=like.dtype, device=like.device) for _ in range(3)]
+        self._buffers = [torch.empty(n, dtype=flat_dtype(self.params), device=like.device) for _ in range(3)]
         self.step_count = 0
         self._pending: Job | None = None  # the allreduce of the last step's gradient
         self._ready: torch.Tensor | None = None  # an aggregated gradient restored from a checkpoint

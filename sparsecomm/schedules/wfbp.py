@@ -37,7 +37,7 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import ScheduleError
-from .engine import (Engine, Job, at_backward_end, grad_versions, grads_changed, grads_in, point_grads,
+from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
 
@@ -166,8 +166,9 @@ class GroupSchedule:
         grads = [p.grad for p in params]
         buf = self._buffers[gi]
         numel = sum(g.numel() for g in grads)
-        if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
-            buf = self._buffers[gi] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        dtype = flat_dtype(grads)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != grads[0].device:
+            buf = self._buffers[gi] = torch.empty(numel, dtype=dtype, device=grads[0].device)
             self._results[gi] = torch.empty_like(buf)
         if grads_in(params, buf):  # the backward accumulated into it (see synchronize): the job reads .grad
             self._views_at[gi] = buf._version
