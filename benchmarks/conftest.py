@@ -125,7 +125,11 @@ def torch_group(comm):
             torch.cuda.set_device(local_rank() % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank,
                                 world_size=comm.size, timeout=datetime.timedelta(seconds=300))
-    return dist.group.WORLD
+        yield dist.group.WORLD
+        # Left up, gloo's threads alive at interpreter exit abort the process now and then.
+        dist.destroy_process_group()
+    else:
+        yield dist.group.WORLD
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):

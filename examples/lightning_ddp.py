@@ -107,6 +107,10 @@ def main() -> None:
         print(f"hook: {hook['steps']} steps, {hook['sparse_buckets']} buckets by {args.algorithm}, "
               f"{hook['dense_buckets']} dense (warm-up or small); sent {hook['bytes_sent'] / 1e6:.2f} MB "
               f"per rank (a dense allreduce: {dense / 1e6:.2f} MB)")
+    # Lightning leaves the process group up; gloo's worker threads still alive at interpreter
+    # exit abort the process (SIGABRT, "terminate called without an active exception") now and then.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

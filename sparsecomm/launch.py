@@ -8,6 +8,7 @@ ranks with torchrun, srun or mpiexec instead.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -161,7 +162,9 @@ def join_launched_group() -> bool:
     The backend is ``$SPARSECOMM_DIST_BACKEND``, else NCCL where CUDA is
     available (this rank's GPU chosen by its local rank), else gloo. Returns
     whether a torchrun-style launch was found; under mpiexec/srun there is none
-    and ``sparsecomm.resolve()`` finds MPI by itself.
+    and ``sparsecomm.resolve()`` finds MPI by itself. A group started here is
+    destroyed at interpreter exit: gloo's worker threads still alive while the
+    interpreter finalises abort the process now and then.
     """
     import torch.distributed as dist
 
@@ -174,4 +177,12 @@ def join_launched_group() -> bool:
 
             torch.cuda.set_device(local_rank() % torch.cuda.device_count())
         dist.init_process_group(backend)
+        atexit.register(_destroy_group)
     return True
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
