@@ -27,7 +27,7 @@ from .algorithms import (
 )
 from .api import Pending, algorithms, allreduce, begin_allreduce, sparse_allreduce
 from .comm import Communicator, SimResult, resolve, simulate
-from .errors import CommTimeoutError, InputError, PeerError, ScheduleError, SparseCommError
+from .errors import CommTimeoutError, InputError, NonFiniteError, PeerError, ScheduleError, SparseCommError
 from .network import PROFILES, Network
 from .result import SparseResult
 from .state import CallStats, State
@@ -38,4 +38,4 @@ __all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algor
            "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
            "CallStats", "SparseResult",
            "Communicator", "resolve", "Network", "PROFILES",
-           "SparseCommError", "InputError", "CommTimeoutError", "PeerError", "ScheduleError"]
+           "SparseCommError", "InputError", "NonFiniteError", "CommTimeoutError", "PeerError", "ScheduleError"]

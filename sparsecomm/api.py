@@ -28,7 +28,7 @@ from . import registry
 from .kernels import shares_memory
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
-from .errors import InputError
+from .errors import InputError, NonFiniteError
 from .result import SparseResult
 from .state import Compensated, PhaseStats, State, check_density, topk_count
 
@@ -249,13 +249,13 @@ def _check_collectively(call: _Call, problem: tuple[int, str] | None, nonfinite:
         raise InputError(f"sparsecomm.allreduce: {mine}bad input on {others}")
     nonfinite = [r for r, s in enumerate(table) if s.nonfinite == 1]
     if nonfinite:
-        raise InputError(f"sparsecomm.allreduce: the tensor holds NaN or Inf on rank(s) "
-                         f"{nonfinite}; refusing to reduce it (it would poison every rank's result)")
+        raise NonFiniteError(f"sparsecomm.allreduce: the tensor holds NaN or Inf on rank(s) "
+                             f"{nonfinite}; refusing to reduce it (it would poison every rank's result)", nonfinite)
     overflow = [r for r, s in enumerate(table) if s.nonfinite == 2]
     if overflow:
-        raise InputError(f"sparsecomm.allreduce: the tensor plus the error-feedback residual "
-                         f"overflows on rank(s) {overflow}; refusing to reduce it (the residual "
-                         "is left as it was)")
+        raise NonFiniteError(f"sparsecomm.allreduce: the tensor plus the error-feedback residual "
+                             f"overflows on rank(s) {overflow}; refusing to reduce it (the residual "
+                             "is left as it was)", overflow)
     for field, what in Signature.COMPARED:
         values = [getattr(s, field) for s in table]
         if len(set(values)) > 1:

@@ -8,7 +8,7 @@ wait that ran out).
 
 from __future__ import annotations
 
-__all__ = ["SparseCommError", "InputError", "InputFileError", "CommTimeoutError", "PeerError", "ScheduleError"]
+__all__ = ["SparseCommError", "InputError", "NonFiniteError", "InputFileError", "CommTimeoutError", "PeerError", "ScheduleError"]
 
 
 class SparseCommError(Exception):
@@ -21,6 +21,27 @@ class InputError(SparseCommError, ValueError):
     Raised on *every* rank of the group, so that no rank is left waiting in a
     collective for a peer that gave up.
     """
+
+
+class NonFiniteError(InputError):
+    """The tensor (or its sum with the error-feedback residual) holds NaN or Inf on some rank.
+
+    An :class:`InputError` like any other, raised on every rank alike, with the
+    state left as it was. Mixed-precision training meets it on purpose: a loss
+    scale too high overflows fp16 gradients, and ``GradScaler`` must then skip
+    the step on every rank; the hook and the schedules, given ``scaler=``,
+    catch this error and hand the scaler an Inf instead (see README, Guarantees).
+
+    Attributes:
+        ranks: the ranks whose tensor (or sum) was not finite.
+    """
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+    def __reduce__(self):  # picklable across processes with its ranks
+        return (type(self), (self.args[0], self.ranks))
 
 
 class InputFileError(SparseCommError, ValueError):

@@ -61,7 +61,10 @@ def test_nonfinite_gradient_on_one_rank(value):
             t[17] = value
         return sparsecomm.allreduce(t, 0.1)
 
-    every_rank_raises(call, match="NaN or Inf on rank(s) [1]")
+    errors = every_rank_raises(call, expected=sparsecomm.NonFiniteError, match="NaN or Inf on rank(s) [1]")
+    # Its own type (an InputError still), naming the ranks: what AMP's skipped steps key on.
+    assert all(isinstance(e, sparsecomm.InputError) and e.ranks == [1] for e in errors)
+    assert pickle.loads(pickle.dumps(errors[0])).ranks == [1]
 
 
 @pytest.mark.parametrize("algorithm", ["oktopk", "topka", "gtopk"])
