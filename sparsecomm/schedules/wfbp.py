@@ -6,11 +6,12 @@
         loss_fn(model(x), y).backward()   # groups are reduced on the engine as they become ready
         sched.step()                      # wait for them, .grad become views of the results, optimizer.step()
 
-A *layer* here is one parameter tensor, numbered in ``model.parameters()``
-order (forward order for the usual models); backward produces them roughly
-last to first. Layers travel in contiguous *groups*, each a sparsecomm
-allreduce (any algorithm, compressor and state options) with a state of its
-own, so error feedback, thresholds and boundaries persist per group:
+A *layer* here is one trainable parameter tensor, numbered in
+``model.parameters()`` order among those with ``requires_grad`` (forward
+order for the usual models); backward produces them roughly last to first.
+Layers travel in contiguous *groups*, each a sparsecomm allreduce (any
+algorithm, compressor and state options) with a state of its own, so error
+feedback, thresholds and boundaries persist per group:
 
 * :class:`WFBP`: every layer alone, as soon as its gradient is ready.
 * :class:`SyncEASGD`: one group of everything, after backward.
@@ -24,10 +25,30 @@ Readiness comes from ``register_post_accumulate_grad_hook``. Groups are
 submitted strictly in plan order (a ready group waits for the ones before
 it), so every rank issues the same collectives in the same order; the jobs
 run on a :class:`~sparsecomm.schedules.Engine`.
+
+Training-loop rules (README, Guarantees), the same in every schedule:
+
+* A step with a refused call (``InputError``, raised on every rank alike)
+  applies nothing: ``synchronize()``/``step()`` raise it with every ``.grad``
+  set to None. The refused group's gradient is dropped, like a skipped batch;
+  the other groups' results are carried to the next step (their residuals
+  were already debited), so nothing else is lost.
+* A backward that raised (an OOM skipped on every rank) is noticed at the next
+  forward or backward: its started groups are waited for and carried.
+* With ``scaler=`` (a ``torch.amp.GradScaler``), a call refused for NaN/Inf
+  does not raise: its group's gradients become Inf on every rank, so
+  ``scaler.step`` skips the step everywhere and the scale drops; the other
+  groups are carried; residuals and carries follow the scale.
+* ``no_sync()`` accumulates backwards locally; the next backward reduces the sum.
+* Freezing or unfreezing a layer (``requires_grad``, on every rank alike) is
+  seen at the next forward: the groups are rebuilt over the trainable layers,
+  residuals move with their layers, and a frozen layer's ``.grad`` is None
+  (no weight decay or momentum moves it).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Sequence
 
@@ -36,7 +57,9 @@ import torch
 from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
-from ..errors import ScheduleError
+from ..errors import InputError, NonFiniteError, ScheduleError
+from .base import (Carry, LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings,
+                   optimizer_size)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
@@ -44,45 +67,69 @@ from .planner import fit_linear, plan_merge, plan_time
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
 
 
-class GroupSchedule:
+def snapshot(state: Any) -> Any:
+    """A copy of an algorithm state as a checkpoint holds it (no buffers, its own tensors)."""
+    copied = state.__class__.__new__(state.__class__)
+    copied.__dict__.update(copy.deepcopy(state.__getstate__()))
+    return copied
+
+
+class GroupSchedule(Schedule):
     """Reduce a model's gradients in contiguous groups of layers on an engine, then step the optimizer.
 
     Args:
         model: the module whose parameters (with ``requires_grad``) are reduced.
-        optimizer: any ``torch.optim`` optimizer over them.
+        optimizer: any ``torch.optim`` optimizer over them (over the model's
+            parameters only: ValueError otherwise, the ranks would drift apart).
         groups: lists of layer indexes (positions in the trainable
             parameters), in the order their allreduces start; each contiguous.
+            After a layer is frozen or unfrozen: one group of every layer.
         algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`
             (``op`` "avg" by default, like DDP).
         error_feedback: for the sparse algorithms' states.
         algorithm_options: extra arguments of the algorithm's State.
         group, comm: the ranks; an engine duplicates them (collective).
         engine_threads: torch threads of the communication thread.
+        scaler: a ``torch.amp.GradScaler`` for mixed precision (see the module
+            docstring); ``step()`` then calls ``scaler.step(optimizer)``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  groups: Sequence[Sequence[int]] | None = None, *, algorithm: str = "oktopk",
                  density: float = 0.01, compressor: Any = None, op: str = "avg",
                  error_feedback: bool = True, algorithm_options: dict | None = None,
-                 group: Any = None, comm: Any = None, engine_threads: int = 1) -> None:
+                 group: Any = None, comm: Any = None, engine_threads: int = 1, scaler: Any = None) -> None:
         self.model, self.optimizer = model, optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._all = list(model.parameters())
+        self._flags = tuple(p.requires_grad for p in self._all)
+        self.params = [p for p in self._all if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        check_optimizer(optimizer, model, type(self).__name__)
+        self._opt_size = optimizer_size(optimizer)
         self.spec = registry.get(algorithm)
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
         self._state_kwargs = dict(algorithm_options or {})
         if algorithm != "dense":
             self._state_kwargs.setdefault("error_feedback", error_feedback)
         self.spec.state_class(density, **self._state_kwargs)  # validate now
+        self.scaler, self._scale = scaler, LossScale(scaler)
+        self._carry = Carry()
+        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
+        self._accumulating = False  # inside no_sync()
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-schedule")
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.set_groups(groups if groups is not None else [list(range(len(self.params) - 1, -1, -1))])
+        self.set_groups(groups if groups is not None else self._default_groups())
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._forward_handle = model.register_forward_pre_hook(lambda *args: self._before_forward())
         self.stats: dict[str, list] = {"exposed_seconds": []}
         self._synchronized = False  # synchronize() ran, and neither a gradient nor the optimizer's step since
         self._opt_handle = optimizer.register_step_post_hook(lambda *args: setattr(self, "_synchronized", False))
         self.job_timings: list[tuple[int, float]] = []  # (elements, seconds on the thread), last step
+
+    def _default_groups(self) -> list[list[int]]:
+        """The groups to use at construction without ``groups=``, and after a layer froze or thawed."""
+        return [list(range(len(self.params) - 1, -1, -1))]
 
     # ---- groups --------------------------------------------------------------------
     def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
@@ -94,7 +141,7 @@ class GroupSchedule:
         for g in groups:
             if sorted(g) != list(range(min(g), max(g) + 1)):
                 raise ValueError(f"group {list(g)} is not contiguous")
-        residuals = self._layer_residuals() if getattr(self, "_states", None) else {}
+        residuals = self._residuals_by_param()
         self.groups = [sorted(g, reverse=True) for g in groups]
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
         self._states = [self.spec.state_class(self.density, **self._state_kwargs) for _ in self.groups]
@@ -102,9 +149,10 @@ class GroupSchedule:
         # group (thresholds and boundaries restart, as for a state of a new tensor).
         like = next(iter(residuals.values()), None)
         for g, st in zip(self.groups, self._states):
-            if any(i in residuals for i in g):
-                st.residual = torch.cat([residuals[i] if i in residuals else like.new_zeros(self.params[i].numel())
-                                         for i in g])
+            if any(id(self.params[i]) in residuals for i in g):
+                st.residual = torch.cat([residuals.pop(id(self.params[i]), None) if id(self.params[i]) in residuals
+                                         else like.new_zeros(self.params[i].numel()) for i in g])
+        self._parked.update(residuals)  # layers not trainable now keep theirs for when they are again
         # Per group: the gathered gradients, and the result, in a buffer of its own so that
         # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
         # pass over the group after the call, competing with backward for the core. The
@@ -113,10 +161,18 @@ class GroupSchedule:
         self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._reset()
 
+    def _residuals_by_param(self) -> dict[int, torch.Tensor]:
+        """Every residual held, by ``id`` of its parameter: the groups' slices and the parked ones."""
+        out = dict(self._parked)
+        self._parked = {}
+        for i, r in self._layer_residuals().items():
+            out[id(self.params[i])] = r
+        return out
+
     def _layer_residuals(self) -> dict[int, torch.Tensor]:
         """Each layer's slice of its group's residual (a group lays its layers out in its order)."""
         out = {}
-        for g, st in zip(self.groups, self._states):
+        for g, st in zip(getattr(self, "groups", []), getattr(self, "_states", [])):
             r, offset = getattr(st, "residual", None), 0
             if r is None:
                 continue
@@ -137,12 +193,81 @@ class GroupSchedule:
         self._views_at: dict[int, int] = {}  # group -> its buffer's version when a job began reading it
         self._copied_at: dict[int, list] = {}  # group -> its own-storage grads and versions when copied
         self._changed: ScheduleError | None = None  # found at the end of backward
+        self._rescaled = False  # the loss scale's move was applied this step
+
+    # ---- between steps ---------------------------------------------------------------
+    def _before_forward(self) -> None:
+        """At each forward: recover from a backward that raised, follow frozen/unfrozen layers."""
+        if self._aborted():
+            self._recover()
+        flags = tuple(p.requires_grad for p in self._all)
+        if flags != self._flags and not self._ready_at and not self._jobs:
+            self._retrain(flags)
+
+    def _aborted(self) -> bool:
+        # Gradients arrived but their backward never ended (the end-of-backward callback runs
+        # only when the backward completes): it raised, and the user went on.
+        return bool(self._ready_at) and self._seen is None and not self._accumulating
+
+    def _recover(self) -> None:
+        """A backward raised after some groups started: wait for them and carry their results.
+
+        Every rank whose backward raised at the same point (a batch skipped on every rank)
+        started the same groups, so these calls complete; their residuals were debited, so
+        their results go to the next step. A refused one is dropped, like its batch.
+        """
+        for gi, job in enumerate(self._jobs):
+            try:
+                out = job.wait()
+            except Exception:  # noqa: BLE001 - refused alike on every rank, or a broken engine (raised next)
+                continue
+            self._carry.keep([self.params[i] for i in self.groups[gi]], out)
+        self._reset()
+
+    def _retrain(self, flags: tuple) -> None:
+        """The trainable layers changed (every rank alike): rebuild the groups over them.
+
+        Residuals move by parameter (a frozen layer's is parked until it trains again); a
+        frozen layer's ``.grad`` is set to None, since it is no longer reduced and a stale one
+        would be stepped (weight decay, momentum) by each rank on its own.
+        """
+        residuals = self._residuals_by_param()
+        for h in self._handles:
+            h.remove()
+        for p, trains in zip(self._all, flags):
+            if not trains:
+                p.grad = None
+        self._flags = flags
+        self.params = [p for p in self._all if p.requires_grad]
+        if not self.params:
+            raise ScheduleError(f"{type(self).__name__}: every parameter of the model is frozen")
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._parked = residuals
+        self.groups, self._states = [], []
+        self.set_groups(self._default_groups())
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _rescale(self) -> None:
+        """Once per step, before its first call: follow the loss scaler's scale (see LossScale)."""
+        self._rescaled = True
+        ratio = self._scale.moved()
+        if ratio is not None:
+            for st in self._states:
+                if getattr(st, "residual", None) is not None:
+                    st.residual.mul_(ratio)
+            for r in self._parked.values():
+                r.mul_(ratio)
+            self._carry.scale(ratio)
 
     # ---- during backward -------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._accumulating:  # no_sync(): the gradient accumulates; a later backward reduces it
+            return
         i = self._index[id(p)]
         if i in self._ready_at:
-            raise second_backward(type(self).__name__)
+            if self._seen is not None:
+                raise second_backward(type(self).__name__)
+            self._recover()  # the backward that delivered it raised (see _aborted)
         self._synchronized = False
         now = time.perf_counter()
         if self._t0 is None:
@@ -162,7 +287,23 @@ class GroupSchedule:
             self._next += 1
 
     def _submit(self, gi: int) -> Job:
+        if not self._rescaled:
+            self._rescale()
         params = [self.params[i] for i in self.groups[gi]]
+        state = self._states[gi]
+        try:
+            buf = self._gather(gi, params)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by the call's own check
+            # This rank cannot gather (a gradient on the meta device, of the wrong shape, ...):
+            # its call still runs, on a tensor the collective check refuses, so every rank
+            # raises InputError instead of the others waiting out the timeout.
+            problem = f"{type(self).__name__} could not gather group {gi}'s gradients: {type(exc).__name__}: {exc}"
+            numel = sum(p.numel() for p in params)
+            return self.engine.run(lambda c: _refuse(problem, numel, c), what=f"group {gi}'s allreduce")
+        return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
+
+    def _gather(self, gi: int, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The group's gradients in its flat buffer (reading them in place where they are its views)."""
         grads = [p.grad for p in params]
         buf = self._buffers[gi]
         numel = sum(g.numel() for g in grads)
@@ -180,8 +321,7 @@ class GroupSchedule:
             # A change after this copy is lost: checked at the end of backward for gradients with a
             # storage of their own (views of a shared buffer share a counter: later layers bump it).
             self._copied_at[gi] = [(g, g._version) for g in grads if g._base is None]
-        state = self._states[gi]
-        return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
+        return buf
 
     def _backward_ended(self) -> None:
         self._queued = False
@@ -208,6 +348,11 @@ class GroupSchedule:
         :class:`~sparsecomm.ScheduleError` (it would be lost) once the step is
         complete: the results are in the gradients, as every other rank has them.
         Changes through ``.data`` have a version counter of their own and escape the check.
+
+        A refused call (``InputError`` on every rank) is raised here after every group
+        was waited for, with every ``.grad`` None: the step applies nothing, the other
+        groups' results are carried to the next step. With a scaler, a NaN/Inf refusal
+        is not raised: its group's gradients are Inf, for the scaler to skip the step.
         """
         if self._synchronized:
             return
@@ -225,13 +370,19 @@ class GroupSchedule:
         self._submit_ready()
         t0 = time.perf_counter()
         self.job_timings = []
-        failed: Exception | None = None
-        for gi, job in enumerate(self._jobs):
+        outs: list[torch.Tensor | None] = []
+        errors: list[Exception] = []
+        for job in self._jobs:
             try:
-                out = job.wait()
+                outs.append(job.wait())
             except Exception as exc:  # InputError alike on every rank, or a broken engine: wait the others
-                failed = failed or exc
-                continue
+                outs.append(None)
+                errors.append(exc)
+        if errors:
+            self.stats["exposed_seconds"].append(time.perf_counter() - t0)
+            self._refused(outs, errors)  # raises, unless a scaler is to skip the step
+            return
+        for gi, (job, out) in enumerate(zip(self._jobs, outs)):
             self.job_timings.append((int(out.numel()), float(job.seconds)))
             params = [self.params[i] for i in self.groups[gi]]
             # The gradients become views of the result (no copy), and the two buffers swap
@@ -241,42 +392,125 @@ class GroupSchedule:
                 self._buffers[gi], self._results[gi] = out, self._buffers[gi]
             else:
                 write_grads(params, out)
+            self._carry.add_into(params)
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
-        if failed is not None:  # raised alike on every rank: none profiles this step; the next starts clean
-            self._reset()
-            raise failed
         self._after_step()  # every rank makes its collective calls, whatever is raised below
         self._reset()
         self._synchronized = True
         if changed is not None:
             raise changed
 
+    def _refused(self, outs: list, errors: list[Exception]) -> None:
+        """A step with a failed call: carry what went through; Inf for a scaler, else raise.
+
+        Raised alike on every rank (a refusal is collective), so no rank profiles this step
+        and every rank starts the next one clean.
+        """
+        for gi, out in enumerate(outs):
+            if out is not None:
+                self._carry.keep([self.params[i] for i in self.groups[gi]], out)
+        self._reset()
+        skip = self.scaler is not None and all(isinstance(e, NonFiniteError) for e in errors)
+        for gi, out in enumerate(outs):
+            for i in self.groups[gi]:
+                p = self.params[i]
+                # For the scaler, one Inf per refused group marks the step; the rest is carried.
+                p.grad = torch.full_like(p, float("inf")) if skip and out is None else None
+        if skip:
+            self._synchronized = True
+            return
+        error = errors[0]
+        if isinstance(error, InputError):
+            error.args = (f"{error.args[0]} (the step applies nothing: every .grad is None; what other groups "
+                          "reduced is carried to the next step)",) + error.args[1:]
+        raise error
+
     def step(self) -> None:
         """:meth:`synchronize` (unless called since the backward), then the optimizer's step
-        (taken before a :class:`~sparsecomm.ScheduleError` is raised, as on every other rank)."""
+        (``scaler.step(optimizer)`` with a scaler; taken before a :class:`~sparsecomm.ScheduleError`
+        is raised, as on every other rank). A refused call raises from ``synchronize()``, and
+        no parameter is stepped."""
         try:
             self.synchronize()
         except ScheduleError:
-            self.optimizer.step()
+            self._optimizer_step()
             raise
-        self.optimizer.step()
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        if optimizer_size(self.optimizer) != self._opt_size:  # a param group was added
+            check_optimizer(self.optimizer, self.model, type(self).__name__)
+            self._opt_size = optimizer_size(self.optimizer)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
 
     def _after_step(self) -> None:
         """What a subclass does between steps (MG-WFBP: profile and plan)."""
 
+    # ---- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Groups, per-group algorithm states (residuals, thresholds), parked residuals, carried
+        results and the loss scale seen: between steps (after ``step()``), never mid-step."""
+        if self._jobs or self._ready_at:
+            raise ScheduleError(f"{type(self).__name__}.state_dict: a step is under way; call it after step()")
+        index = {id(p): i for i, p in enumerate(self._all)}
+        return {"schedule": type(self).__name__, "layers": layer_settings(self._all), "trainable": list(self._flags),
+                "groups": [list(g) for g in self.groups], "states": [snapshot(st) for st in self._states],
+                "parked": {index[k]: v.clone() for k, v in self._parked.items()},
+                "carried": self._carry.state_dict(index), "scale": self._scale.value, **self._extra_state()}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a :meth:`state_dict` of the same model (ValueError for another model's).
+
+        This schedule's settings win: saved states made with another algorithm, density or
+        options are replaced by fresh ones that take their residuals (a warning says so).
+        """
+        what = type(self).__name__
+        check_layers(d["layers"], self._all, what)
+        for p, trains in zip(self._all, d["trainable"]):
+            p.requires_grad_(trains)
+        self._retrain(tuple(d["trainable"]))
+        self.set_groups(d["groups"])
+        self._states = adopt_states(d["states"], self._states, what)
+        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._carry.load(d["carried"], self._all)
+        self._scale.value = d["scale"]
+        self._load_extra_state(d)
+
+    def _extra_state(self) -> dict:
+        """What a subclass adds to :meth:`state_dict`."""
+        return {}
+
+    def _load_extra_state(self, d: dict) -> None:
+        """What a subclass restores in :meth:`load_state_dict`."""
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        self._forward_handle.remove()
         self._opt_handle.remove()
         self.engine.close()
+
+
+def _refuse(problem: str, numel: int, comm: Communicator) -> None:
+    """Take part in the call's collective check with a tensor it refuses (on the meta device),
+    so that every rank raises InputError; this rank's message says what went wrong here."""
+    try:
+        allreduce(torch.empty(numel, device="meta"), comm=comm)
+    except InputError as exc:
+        raise InputError(f"{problem} ({exc})") from exc
 
 
 class WFBP(GroupSchedule):
     """Wait-free backpropagation: one allreduce per layer, started as soon as it is ready."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> None:
-        n = sum(1 for p in model.parameters() if p.requires_grad)
-        super().__init__(model, optimizer, [[i] for i in range(n - 1, -1, -1)], **options)
+        super().__init__(model, optimizer, None, **options)
+
+    def _default_groups(self) -> list[list[int]]:
+        return [[i] for i in range(len(self.params) - 1, -1, -1)]
 
 
 class SyncEASGD(GroupSchedule):
@@ -333,8 +567,7 @@ class MGWFBP(GroupSchedule):
                  profile_steps: int = 5, calibration_sizes: Sequence[int] | None = None,
                  calibration_rounds: int = 3, method: str = "optimal", replan_drift: float = 0.25,
                  verify: bool = True, **options: Any) -> None:
-        n = sum(1 for p in model.parameters() if p.requires_grad)
-        super().__init__(model, optimizer, [[i] for i in range(n - 1, -1, -1)], **options)
+        super().__init__(model, optimizer, None, **options)
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2, got {profile_steps}")
         self.profile_steps, self.method, self.replan_drift = profile_steps, method, replan_drift
@@ -360,10 +593,33 @@ class MGWFBP(GroupSchedule):
         self._baseline: float | None = None  # total backward first profiled under the groups a trial kept
         self._rebase = False  # take that profile next
 
+    def _default_groups(self) -> list[list[int]]:
+        return [[i] for i in range(len(self.params) - 1, -1, -1)]  # WFBP until a plan is made
+
     def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
         """As :meth:`GroupSchedule.set_groups`; a profile under way restarts under the new groups."""
         super().set_groups(groups)
         self._profile, self._jobs_seen = [], []
+
+    def _retrain(self, flags: tuple) -> None:
+        """As :meth:`GroupSchedule._retrain`; the plan was for other layers: profile and plan anew
+        (the allreduce times fitted so far still hold)."""
+        super()._retrain(flags)
+        self.sizes = [p.numel() for p in self.params]
+        self.backward_times, self.predicted, self._trial = None, None, None
+        self._baseline, self._rebase = None, False
+
+    _PLAN_FIELDS = ("a", "b", "backward_times", "plans", "trials", "predicted", "_trial", "_fit_points",
+                    "_baseline", "_rebase", "_profile", "_jobs_seen", "sizes")
+
+    def _extra_state(self) -> dict:
+        """The plan and what it came from, and the profile under way (so every rank plans at the
+        same step after a restart)."""
+        return {"plan": copy.deepcopy({name: getattr(self, name) for name in self._PLAN_FIELDS})}
+
+    def _load_extra_state(self, d: dict) -> None:
+        for name, value in copy.deepcopy(d["plan"]).items():
+            setattr(self, name, value)
 
     def _now(self) -> float:
         """The clock that times whole steps (step 4)."""

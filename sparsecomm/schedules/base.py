@@ -1,0 +1,210 @@
+"""What every schedule offers, and the pieces of training-loop bookkeeping they share.
+
+:class:`Schedule` is the interface (``step``, ``synchronize``, ``no_sync``,
+``state_dict``, ``load_state_dict``, ``close``) that WFBP, SyncEASGD, MG-WFBP,
+DeAR and Pipe-SGD implement alike, so a training loop, a test or a benchmark
+drives any of them the same way. The helpers below hold the rules they share:
+
+* :func:`check_optimizer`: the optimizer steps only parameters of the model
+  (one it steps that the schedule never reduces would drift apart across ranks).
+* :class:`Carry`: the reduced results of a step that was not applied (a call of
+  it refused on every rank, or a loss scaler skipping it), added to the same
+  parameters' results at the next step that is, so no gradient is lost.
+* :class:`LossScale`: residuals and carried results are in the loss scaler's
+  units; when its scale changes between steps they are rescaled by new/old.
+* :func:`layer_settings`, :func:`check_layers`: what a checkpoint must match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "layer_settings", "check_layers", "state_settings",
+           "adopt_states"]
+
+
+class Schedule:
+    """The interface every schedule implements (see each subclass for what its steps do).
+
+    A training loop::
+
+        for x, y in data:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            sched.step()
+        sched.synchronize()           # before evaluating or saving
+        torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(),
+                    "sched": sched.state_dict()}, path)
+
+    With a loss scaler (``scaler=`` given to the schedule), ``scaler.scale(loss).backward()``,
+    then ``sched.step()`` (which calls ``scaler.step(optimizer)``) and ``scaler.update()``.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def step(self) -> None:
+        """After backward: finish (or queue) this step's reductions and update the parameters."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for what is in flight and bring the gradients (or updates) up to date."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit for bit (residuals, thresholds, plans)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (same model; this schedule's own settings win)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally and reduce nothing (as DDP's ``no_sync``); the
+        first backward after it reduces the accumulated gradients."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def close(self) -> None:
+        """Remove the hooks and stop the engine (finishing its queued jobs)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> "Schedule":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, what: str) -> None:
+    """Refuse an optimizer that steps a parameter the model does not hold.
+
+    Such a parameter is never reduced: each rank would step it with its own
+    gradient and the ranks drift apart silently. Frozen parameters of the model
+    are fine (no gradient, no step).
+    """
+    mine = {id(p) for p in model.parameters()}
+    extra = [p for pg in optimizer.param_groups for p in pg["params"] if id(p) not in mine]
+    if extra:
+        raise ValueError(f"{what}: the optimizer steps {len(extra)} parameter(s) that are not the model's "
+                         f"(first of shape {tuple(extra[0].shape)}); the schedule reduces only the model's, so "
+                         "the ranks would drift apart. Give the schedule a model holding every parameter "
+                         "the optimizer steps.")
+
+
+def optimizer_size(optimizer: torch.optim.Optimizer) -> int:
+    """How many parameters the optimizer steps (a cheap sign of an ``add_param_group``)."""
+    return sum(len(pg["params"]) for pg in optimizer.param_groups)
+
+
+class Carry:
+    """Reduced results of layers whose step was not applied, added to their next results.
+
+    Keyed by the parameter itself (its ``id``), so a regrouping (a new plan, a
+    layer frozen or unfrozen) moves nothing. Every rank holds the same values:
+    the results are identical on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[int, torch.Tensor] = {}
+
+    def keep(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+        """Add ``flat`` (``params``' reduced gradients, one after another) to what is carried."""
+        offset = 0
+        for p in params:
+            part = flat[offset:offset + p.numel()].detach().reshape(p.shape)
+            offset += p.numel()
+            held = self.values.get(id(p))
+            self.values[id(p)] = part.clone() if held is None else held.add_(part)
+
+    def add_into(self, params: list[torch.nn.Parameter]) -> None:
+        """Add what is carried for ``params`` into their ``.grad`` and forget it."""
+        for p in params:
+            held = self.values.pop(id(p), None)
+            if held is not None and p.grad is not None:
+                p.grad.add_(held.to(p.grad.dtype))
+            elif held is not None:
+                self.values[id(p)] = held  # no gradient to add it to this step: kept for the next
+
+    def scale(self, ratio: float) -> None:
+        for v in self.values.values():
+            v.mul_(ratio)
+
+    def state_dict(self, index: dict[int, int]) -> dict[int, torch.Tensor]:
+        return {index[k]: v.clone() for k, v in self.values.items() if k in index}
+
+    def load(self, saved: dict[int, torch.Tensor], params: list[torch.nn.Parameter]) -> None:
+        self.values = {id(params[i]): v.clone().to(params[i].device) for i, v in saved.items()}
+
+
+class LossScale:
+    """Follows a loss scaler's scale from step to step (``scaler=None``: nothing to follow).
+
+    Residuals and carried results hold scaled gradients. A gradient of the next
+    step carries the scaler's new scale, so at the start of each step, when the
+    scale moved (halved after an overflow, grown every ``growth_interval``
+    steps), they are multiplied by new/old: powers of two, so exactly. Reading
+    the scale is one host read on CUDA, once per step.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise ValueError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+        self.scaler = scaler
+        self.value: float | None = None
+
+    def moved(self) -> float | None:
+        """new/old when the scale changed since the last call, else None."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        now = float(self.scaler.get_scale())
+        old, self.value = self.value, now
+        return None if old is None or old == now else now / old
+
+
+def state_settings(state: Any) -> tuple:
+    """What makes two algorithm states interchangeable: the class and its settings."""
+    settings = state.settings()
+    settings.pop("iteration", None)
+    return (type(state).__name__, tuple(sorted(settings.items())))
+
+
+def layer_settings(params: list[torch.nn.Parameter]) -> list[tuple[int, ...]]:
+    """The model's parameter shapes, which a checkpoint must match."""
+    return [tuple(p.shape) for p in params]
+
+
+def check_layers(saved: list, params: list[torch.nn.Parameter], what: str) -> None:
+    """Refuse a checkpoint of another model (ValueError naming the first difference)."""
+    mine = layer_settings(params)
+    saved = [tuple(s) for s in saved]
+    if saved != mine:
+        where = next((i for i, (a, b) in enumerate(zip(saved, mine)) if a != b), min(len(saved), len(mine)))
+        raise ValueError(f"{what}.load_state_dict: the checkpoint's model has {len(saved)} parameters, this one "
+                         f"{len(mine)}; they differ from parameter {where} on (a checkpoint of another model?)")
+
+
+def adopt_states(saved: list, mine: list, what: str) -> list:
+    """The states to go on with: the saved ones where their settings are this schedule's;
+    otherwise fresh ones that take only the saved residuals (with a warning naming both)."""
+    out = []
+    for old, new in zip(saved, mine):
+        if state_settings(old) == state_settings(new):
+            out.append(old)
+            continue
+        warnings.warn(f"{what}.load_state_dict: the checkpoint's states were made with {state_settings(old)}, "
+                      f"this schedule makes {state_settings(new)}: their residuals carry over, their "
+                      "thresholds and boundaries start afresh", stacklevel=3)
+        residual = getattr(old, "residual", None)
+        if residual is not None and getattr(new, "error_feedback", False):
+            new.residual = residual.clone()
+        out.append(new)
+    return out
