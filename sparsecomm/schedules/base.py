@@ -18,13 +18,17 @@ drives any of them the same way. The helpers below hold the rules they share:
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "layer_settings", "check_layers", "state_settings",
-           "adopt_states"]
+from ..api import allreduce
+from ..errors import InputError
+
+__all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "optimizer_size", "layer_settings", "check_layers",
+           "state_settings", "adopt_states", "refused_job", "snapshot"]
 
 
 class Schedule:
@@ -208,3 +212,26 @@ def adopt_states(saved: list, mine: list, what: str) -> list:
             new.residual = residual.clone()
         out.append(new)
     return out
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of an algorithm state as a checkpoint holds it (no buffers, its own tensors)."""
+    copied = state.__class__.__new__(state.__class__)
+    copied.__dict__.update(copy.deepcopy(state.__getstate__()))
+    return copied
+
+
+def refused_job(engine: Any, problem: str, numel: int) -> Any:
+    """The job a rank submits in place of a call it cannot make (its gradients cannot be gathered).
+
+    It takes part in the call's collective check with a tensor the check refuses
+    (on the meta device), so every rank raises InputError instead of the others
+    waiting out the timeout; this rank's message says what went wrong here.
+    """
+    def refuse(comm: Any) -> None:
+        try:
+            allreduce(torch.empty(numel, device="meta"), comm=comm)
+        except InputError as exc:
+            raise InputError(f"{problem} ({exc})") from exc
+
+    return engine.run(refuse, what="a call this rank could not gather")

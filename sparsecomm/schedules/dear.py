@@ -49,6 +49,25 @@ every parameter's residual to its new group.
 Any ``torch.optim`` optimizer that skips parameters without a gradient
 (all of torch's do) works. An LR scheduler stepped after ``sched.step()``
 applies to the deferred updates (they run in the next forward).
+
+Training-loop rules (README, Guarantees; the same in every schedule):
+
+* A refused call (``InputError``, on every rank alike) is found at the next
+  forward's first update (the first phases have all run by then): that
+  step applies nothing, the other groups' results are carried to the next
+  step, and the error is raised there, once.
+* A backward that raised is noticed at the next forward: the groups it
+  started are finished and carried.
+* ``no_sync()`` accumulates backwards locally; the next backward reduces the sum.
+* A layer frozen or unfrozen (on every rank alike) is seen at the next
+  forward: the pending updates are applied, then the groups are rebuilt.
+* With ``scaler=``, DeAR drives the scaler itself, since its updates are per
+  group (``GradScaler.step`` takes one call per step): the loop is
+  ``scaler.scale(loss).backward(); sched.step()``, without ``scaler.step``
+  or ``scaler.update``. Each group's reduced gradient is unscaled as it is
+  applied; a NaN/Inf refusal skips the step on every rank and lowers the
+  scale by the scaler's backoff factor; ``growth_interval`` steps in a row
+  without one raise it by its growth factor, as ``GradScaler.update`` does.
 """
 
 from __future__ import annotations
@@ -59,12 +78,15 @@ import torch
 
 from .. import registry
 from ..api import begin_allreduce
+from ..errors import InputError, NonFiniteError, ScheduleError
+from .base import (Carry, LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings, refused_job,
+                   snapshot)
 from .engine import Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward, write_grads
 
 __all__ = ["DeAR"]
 
 
-class DeAR:
+class DeAR(Schedule):
     """Decoupled allreduce with per-group just-in-time updates (see the module docstring).
 
     Args:
@@ -77,6 +99,7 @@ class DeAR:
         error_feedback, algorithm_options: the algorithm states' settings (one per group).
         group, comm: the ranks (the engine duplicates them: collective).
         engine_threads: torch threads of the communication thread.
+        scaler: a ``torch.amp.GradScaler``, which DeAR then drives (module docstring).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -84,7 +107,7 @@ class DeAR:
                  compressor: Any = None, op: str = "avg", error_feedback: bool = True,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None,
                  engine_threads: int = 1, tune_trials: int = 12, tune_steps: int = 5,
-                 tune_range: tuple[int, int] = (1 << 20, 100 << 20), tune_seed: int = 0) -> None:
+                 tune_range: tuple[int, int] = (1 << 20, 100 << 20), tune_seed: int = 0, scaler: Any = None) -> None:
         self.tuning = buffer_bytes == "auto"
         if not self.tuning and (isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int)
                                 or buffer_bytes < 1):
@@ -98,16 +121,25 @@ class DeAR:
             self._kwargs.setdefault("error_feedback", error_feedback)
         self._spec = registry.get(algorithm)
         self._spec.state_class(density, **self._kwargs)  # validate now
-        self._modules = [m for m in model.modules()
-                         if any(p.requires_grad for p in m.parameters(recurse=False))]
-        if not self._modules:
+        self._all = list(model.parameters())
+        self._flags = tuple(p.requires_grad for p in self._all)
+        if not any(self._flags):
             raise ValueError("the model has no trainable parameters")
+        check_optimizer(optimizer, model, "DeAR")
+        self.scaler, self._scale = scaler, LossScale(scaler)
+        self._step_scale = 1.0  # the loss scale of the backward whose updates are pending
+        self._good_steps = 0  # steps applied in a row (the scaler's growth)
+        self._carry = Carry()  # unscaled: DeAR unscales as it applies
+        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
+        self._accumulating = False
+        self._ended = True  # the last backward ran to its end
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-dear")
         self._handles: list[Any] = []
         self.groups: list[list[torch.nn.Module]] = []
         self.params: list[list[torch.nn.Parameter]] = []
         self.states: list[Any] = []
         self._pending = False  # second phases queued whose updates wait for their forward
+        self._verdict: bool | None = True  # None: the pending step is not yet decided (see _decide)
         self._failed: Exception | None = None  # the first failed call found while updating
         self.trials: list[tuple[int, float]] = []  # (buffer bytes, seconds per step) of each trial
         self._tune = None
@@ -115,6 +147,8 @@ class DeAR:
             self._tune = _Tuner(self, tune_trials, tune_steps, tune_range, tune_seed)
             buffer_bytes = self._tune.first()
         self.regroup(int(buffer_bytes))
+        # Before every module's own pre-hook: recover from a backward that raised, follow freezing.
+        self._root_handle = model.register_forward_pre_hook(lambda *args: self._at_forward(), prepend=True)
 
     def regroup(self, buffer_bytes: int) -> None:
         """Fuse anew with ``buffer_bytes`` (every rank the same, between steps, nothing pending).
@@ -124,7 +158,7 @@ class DeAR:
         """
         if self._pending:
             raise RuntimeError("DeAR.regroup: updates are pending; call synchronize() first")
-        residuals = {}
+        residuals, self._parked = dict(self._parked), {}
         for ps, st in zip(self.params, self.states):
             r, offset = getattr(st, "residual", None), 0
             for p in ps:
@@ -134,6 +168,8 @@ class DeAR:
         for h in self._handles:
             h.remove()
         self.buffer_bytes = buffer_bytes
+        self._modules = [m for m in self.model.modules()
+                         if any(p.requires_grad for p in m.parameters(recurse=False))]
         # A parameter shared by several modules (tied weights) belongs to the first module that
         # holds it: reduced once, updated once.
         seen: set[int] = set()
@@ -156,8 +192,10 @@ class DeAR:
         self.states = [self._spec.state_class(self.density, **self._kwargs) for _ in self.groups]
         for ps, st in zip(self.params, self.states):
             if any(id(p) in residuals for p in ps):
-                st.residual = torch.cat([residuals.get(id(p), torch.zeros(p.numel(), device=p.device))
-                                         for p in ps])
+                st.residual = torch.cat([residuals.pop(id(p)) if id(p) in residuals
+                                         else torch.zeros(p.numel(), device=p.device) for p in ps])
+        self._parked = residuals  # layers not trainable now keep theirs for when they are again
+        self._group_scale = [self._scale.value] * len(self.groups)  # the loss scale of each residual
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
         # Per group: the gathered gradients, and the result in a buffer of its own, which the
         # first half's fused pass zeroes on its way (as the group schedules do, see wfbp.py).
@@ -182,8 +220,17 @@ class DeAR:
         self._seen: dict[int, list] = {}  # per group started in backward: its grads and versions at its end
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._accumulating:  # no_sync(): the gradient accumulates; a later backward reduces it
+            return
         if id(p) in self._arrived:
-            raise second_backward("DeAR")
+            if self._ended:
+                raise second_backward("DeAR")
+            self._recover()  # the backward that delivered it raised
+        if not self._arrived:  # the first gradient of a backward
+            self._ended = False
+            if self.scaler is not None:
+                self._scale.moved()
+                self._step_scale = self._scale.value
         if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
             self._queued = True
             at_backward_end(self._backward_ended)
@@ -208,14 +255,24 @@ class DeAR:
     def _start_first(self, gi: int) -> Job:
         if self._second[gi] is not None:  # last step's update is still pending (see _catch_up)
             self._catch_up(gi)
-        buf, state = self._flat(gi), self.states[gi]
+        state = self.states[gi]
+        if self.scaler is not None:  # the residual follows the loss scale (see LossScale)
+            held = self._group_scale[gi]
+            if held is not None and held != self._step_scale and getattr(state, "residual", None) is not None:
+                state.residual.mul_(self._step_scale / held)
+            self._group_scale[gi] = self._step_scale
+        try:
+            buf = self._flat(gi)
+        except Exception as exc:  # noqa: BLE001 - refused on every rank by the call's own check
+            return refused_job(self.engine, f"DeAR could not gather group {gi}'s gradients: "
+                               f"{type(exc).__name__}: {exc}", sum(p.numel() for p in self.params[gi]))
         out = self._results[gi]
         return self.engine.run(lambda c: begin_allreduce(buf, comm=c, state=state, op=self.op,
                                                          compressor=self.compressor, out=out),
                                what=f"first half of group {gi}'s allreduce")
 
     def _backward_ended(self) -> None:
-        self._queued = False
+        self._queued, self._ended = False, True
         self._seen = {gi: grad_versions(self.params[gi]) for gi in range(self._next + 1, len(self.groups))}
 
     def step(self) -> None:
@@ -247,7 +304,7 @@ class DeAR:
         for gi in range(len(self.groups)):
             if self._second[gi] is None:
                 self._start_second(gi)
-        self._pending = True
+        self._pending, self._verdict = True, None  # decided at the first update (see _decide)
         self._reset_backward()
         try:
             if self._tune is not None:
@@ -266,6 +323,13 @@ class DeAR:
         hook) or in ``step()``. This step's gradients, already in ``.grad``, are set aside
         for the optimizer's call and put back; a failure is raised by the next update.
         """
+        if self._verdict is None:
+            try:
+                self._decide()
+            except InputError as exc:  # not inside backward: raised by the next update or synchronize()
+                self._failed = self._failed or exc
+            if self._second[gi] is None:  # carried by a refused step
+                return
         params = self.params[gi]
         fresh = [p.grad for p in params]
         for p in params:
@@ -292,6 +356,8 @@ class DeAR:
         return hook
 
     def _update(self, gi: int) -> None:
+        if self._verdict is None:
+            self._decide()  # the step's first update: all its first phases have run
         flat = self._take(gi)
         if self._failed is not None:  # a call failed: the other groups' updates go in now, then its error
             error = self._failed
@@ -302,6 +368,56 @@ class DeAR:
             self._failed = None
             raise error
         self._apply(gi, flat)
+
+    def _decide(self) -> None:
+        """At the pending step's first update: apply it, or (a call refused) carry it and skip.
+
+        The engine runs jobs in order, so once any second phase is waited for every
+        first phase has run; a refusal (collective) shows there on every rank alike.
+        A refused step applies nothing: every group's result is carried (unscaled) to the
+        next step and its error raised once here, unless a scaler takes a NaN/Inf refusal
+        as its skipped step (the scale drops). Otherwise the scaler's growth is counted.
+        """
+        self._verdict = True
+        errors = []
+        for job in self._first:
+            if job is not None:
+                try:
+                    job.wait()
+                except InputError as exc:
+                    errors.append(exc)
+                except Exception:  # noqa: BLE001 - a broken engine: its second phase raises it (_failed)
+                    pass
+        if not errors:
+            self._scaler_update(skipped=False)
+            return
+        for gi in range(len(self.groups)):
+            if self._second[gi] is None:
+                continue
+            flat = self._take(gi)  # its .grad is the user's to clear (zero_grad), or this backward's
+            if flat is not None:
+                self._carry.keep(self.params[gi], flat / self._step_scale if self.scaler is not None else flat)
+        self._failed = None  # the refused calls' own errors: handled here
+        if self.scaler is not None and all(isinstance(e, NonFiniteError) for e in errors):
+            self._scaler_update(skipped=True)
+            return
+        error = errors[0]
+        error.args = (f"{error.args[0]} (DeAR: the step applies nothing; what other groups reduced is carried "
+                      "to the next step)",) + error.args[1:]
+        raise error
+
+    def _scaler_update(self, skipped: bool) -> None:
+        """What ``GradScaler.update`` does after a step, for the step DeAR applied or skipped."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        scale = self._step_scale
+        if skipped:
+            self._good_steps, scale = 0, scale * self.scaler.get_backoff_factor()
+        else:
+            self._good_steps += 1
+            if self._good_steps == self.scaler.get_growth_interval():
+                self._good_steps, scale = 0, scale * self.scaler.get_growth_factor()
+        self.scaler.update(scale)
 
     def _take(self, gi: int) -> torch.Tensor | None:
         """The group's reduced gradient (None if its call failed: the error in ``_failed``);
@@ -321,6 +437,10 @@ class DeAR:
         """Step the optimizer on the group with its reduced gradient (none: no step)."""
         if flat is not None:
             write_grads(self.params[gi], flat)
+            if self.scaler is not None:  # unscaled as applied (DeAR drives the scaler)
+                for p in self.params[gi]:
+                    p.grad.div_(self._step_scale)
+            self._carry.add_into(self.params[gi])
             self._step_only(self.params[gi])
         for p in self.params[gi]:  # the backward about to run accumulates afresh
             p.grad = None
@@ -342,6 +462,8 @@ class DeAR:
 
     def synchronize(self) -> None:
         """Apply every pending update now (before evaluation, a checkpoint or a change of data)."""
+        if self._pending and self._verdict is None:
+            self._decide()
         for gi in range(len(self.groups)):
             if self._pending and self._second[gi] is not None:
                 self._update(gi)
@@ -350,9 +472,76 @@ class DeAR:
             error, self._failed = self._failed, None
             raise error
 
+    # ---- between steps ---------------------------------------------------------------------
+    def _at_forward(self) -> None:
+        """At each forward, before any group's update: recover from a backward that raised, and
+        follow layers frozen or unfrozen."""
+        if self._arrived and not self._ended and not self._accumulating:
+            self._recover()
+        flags = tuple(p.requires_grad for p in self._all)
+        if flags != self._flags and not self._arrived:
+            self.synchronize()  # the pending updates are for the old groups
+            for p, trains in zip(self._all, flags):
+                if not trains:
+                    p.grad = None  # no longer reduced: a stale one would be stepped by each rank alone
+            self._flags = flags
+            self.regroup(self.buffer_bytes)
+
+    def _recover(self) -> None:
+        """A backward raised after some first phases started: finish them and carry their results.
+
+        Every rank whose backward raised at the same point started the same ones. Last step's
+        updates (if still pending) go in first, as they would have.
+        """
+        self.synchronize()
+        started = [gi for gi in range(self._next + 1, len(self.groups)) if self._first[gi] is not None]
+        for gi in started:
+            self._start_second(gi)
+        for gi in started:
+            try:
+                flat = self._second[gi].wait()
+            except Exception:  # noqa: BLE001 - refused alike on every rank (dropped), or a broken engine
+                flat = None
+            self._first[gi] = self._second[gi] = None
+            if flat is not None:
+                self._carry.keep(self.params[gi], flat / self._step_scale if self.scaler is not None else flat)
+        self._reset_backward()
+        self._ended = True
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Fusion size, per-group algorithm states, parked residuals, carried results and the
+        scaler's bookkeeping: with nothing pending (``synchronize()`` first)."""
+        if self._pending or self._arrived:
+            raise ScheduleError("DeAR.state_dict: updates are pending; call synchronize() first")
+        index = {id(p): i for i, p in enumerate(self._all)}
+        return {"schedule": "DeAR", "layers": layer_settings(self._all), "trainable": list(self._flags),
+                "buffer_bytes": self.buffer_bytes, "states": [snapshot(st) for st in self.states],
+                "parked": {index[k]: v.clone() for k, v in self._parked.items()},
+                "carried": self._carry.state_dict(index), "scale": self._scale.value,
+                "group_scale": list(self._group_scale), "good_steps": self._good_steps, "trials": list(self.trials)}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a :meth:`state_dict` of the same model (ValueError for another model's); this
+        schedule's settings win (another algorithm's saved states give only their residuals)."""
+        check_layers(d["layers"], self._all, "DeAR")
+        self.synchronize()
+        for p, trains in zip(self._all, d["trainable"]):
+            p.requires_grad_(trains)
+        self._flags = tuple(d["trainable"])
+        if self._tune is not None:  # the saved run had its fusion size: tuning is over
+            self._tune, self.tuning = None, False
+        self.regroup(d["buffer_bytes"])
+        self.states = adopt_states(d["states"], self.states, "DeAR")
+        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._carry.load(d["carried"], self._all)
+        self._scale.value, self._group_scale = d["scale"], list(d["group_scale"])
+        self._good_steps, self.trials = d["good_steps"], list(d["trials"])
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        self._root_handle.remove()
         self.engine.close()
 
 

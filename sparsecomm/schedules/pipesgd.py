@@ -32,6 +32,17 @@ with the next step's compute for the core. ``state_dict()``
 holds what is in flight: it waits for the pending allreduce and saves its
 result, so a resumed run applies it at its next step, as the uninterrupted
 run would have.
+
+Training-loop rules (README, Guarantees; the same in every schedule):
+a refused call raises ``InputError`` from the ``step()`` that would have
+applied it (the step after its own) and that step applies nothing; the job
+submitted by that step is kept and applied at the next. Backwards accumulate
+until ``step()`` (it reduces what it finds, so ``no_sync()`` changes
+nothing). With ``scaler=``, a NaN/Inf refusal makes the gradients Inf for
+``scaler.step`` to skip the step, and the residual and a result in flight
+follow the scale. Freezing or unfreezing a layer is seen at ``step()``: the
+gradient in flight is applied first, then the buffers and the state are
+rebuilt over the trainable layers (residuals move with their layers).
 """
 
 from __future__ import annotations
@@ -41,46 +52,63 @@ from typing import Any
 import torch
 
 from .. import registry
+from ..errors import InputError, NonFiniteError
+from .base import (LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings, optimizer_size,
+                   refused_job, snapshot)
 from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
 
 
-class PipeSGD:
+class PipeSGD(Schedule):
     """One-step-stale data parallelism with a sparsecomm allreduce per step.
 
     Args:
         model: the module whose trainable parameters are reduced.
-        optimizer: any ``torch.optim`` optimizer over them.
+        optimizer: any ``torch.optim`` optimizer over them (the model's only).
         warmup_steps: synchronous steps first (the paper's warm-up epochs).
         algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`.
         error_feedback, algorithm_options: the algorithm state's settings.
         group, comm: the ranks (the engine duplicates them: collective).
         engine_threads: torch threads of the communication thread.
+        scaler: a ``torch.amp.GradScaler`` (see the module docstring); the
+            updates then go through ``scaler.step(optimizer)``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, warmup_steps: int = 0,
                  algorithm: str = "oktopk", density: float = 0.01, compressor: Any = None, op: str = "avg",
                  error_feedback: bool = True, algorithm_options: dict | None = None, group: Any = None,
-                 comm: Any = None, engine_threads: int = 1) -> None:
+                 comm: Any = None, engine_threads: int = 1, scaler: Any = None) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._all = list(model.parameters())
+        self._flags = tuple(p.requires_grad for p in self._all)
+        self.params = [p for p in self._all if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        kwargs = dict(algorithm_options or {})
+        check_optimizer(optimizer, model, "PipeSGD")
+        self._opt_size = optimizer_size(optimizer)
+        self._kwargs = dict(algorithm_options or {})
         if algorithm != "dense":
-            kwargs.setdefault("error_feedback", error_feedback)
-        self.state = registry.get(algorithm).state_class(density, **kwargs)
+            self._kwargs.setdefault("error_feedback", error_feedback)
+        self._spec = registry.get(algorithm)
+        self.state = self._spec.state_class(density, **self._kwargs)
+        self.density = density
         self.options = {"state": self.state, "op": op, "compressor": compressor}
+        self.scaler, self._scale = scaler, LossScale(scaler)
+        self._accumulating = False
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
-        n = sum(p.numel() for p in self.params)
-        like = self.params[0]
-        self._buffers = [torch.empty(n, dtype=flat_dtype(self.params), device=like.device) for _ in range(3)]
+        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
+        self._make_buffers()
         self.step_count = 0
         self._pending: Job | None = None  # the allreduce of the last step's gradient
         self._ready: torch.Tensor | None = None  # an aggregated gradient restored from a checkpoint
+
+    def _make_buffers(self) -> None:
+        n = sum(p.numel() for p in self.params)
+        self._buffers = [torch.empty(n, dtype=flat_dtype(self.params), device=self.params[0].device)
+                         for _ in range(3)]
 
     def _gather(self) -> torch.Tensor:
         buf = self._buffers[self.step_count % 3]  # see the module docstring for the rotation
@@ -89,7 +117,12 @@ class PipeSGD:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return torch.cat([g.reshape(-1) for g in grads], out=buf)
 
-    def _submit(self, buf: torch.Tensor) -> Job:
+    def _submit(self) -> Job:
+        try:
+            buf = self._gather()
+        except Exception as exc:  # noqa: BLE001 - refused on every rank by the call's own check
+            return refused_job(self.engine, f"PipeSGD could not gather the gradients: {type(exc).__name__}: {exc}",
+                               self._buffers[0].numel())
         return self.engine.submit(buf, out=self._buffers[(self.step_count + 2) % 3], **self.options)
 
     def _apply(self, flat: torch.Tensor) -> None:
@@ -98,9 +131,19 @@ class PipeSGD:
         # and the backward accumulates straight into it, so _gather has nothing to copy.
         if not point_grads(self.params, flat):
             write_grads(self.params, flat)
-        self.optimizer.step()
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        if optimizer_size(self.optimizer) != self._opt_size:  # a param group was added
+            check_optimizer(self.optimizer, self.model, "PipeSGD")
+            self._opt_size = optimizer_size(self.optimizer)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
 
     def _previous(self) -> torch.Tensor | None:
+        """The aggregated gradient of the last step (waited for), or None; raises its call's error."""
         if self._ready is not None:
             ready, self._ready = self._ready, None
             return ready
@@ -109,41 +152,125 @@ class PipeSGD:
             return job.wait()
         return None
 
-    def step(self) -> None:
-        """After backward: start this step's allreduce, then update with the previous step's result."""
-        buf = self._gather()
-        if self.step_count < self.warmup_steps:
-            out = self._submit(buf).wait()
-            self.step_count += 1
-            self._apply(out)
+    def _apply_previous(self, previous_of: Any) -> None:
+        """Apply what ``previous_of()`` returns; a refused call applies nothing (Inf for a scaler)."""
+        try:
+            previous = previous_of()
+        except NonFiniteError:
+            if self.scaler is None:
+                raise
+            for p in self.params:  # the scaler finds the Inf and skips this update on every rank
+                p.grad = torch.full_like(p, float("inf"))
+            self._optimizer_step()
             return
-        job = self._submit(buf)
-        previous = self._previous()
-        self._pending = job
-        self.step_count += 1
+        except InputError as exc:
+            for p in self.params:
+                p.grad = None
+            exc.args = (f"{exc.args[0]} (PipeSGD: the step applies nothing; its own gradient is in flight "
+                        "and applied at the next step)",) + exc.args[1:]
+            raise
         if previous is not None:
             self._apply(previous)
 
-    def flush(self) -> None:
+    def _follow_scale(self) -> None:
+        """Before a job reads the residual: rescale it, and a result not yet applied, when the
+        loss scale moved (see LossScale); the job in flight is waited for first, as it writes both."""
+        if self.scaler is None:
+            return
+        ratio = self._scale.moved()
+        if ratio is None:
+            return
+        if self._pending is not None:
+            job, self._pending = self._pending, None
+            try:
+                self._ready = job.wait()
+            except InputError:
+                self._pending = job  # raised where it is applied, as without a scaler
+        if self._ready is not None:
+            self._ready.mul_(ratio)
+        if getattr(self.state, "residual", None) is not None:
+            self.state.residual.mul_(ratio)
+        for r in self._parked.values():
+            r.mul_(ratio)
+
+    def step(self) -> None:
+        """After backward: start this step's allreduce, then update with the previous step's result."""
+        self._follow_trainable()
+        self._follow_scale()
+        if self.step_count < self.warmup_steps:
+            job = self._submit()
+            self.step_count += 1
+            self._apply_previous(job.wait)
+            return
+        job = self._submit()
+        pending, ready = self._pending, self._ready
+        # Job t is recorded before job t-1's error can be raised, so it is applied next step.
+        self._pending, self._ready = job, None
+        self.step_count += 1
+        self._apply_previous(lambda: ready if ready is not None else (None if pending is None else pending.wait()))
+
+    def synchronize(self) -> None:
         """Apply the gradient still in flight (the last step's), if any."""
-        previous = self._previous()
-        if previous is not None:
-            self._apply(previous)
+        self._apply_previous(self._previous)
+
+    flush = synchronize
+
+    def _follow_trainable(self) -> None:
+        """A layer frozen or unfrozen (every rank alike): apply what is in flight, then rebuild the
+        buffers and the state over the trainable layers; residuals move with their layers."""
+        flags = tuple(p.requires_grad for p in self._all)
+        if flags == self._flags:
+            return
+        grads = [p.grad for p in self.params]
+        self.synchronize()  # the result in flight is for the old layers
+        for p, g in zip(self.params, grads):  # this step's gradients, set aside while it applied
+            p.grad = g
+        residuals = dict(self._parked)
+        r, offset = getattr(self.state, "residual", None), 0
+        for p in self.params:
+            if r is not None:
+                residuals[id(p)] = r[offset:offset + p.numel()].clone()
+            offset += p.numel()
+        for p, trains in zip(self._all, flags):
+            if not trains:
+                p.grad = None  # no longer reduced: a stale one would be stepped by each rank alone
+        self._flags = flags
+        self.params = [p for p in self._all if p.requires_grad]
+        self.state = self._spec.state_class(self.density, **self._kwargs)
+        self.options["state"] = self.state
+        if residuals and any(id(p) in residuals for p in self.params) and self._kwargs.get("error_feedback"):
+            self.state.residual = torch.cat([residuals.pop(id(p)) if id(p) in residuals
+                                             else torch.zeros(p.numel(), dtype=flat_dtype(self.params),
+                                                              device=p.device) for p in self.params])
+        self._parked = {k: v for k, v in residuals.items() if k not in {id(p) for p in self.params}}
+        self._make_buffers()
 
     def state_dict(self) -> dict:
         """Step count, the algorithm state and the aggregated gradient in flight (waited for)."""
         pending = self._previous()
         self._ready = pending
-        return {"step_count": self.step_count, "algorithm_state": self.state,
-                "in_flight": None if pending is None else pending.clone()}
+        index = {id(p): i for i, p in enumerate(self._all)}
+        return {"schedule": "PipeSGD", "layers": layer_settings(self._all), "trainable": list(self._flags),
+                "step_count": self.step_count, "algorithm_state": snapshot(self.state),
+                "in_flight": None if pending is None else pending.clone(), "scale": self._scale.value,
+                "parked": {index[k]: v.clone() for k, v in self._parked.items()}}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore a :meth:`state_dict` of the same model (ValueError for another model's); this
+        schedule's settings win (another algorithm's saved state gives only its residual)."""
+        check_layers(d["layers"], self._all, "PipeSGD")
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+        for p, trains in zip(self._all, d["trainable"]):
+            p.requires_grad_(trains)
+        self._follow_trainable()
         self.step_count = d["step_count"]
-        self.state.__dict__.update(d["algorithm_state"].__dict__)
+        self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD")[0]
+        self.options["state"] = self.state
         self._ready = None if d["in_flight"] is None else d["in_flight"].clone()
+        self._scale.value = d["scale"]
+        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
 
     def close(self) -> None:
         self.engine.close()

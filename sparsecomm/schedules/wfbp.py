@@ -59,19 +59,12 @@ from ..api import allreduce
 from ..comm import Communicator
 from ..errors import InputError, NonFiniteError, ScheduleError
 from .base import (Carry, LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings,
-                   optimizer_size)
+                   optimizer_size, refused_job, snapshot)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD", "MGWFBP"]
-
-
-def snapshot(state: Any) -> Any:
-    """A copy of an algorithm state as a checkpoint holds it (no buffers, its own tensors)."""
-    copied = state.__class__.__new__(state.__class__)
-    copied.__dict__.update(copy.deepcopy(state.__getstate__()))
-    return copied
 
 
 class GroupSchedule(Schedule):
@@ -298,8 +291,7 @@ class GroupSchedule(Schedule):
             # its call still runs, on a tensor the collective check refuses, so every rank
             # raises InputError instead of the others waiting out the timeout.
             problem = f"{type(self).__name__} could not gather group {gi}'s gradients: {type(exc).__name__}: {exc}"
-            numel = sum(p.numel() for p in params)
-            return self.engine.run(lambda c: _refuse(problem, numel, c), what=f"group {gi}'s allreduce")
+            return refused_job(self.engine, problem, sum(p.numel() for p in params))
         return self.engine.submit(buf, state=state, op=self.op, compressor=self.compressor, out=self._results[gi])
 
     def _gather(self, gi: int, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -492,15 +484,6 @@ class GroupSchedule(Schedule):
         self._forward_handle.remove()
         self._opt_handle.remove()
         self.engine.close()
-
-
-def _refuse(problem: str, numel: int, comm: Communicator) -> None:
-    """Take part in the call's collective check with a tensor it refuses (on the meta device),
-    so that every rank raises InputError; this rank's message says what went wrong here."""
-    try:
-        allreduce(torch.empty(numel, device="meta"), comm=comm)
-    except InputError as exc:
-        raise InputError(f"{problem} ({exc})") from exc
 
 
 class WFBP(GroupSchedule):
