@@ -4,28 +4,51 @@
     ddp_model.register_comm_hook(state, sparsecomm.hooks.sparse_allreduce_hook)
 
 The hook has the shape every DDP hook has, ``hook(state, bucket) ->
-torch.futures.Future[torch.Tensor]``. By default it runs the allreduce
-synchronously inside the hook and returns a completed future; DDP then copies
-the result into the gradients. With ``SparseHookState(..., overlap=True)`` the
-bucket's allreduce is a job on an asynchronous engine
-(:class:`sparsecomm.schedules.Engine`, on its own duplicate of the process
-group, so it never races DDP's collectives) and the hook returns the pending
-future, as DDP's own hooks do: backward goes on while buckets are reduced.
+torch.futures.Future[torch.Tensor]``. By default it reduces synchronously
+inside the hook; with ``SparseHookState(..., overlap=True)`` every bucket is a
+job on an asynchronous engine (:class:`sparsecomm.schedules.Engine`, on its own
+duplicate of the process group, so it never races DDP's collectives) and the
+hook returns a pending future, as DDP's own hooks do: backward goes on while
+buckets are reduced. Both give the same results bit for bit.
 
-Residuals are kept per *parameter*, not per bucket: DDP rebuilds its buckets
-after the first iteration (and a resumed run starts with the default layout
-again), so a new bucket layout picks up the residuals of the parameters it
-holds. Thresholds and region boundaries are per bucket layout and restart
-(exactly) when the layout changes. A bucket holding
-the same parameters in another order is copied into its state's layout and
-back, so it keeps them, until the same new order comes twice in a row (DDP's
-rebuilt buckets, from its second step on): then that order becomes the layout,
-with a fresh state that inherits the residuals, and the bucket is reduced in
-place from then on. A checkpoint taken after that (from the fourth step on)
-therefore resumes bit-identically when the resumed run's rebuilt buckets are
-the same (DDP rebuilds them the same way for the same model): its first step,
-in the initial order, is copied into the saved layout. Otherwise the first
-steps re-evaluate thresholds exactly, and no residual is lost either way.
+Layouts. Residuals are kept per *parameter*; thresholds and region boundaries
+per *layout*, a tuple of parameters the algorithm reduces as one buffer. DDP's
+first step after a (re)start uses its initial buckets and later steps the ones
+it rebuilt in gradient-ready order, which may hold other parameter sets. So a
+bucket whose parameters all belong to layouts the state holds is *staged*: its
+gradients are copied into those layouts' buffers, a layout is reduced (in its
+own buffer, with its own state) once all its parameters came in this step, and
+the results are copied back; the bucket's future completes when all its
+parameters are reduced (DDP calls the hook for every bucket in index order on
+every rank, and waits for the futures only at the end of backward, so every
+rank makes the same collectives in the same order). A bucket order staged in
+two steps in a row becomes a layout (a fresh state inheriting the residuals
+of its parameters): a fresh run ends up reducing DDP's rebuilt buckets in
+place, with no copies. A bucket holding parameters no layout holds becomes a
+layout at once. The first step after ``load_state_dict`` takes its layout
+decisions from the orders of the step before the checkpoint, not from the
+buckets DDP happens to start with, so a run resumed from a checkpoint taken
+from the second step on goes on bit for bit as the uninterrupted run, when
+DDP rebuilds the same buckets (it does, for the same model).
+
+Refusals. A reduction refused with :class:`~sparsecomm.errors.InputError`
+(NaN/Inf in a gradient, mismatched buckets) is refused on every rank alike;
+its gradient is dropped like a skipped batch (its residuals stay as they were),
+and the step is *refused*: the results of its other reductions, whose
+residuals already gave them up, are *carried* (kept per parameter and added to
+the same parameters' results at the next step that is not refused), so nothing
+else is lost. The error reaches the caller as itself (its own type, on every
+rank), raised by ``backward()`` once DDP has finished the backward pass (so DDP
+is ready for the next iteration); the caller skips ``optimizer.step()``, calls
+``optimizer.zero_grad()`` and goes on. Raising inside the hook instead leaves
+DDP's reducer broken for every later iteration, and failing the future hands
+DDP an exception object it cannot cast to a tensor. With ``scaler=`` (a
+``torch.amp.GradScaler``), a :class:`~sparsecomm.errors.NonFiniteError` is not
+raised: the refused parameters' results are Inf on every rank, the scaler skips
+the step and lowers its scale, and the residuals and carried results, kept in
+scaled units, follow the scale. Any other error (a timeout, a dead peer) leaves
+the ranks out of step: it is raised the same way, and every later step raises it
+again without communicating.
 """
 
 # No "from __future__ import annotations" here: DDP checks the hook's annotations
@@ -40,9 +63,42 @@ import torch.distributed as dist
 from . import registry
 from .api import allreduce
 from .comm import Communicator, resolve
+from .errors import InputError, NonFiniteError
 from .state import State, check_density
 
 __all__ = ["SparseHookState", "sparse_allreduce_hook"]
+
+#: Parameter positions (in ``model.parameters()``), in the order one buffer holds them.
+Layout = Tuple[int, ...]
+
+
+class _Waiting:
+    """A bucket whose future is not complete yet: its buffer, order and unreduced parameters."""
+
+    def __init__(self, flat: torch.Tensor, order: Layout, future: torch.futures.Future) -> None:
+        self.flat, self.order, self.future = flat, order, future
+        self.remaining = set(order)
+        self.error: Optional[BaseException] = None
+
+
+class _Step:
+    """The hook calls of one backward pass: what the layout rules saw and what was reduced.
+
+    Made on the caller's thread at the step's first bucket (``scale``, whether it
+    runs inside backward); read and written on the thread that reduces.
+    """
+
+    def __init__(self, scale: Optional[float], in_backward: bool) -> None:
+        self.scale, self.in_backward = scale, in_backward
+        self.started = self.ended = self.pretend = False
+        self.orders: List[Layout] = []  # bucket orders the layout rules saw, in order
+        self.staged: List[Layout] = []  # those of them staged into held layouts
+        self.arrived: Dict[Layout, set] = {}  # held layout -> its parameters staged so far
+        self.waiting: List[_Waiting] = []
+        self.results: List[Tuple[Layout, torch.Tensor]] = []  # reductions that went through
+        self.refused = False
+        self.error: Optional[BaseException] = None
+        self.reported = False
 
 
 class SparseHookState:
@@ -52,12 +108,12 @@ class SparseHookState:
         model: the DDP model (or its module): its parameter order names the
             residuals, so that they survive bucket rebuilds and checkpoints.
         algorithm: a name from ``sparsecomm.algorithms()``.
-        density: fraction of entries selected per bucket.
+        density: fraction of entries selected per layout.
         compressor: how values travel (see ``sparsecomm.compress``), or None.
         op: "avg" (DDP's convention: the sum divided by the world size) or "sum".
         warmup_steps: the first steps reduce every bucket densely (no
             sparsification, no residual), as is usual before sparsifying.
-        min_bucket_elements: buckets smaller than this always go dense
+        min_bucket_elements: layouts smaller than this always go dense
             (sparsifying a few thousand values saves nothing).
         error_feedback: keep what was not sent in per-parameter residuals (for
             ``"dense"`` only with a compressor: without one nothing is lost).
@@ -71,16 +127,21 @@ class SparseHookState:
         algorithm_options: extra keyword arguments of the algorithm's State
             (e.g. ``{"tau": 32, "tau_prime": 64}`` for Ok-Topk).
         group, comm: which ranks (default: DDP's default process group).
+        scaler: the ``torch.amp.GradScaler`` that scales the loss, or None. With
+            it, NaN/Inf in a gradient gives Inf results (the scaler skips the step
+            on every rank) instead of a :class:`~sparsecomm.errors.NonFiniteError`,
+            and residuals follow the scale (read once per step). Not pickled.
 
-    Statistics: ``stats`` holds, per step, the selected counts, bytes sent and
-    seconds of every bucket; ``totals`` running sums.
+    Statistics: ``stats`` holds, per step, one row per reduction (its layout,
+    selected count, bytes sent, seconds, whether it was staged or refused);
+    ``totals`` running sums.
     """
 
     def __init__(self, model: torch.nn.Module, algorithm: str = "oktopk", density: float = 0.01, *,
                  compressor: Any = None, op: str = "avg", warmup_steps: int = 0,
                  min_bucket_elements: int = 16384, error_feedback: bool = True,
                  algorithm_options: Optional[dict] = None, group: Any = None, comm: Any = None,
-                 overlap: bool = False, engine_threads: int = 1) -> None:
+                 overlap: bool = False, engine_threads: int = 1, scaler: Any = None) -> None:
         # Set by the user.
         self.spec = registry.get(algorithm)
         self.algorithm, self.density = algorithm, check_density(density)
@@ -97,7 +158,9 @@ class SparseHookState:
         self.group, self._comm_arg = group, comm
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.overlap = overlap
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise ValueError(f"scaler must be a torch.amp.GradScaler (or have get_scale()), got {type(scaler).__name__}")
+        self.overlap, self.scaler = overlap, scaler
         # Internal.
         self._engine = None
         if overlap:
@@ -107,14 +170,24 @@ class SparseHookState:
         self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self._numel = [p.numel() for p in model.parameters()]
         self.step = 0
-        self.buckets: Dict[Tuple[int, ...], State] = {}
-        self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not yet in a bucket
+        self.buckets: Dict[Layout, State] = {}  # algorithm states of the held layouts reduced sparsely
+        self._layouts: Dict[Layout, None] = {}  # every held layout (an ordered set), dense ones too
+        self._holder: Dict[int, Layout] = {}  # parameter -> the held layout it belongs to
+        self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not in a state
+        self._carried: Dict[int, torch.Tensor] = {}  # per-parameter results of refused steps
+        self._staged_last: List[Layout] = []  # orders staged in the last step
+        self._orders_last: Optional[List[Layout]] = None  # the last step's orders, as the rules saw them
+        self._resumed = False  # the next step is the first after load_state_dict
+        self._scale: Optional[float] = None  # the scaler's scale at the last step
+        self._broken: Optional[BaseException] = None
         self._comm: Optional[Communicator] = None
-        self._canonical: Dict[Tuple[int, ...], torch.Tensor] = {}  # per-layout reorder buffers
-        self._reordered: Dict[frozenset, Tuple[int, ...]] = {}  # per set: the last order not its layout
+        self._canonical: Dict[Layout, torch.Tensor] = {}  # per-layout staging buffers
+        self._starts_cache: Dict[Layout, Dict[int, int]] = {}
+        self._calling: Optional[_Step] = None  # the step the caller's thread is in
+        self._live: Optional[_Step] = None  # the step the reducing thread is in
         # Statistics.
         self.stats: List[List[dict]] = [[]]
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0, "refused_steps": 0}
 
     def _state_kwargs(self) -> dict:
         kwargs = dict(self.algorithm_options)
@@ -130,13 +203,12 @@ class SparseHookState:
             self._comm = resolve(group=self.group, comm=self._comm_arg)
         return self._comm
 
-    # ---- per-bucket state that survives re-bucketing --------------------------
-    def _bucket_state(self, key: Tuple[int, ...], device: torch.device) -> State:
+    # ---- per-parameter memory -----------------------------------------------------
+    def _bucket_state(self, key: Layout, device: torch.device) -> State:
+        """The algorithm state of held layout ``key``, made (with its parameters' residuals) when missing."""
         state = self.buckets.get(key)
         if state is not None:
             return state
-        # A new layout: collect the residuals of its parameters from wherever they are.
-        self._pending.update(self._residuals_of_other_layouts(set(key)))
         state = self.spec.state_class(self.density, **self._state_kwargs())
         if self.error_feedback and any(i in self._pending for i in key):
             parts = [self._pending.pop(i, None) for i in key]
@@ -145,52 +217,80 @@ class SparseHookState:
         self.buckets[key] = state
         return state
 
-    def _residuals_of_other_layouts(self, wanted: set) -> Dict[int, torch.Tensor]:
-        found = {}
-        for key in [k for k in self.buckets if wanted & set(k)]:
-            old = self.buckets.pop(key)
-            self.__dict__.get("_canonical", {}).pop(key, None)  # its copy buffer, if it had one
-            found.update(self._split(key, old.residual))
-        return found
-
-    def _split(self, key: Tuple[int, ...], residual: Optional[torch.Tensor]) -> Dict[int, torch.Tensor]:
-        if residual is None:
+    def _split(self, key: Layout, flat: Optional[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """``flat`` (parameters ``key`` one after another) cut into per-parameter copies."""
+        if flat is None:
             return {}
         out, offset = {}, 0
         for i in key:
-            out[i] = residual[offset:offset + self._numel[i]].clone()
+            out[i] = flat[offset:offset + self._numel[i]].clone()
             offset += self._numel[i]
         return out
 
+    def _starts(self, order: Layout) -> Dict[int, int]:
+        """Where each parameter of ``order`` starts in a buffer laid out in that order."""
+        starts = self._starts_cache.get(order)
+        if starts is None:
+            starts, pos = {}, 0
+            for i in order:
+                starts[i] = pos
+                pos += self._numel[i]
+            self._starts_cache[order] = starts
+        return starts
+
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every parameter's residual, by parameter position in ``model.parameters()``."""
-        out = dict(self._pending)
+        out = {i: r.clone() for i, r in self._pending.items()}
         for key, st in self.buckets.items():
             out.update(self._split(key, st.residual))
         return out
 
+    def carried(self) -> Dict[int, torch.Tensor]:
+        """Results of refused steps not applied yet (added at the next step), by parameter position."""
+        return {i: c.clone() for i, c in self._carried.items()}
+
+    def _rescale(self, scale: float) -> None:
+        """Residuals and carried results are in the scaler's units: follow its scale.
+
+        GradScaler moves the scale by powers of two (backoff 0.5, growth 2), so
+        the products are exact.
+        """
+        if self._scale is not None and scale != self._scale:
+            factor = scale / self._scale
+            for st in self.buckets.values():
+                if st.residual is not None:
+                    st.residual.mul_(factor)
+            for r in list(self._pending.values()) + list(self._carried.values()):
+                r.mul_(factor)
+        self._scale = scale
+
     # ---- checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a checkpoint needs: step, per-parameter residuals, per-layout algorithm states."""
+        """What a checkpoint needs (take it between steps): step, per-parameter residuals and carried
+        results, per-layout algorithm states, the layouts and the last step's orders, the scale."""
         algo = {}
         for key, st in self.buckets.items():
             copy = st.__class__.__new__(st.__class__)
             copy.__dict__ = {**st.__dict__, "residual": None}
             algo[key] = copy
         return {"step": self.step, "residuals": self.residuals(), "algorithm_states": algo,
-                "totals": dict(self.totals)}
+                "totals": dict(self.totals), "layouts": list(self._layouts), "carried": self.carried(),
+                "staged": list(self._staged_last),
+                "orders": None if self._orders_last is None else list(self._orders_last), "scale": self._scale}
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore a :meth:`state_dict`: the step, every parameter's residual, the per-layout states.
+        """Restore a :meth:`state_dict`: the step, every parameter's residual, the layouts and their states.
 
-        1. A checkpoint of another model (a residual or a layout naming a parameter this
-           model lacks, or one of another size) raises ValueError here, not at the first
-           bucket.
+        1. A checkpoint of another model (a residual, carried result or layout naming
+           a parameter this model lacks, or one of another size) raises ValueError
+           here, not at the first bucket.
         2. This hook's settings (algorithm, density, options, error feedback) win, as the
            user just gave them: a saved state made with other settings is dropped (with a
            warning naming both); its residuals carry over to the states this hook makes,
            so the gradient memory goes on while thresholds and boundaries start afresh.
            With the same settings the run resumes bit for bit.
+        3. The next step takes its layout decisions from the orders of the step before
+           the checkpoint; DDP's initial buckets are staged into them.
         """
         self._check_checkpoint(d)
         mine = self._settings(self.spec.state_class(self.density, **self._state_kwargs()))
@@ -201,21 +301,29 @@ class SparseHookState:
                           f"{self._settings(other)}, this hook makes {mine}: their residuals carry over, their "
                           "thresholds and boundaries start afresh", stacklevel=2)
         self.step = d["step"]
-        self._canonical, self._reordered = {}, {}  # layouts start over from the saved ones
-        self.totals = dict(d["totals"])
+        self.totals = {"refused_steps": 0, **d["totals"]}
+        self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
+        self._layouts, self._holder = {}, {}
+        for key in d.get("layouts", list(d["algorithm_states"])):  # checkpoints before layouts: the states'
+            self._hold(tuple(key))
         self.buckets = {}
         for key, st in kept.items():
             st.residual = None
-            self.buckets[key] = st
-        self._pending = {}
-        for key in self.buckets:  # re-attach residuals to the saved layouts
-            st = self.buckets[key]
-            saved = [d["residuals"][i] for i in key if i in d["residuals"]]
-            if self.error_feedback and saved:
-                st.residual = torch.cat([d["residuals"][i] if i in d["residuals"]
-                                         else saved[0].new_zeros(self._numel[i]) for i in key])
+            if tuple(key) in self._layouts:
+                self.buckets[tuple(key)] = st
+        saved = d["residuals"]
+        for key, st in self.buckets.items():  # re-attach residuals to the saved layouts
+            here = [saved[i] for i in key if i in saved]
+            if self.error_feedback and here:
+                st.residual = torch.cat([saved[i] if i in saved else here[0].new_zeros(self._numel[i]) for i in key])
         placed = {i for key in self.buckets for i in key}
-        self._pending = {i: r for i, r in d["residuals"].items() if i not in placed}
+        self._pending = {i: r.clone() for i, r in saved.items() if i not in placed}
+        self._carried = {i: c.clone() for i, c in d.get("carried", {}).items()}
+        self._staged_last = [tuple(o) for o in d.get("staged", [])]
+        orders = d.get("orders")
+        self._orders_last = None if orders is None else [tuple(o) for o in orders]
+        self._scale = d.get("scale")
+        self._resumed = True
 
     @staticmethod
     def _settings(state: State) -> tuple:
@@ -227,137 +335,347 @@ class SparseHookState:
     def _check_checkpoint(self, d: dict) -> None:
         """Refuse a checkpoint of another model (see :meth:`load_state_dict`)."""
         n = len(self._numel)
-        for i, r in d["residuals"].items():
-            if not (isinstance(i, int) and 0 <= i < n):
-                raise ValueError(f"SparseHookState.load_state_dict: the checkpoint holds a residual for parameter "
-                                 f"{i!r}; this model has {n} parameters (a checkpoint of another model?)")
-            if r.numel() != self._numel[i]:
-                raise ValueError(f"SparseHookState.load_state_dict: the checkpoint's residual for parameter {i} "
-                                 f"has {r.numel()} elements; this model's has {self._numel[i]} (a checkpoint "
-                                 "of another model?)")
-        for key in d["algorithm_states"]:
+        for what, tensors in (("residual", d["residuals"]), ("carried result", d.get("carried", {}))):
+            for i, r in tensors.items():
+                if not (isinstance(i, int) and 0 <= i < n):
+                    raise ValueError(f"SparseHookState.load_state_dict: the checkpoint holds a {what} for "
+                                     f"parameter {i!r}; this model has {n} parameters (a checkpoint of another "
+                                     "model?)")
+                if r.numel() != self._numel[i]:
+                    raise ValueError(f"SparseHookState.load_state_dict: the checkpoint's {what} for parameter "
+                                     f"{i} has {r.numel()} elements; this model's has {self._numel[i]} (a "
+                                     "checkpoint of another model?)")
+        seen: set = set()
+        for key in list(d["algorithm_states"]) + list(d.get("layouts", [])) + list(d.get("orders") or []):
             bad = [i for i in key if not (isinstance(i, int) and 0 <= i < n)]
             if bad:
                 raise ValueError(f"SparseHookState.load_state_dict: a saved bucket holds parameter(s) {bad}; "
                                  f"this model has {n} parameters (a checkpoint of another model?)")
+        for key in d.get("layouts", []):
+            if seen & set(key):
+                raise ValueError(f"SparseHookState.load_state_dict: the saved layouts share parameter(s) "
+                                 f"{sorted(seen & set(key))} (not a checkpoint of SparseHookState.state_dict?)")
+            seen |= set(key)
 
-    def _layout(self, order: Tuple[int, ...]) -> Tuple[int, ...]:
-        """The layout (parameter order) the algorithm sees for a bucket of parameters ``order``.
-
-        1. A state keyed by this very order: that order (the bucket is reduced in place).
-        2. A state for the same parameters in another order: that state's order (the
-           bucket is copied into it and back, ~15 ms per 100 MB on a CPU core), unless
-           the previous call of this set came in the same new order too. Then the new
-           order becomes the layout (a fresh state that inherits the residuals, as any
-           new layout does): DDP rebuilds its buckets once, in gradient-ready order,
-           after the first step; a resumed run starts once more in the initial order,
-           which is copied for that one step, so it goes on bit for bit.
-        3. New parameters: a new state in this order.
-        """
-        reordered = self.__dict__.setdefault("_reordered", {})  # absent in states pickled before it existed
-        members = frozenset(order)
-        if order in self.buckets:
-            reordered.pop(members, None)
-            return order
-        held = next((k for k in self.buckets if frozenset(k) == members), None)
-        if held is not None and reordered.get(members) != order:
-            reordered[members] = order
-            return held
-        reordered.pop(members, None)
-        return order
-
-    def _canonical_buffer(self, key: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A buffer in layout ``key`` for a bucket whose order differs, kept across steps."""
-        buffers = self.__dict__.setdefault("_canonical", {})  # absent in states pickled before it existed
-        buf = buffers.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
-            buf = buffers[key] = torch.empty_like(like)
-        return buf
-
-    def __getstate__(self) -> dict:  # communicators do not pickle; buffers are rebuilt
+    def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
         d = dict(self.__dict__)
-        d["_canonical"], d["_reordered"] = {}, {}
-        d["_comm"] = d["_engine"] = None
+        d["_canonical"], d["_starts_cache"] = {}, {}
+        d["_comm"] = d["_engine"] = d["scaler"] = d["_calling"] = d["_live"] = d["_broken"] = None
         d["group"] = d["_comm_arg"] = None
         return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        if "_layouts" not in d:  # pickled before layouts were held: its states' layouts
+            self._layouts, self._holder = {}, {}
+            for key in list(self.buckets):
+                self._hold(key)
+            self._carried, self._staged_last, self._orders_last = {}, [], None
+            self._resumed, self._scale, self.scaler = False, None, None
+            self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
+            self.totals.setdefault("refused_steps", 0)
+            self.__dict__.pop("_reordered", None)
+
+    # ---- layouts -------------------------------------------------------------------
+    def _hold(self, key: Layout) -> None:
+        self._layouts[key] = None
+        for i in key:
+            self._holder[i] = key
+
+    def _drop(self, key: Layout) -> None:
+        """Stop holding layout ``key``: its residuals wait per parameter for the next layout."""
+        del self._layouts[key]
+        for i in key:
+            if self._holder.get(i) == key:
+                del self._holder[i]
+        st = self.buckets.pop(key, None)
+        if st is not None:
+            self._pending.update(self._split(key, st.residual))
+        self._canonical.pop(key, None)
+
+    def _decide(self, order: Layout, adopt: bool) -> str:
+        """How a bucket of parameters ``order`` is reduced.
+
+        1. "inplace": ``order`` is a held layout.
+        2. "staged": its parameters all belong to held layouts (in any sets), and
+           unless ``adopt`` is False the same order was not staged in the last step.
+        3. "new": anything else; the caller makes ``order`` a layout (:meth:`_new_layout`).
+        """
+        if order in self._layouts:
+            return "inplace"
+        held = all(i in self._holder for i in order)
+        if held and not (adopt and order in self._staged_last):
+            return "staged"
+        return "new"
+
+    def _staging_buffer(self, key: Layout, like: torch.Tensor) -> torch.Tensor:
+        """Layout ``key``'s staging buffer (kept across steps, so staged steps allocate nothing)."""
+        n = sum(self._numel[i] for i in key)
+        buf = self._canonical.get(key)
+        if buf is None or buf.numel() != n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._canonical[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf
+
+    # ---- one step's reductions (on the reducing thread, in bucket order) -------------
+    def _open_call(self, index: int, last: bool) -> _Step:
+        """On the caller's thread: the step this bucket belongs to, made at its first bucket.
+
+        There the scaler's scale is read (one host read per step on CUDA) and, inside
+        backward, a final callback is queued that queues :meth:`_report`: DDP queues
+        its own finalisation after the last bucket, so a callback queued by a callback
+        runs after it, when DDP has copied every result and is ready for the next
+        iteration.
+        """
+        step = self._calling
+        if step is None or index == 0:
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+            step = _Step(scale, False)
+            engine = torch.autograd.Variable._execution_engine
+            try:
+                engine.queue_callback(lambda: engine.queue_callback(lambda: self._report(step)))
+                step.in_backward = True
+            except RuntimeError:  # not inside backward (a bucket driven by hand): futures carry errors
+                pass
+            self._calling = step
+        if last:
+            self._calling = None
+        return step
+
+    def _report(self, step: _Step) -> None:
+        """At the end of backward: raise the step's error, the very object, on every rank."""
+        if step.error is not None and not step.reported:
+            step.reported = True
+            raise step.error
+
+    def _arrive(self, step: _Step, flat: torch.Tensor, order: Layout, index: int, last: bool,
+                future: torch.futures.Future, comm: Communicator) -> None:
+        """Take bucket ``index``: reduce it, or stage it; complete the futures that are due.
+
+        Never raises: an error is recorded in ``step`` (and in the futures when the
+        step does not run inside backward), so that every future completes.
+        """
+        done: List[_Waiting] = []  # completed after this call's bookkeeping, so _report sees it
+        try:
+            if self._live is not step:
+                if self._live is not None and not self._live.ended:  # a backward left half-way
+                    self._end_step(self._live, index, comm, done)
+                self._live = step
+                self._start_step(step)
+            bucket = _Waiting(flat, order, future)
+            step.waiting.append(bucket)
+            if self._broken is not None:
+                raise self._broken
+            self._take(step, bucket, index, comm, done)
+            if last:
+                self._end_step(step, index, comm, done)
+        except BaseException as exc:  # noqa: BLE001 - a timeout, a dead peer: the ranks are out of step
+            self._broken = exc
+            step.error = step.error or exc
+            for w in step.waiting:
+                w.error = w.error or exc
+                done.append(w)
+            step.waiting = []
+            if last:
+                step.ended = True
+        finally:
+            for w in done:
+                if w.future.done():
+                    continue
+                if w.error is not None and not step.in_backward:
+                    w.future.set_exception(w.error)
+                else:
+                    w.future.set_result(w.flat)
+
+    def _start_step(self, step: _Step) -> None:
+        """Follow the scaler's scale; after a checkpoint, take the layout decisions of the step before it."""
+        if step.scale is not None:
+            self._rescale(step.scale)
+        if self._resumed and self._orders_last:
+            step.pretend = True
+            for order in self._orders_last:
+                if self._decide(order, adopt=True) == "new":
+                    self._new_layout(order, step, 0, None, [])
+                elif order not in self._layouts:
+                    step.staged.append(order)
+                step.orders.append(order)
+        self._resumed = False
+
+    def _take(self, step: _Step, bucket: _Waiting, index: int, comm: Communicator, done: List[_Waiting]) -> None:
+        order, flat = bucket.order, bucket.flat
+        if sum(self._numel[i] for i in order) != flat.numel():
+            # Not exactly its parameters (never seen from DDP): reduced as DDP laid it out.
+            self._reduce(step, order, flat, index, comm, done, staged=False, hold=False)
+            return
+        how = self._decide(order, adopt=not step.pretend)
+        if not step.pretend:
+            step.orders.append(order)
+            if how == "staged":
+                step.staged.append(order)
+        if how == "new":
+            self._new_layout(order, step, index, comm, done)
+        if how != "staged":
+            self._reduce(step, order, flat, index, comm, done, staged=False)
+            return
+        starts, touched = self._starts(order), []
+        for i in order:
+            key = self._holder[i]
+            buf = self._staging_buffer(key, flat)
+            at, n = self._starts(key)[i], self._numel[i]
+            buf[at:at + n].copy_(flat[starts[i]:starts[i] + n])
+            arrived = step.arrived.setdefault(key, set())
+            if not arrived:
+                touched.append(key)
+            arrived.add(i)
+        for key in touched:
+            if len(step.arrived[key]) == len(key):
+                del step.arrived[key]
+                self._reduce(step, key, self._canonical[key], index, comm, done, staged=True)
+
+    def _new_layout(self, order: Layout, step: _Step, index: int, comm: Optional[Communicator],
+                    done: List[_Waiting]) -> None:
+        """Hold ``order`` as a layout, dropping the held layouts it overlaps (their residuals wait
+        per parameter); one with parameters staged this step reduces those first (:meth:`_flush`)."""
+        for key in {self._holder[i]: None for i in order if i in self._holder}:
+            if key in step.arrived:
+                self._flush(step, key, index, comm, done)
+        for key in {self._holder[i]: None for i in order if i in self._holder}:
+            self._drop(key)
+        self._hold(order)
+
+    def _flush(self, step: _Step, key: Layout, index: int, comm: Communicator, done: List[_Waiting]) -> None:
+        """Held layout ``key`` will not complete this step: reduce its staged parameters, per
+        waiting bucket in that bucket's order, as layouts of their own."""
+        del step.arrived[key]
+        parts = [(w, tuple(i for i in w.order if i in w.remaining and self._holder.get(i) == key))
+                 for w in step.waiting]
+        for w, part in parts:
+            if not part:
+                continue
+            self._new_layout(part, step, index, comm, done)
+            starts = self._starts(w.order)
+            buf = w.flat if part == w.order else torch.cat(
+                [w.flat[starts[i]:starts[i] + self._numel[i]] for i in part])
+            self._reduce(step, part, buf, index, comm, done, staged=part != w.order)
+
+    def _reduce(self, step: _Step, key: Layout, buf: torch.Tensor, index: int, comm: Communicator,
+                done: List[_Waiting], staged: bool, hold: bool = True) -> None:
+        """Reduce layout ``key`` in ``buf`` (in place), then hand the result to the waiting buckets.
+
+        1. Warm-up steps and small layouts: dense allreduce. Otherwise the layout's
+           state (its algorithm, error feedback, compressor).
+        2. Refused (InputError, on every rank): with a scaler and NaN/Inf, the result
+           is Inf; otherwise zeros, and the step's error is this one. The step is refused.
+        3. Went through: add the carried results of its parameters.
+        4. Copy the result into every waiting bucket that holds its parameters; a bucket
+           none of whose parameters wait any more is done.
+        """
+        t0 = time.perf_counter()
+        before = comm.stats.snapshot()
+        dense = self.step < self.warmup_steps or buf.numel() < self.min_bucket_elements
+        error, selected, refused = None, 0, False
+        try:
+            if dense:
+                allreduce(buf, algorithm="dense", op=self.op, comm=comm, out=buf)
+                selected = buf.numel()
+            else:
+                st = self._bucket_state(key, buf.device)
+                allreduce(buf, state=st, op=self.op, compressor=self.compressor, comm=comm, out=buf)
+                selected = st.last.global_selected
+        except InputError as exc:
+            step.refused = refused = True
+            if self.scaler is not None and isinstance(exc, NonFiniteError):
+                buf.fill_(float("inf"))  # what GradScaler looks for: it skips the step on every rank
+            else:
+                buf.zero_()
+                error = exc
+                step.error = step.error or exc
+        else:
+            if hold:
+                starts = self._starts(key)
+                for i in key:
+                    carried = self._carried.pop(i, None)
+                    if carried is not None:
+                        buf[starts[i]:starts[i] + self._numel[i]] += carried.to(buf.dtype)
+                step.results.append((key, buf))
+        delta = comm.stats - before
+        self.stats[-1].append({"bucket": index, "layout": key, "numel": buf.numel(), "dense": dense,
+                               "selected": selected, "bytes_sent": delta.bytes_sent,
+                               "messages": delta.messages_sent, "seconds": time.perf_counter() - t0,
+                               "staged": staged, "refused": refused})
+        self.totals["bytes_sent"] += delta.bytes_sent
+        self.totals["dense_buckets" if dense else "sparse_buckets"] += 1
+        params, starts = set(key), self._starts(key)
+        for w in list(step.waiting):
+            common = w.remaining & params
+            if not common:
+                continue
+            if w.flat is not buf:
+                at = self._starts(w.order)
+                for i in common:
+                    n = self._numel[i]
+                    w.flat[at[i]:at[i] + n].copy_(buf[starts[i]:starts[i] + n])
+            w.error = w.error or error
+            w.remaining -= common
+            if not w.remaining:
+                step.waiting.remove(w)
+                done.append(w)
+
+    def _end_step(self, step: _Step, index: int, comm: Communicator, done: List[_Waiting]) -> None:
+        """After the step's last bucket: flush incomplete layouts, carry a refused step's results,
+        remember the orders for the layout rules, count the step."""
+        for key in list(step.arrived):
+            if key in step.arrived:
+                self._flush(step, key, index, comm, done)
+        if step.refused:
+            for key, buf in step.results:
+                for i, part in self._split(key, buf).items():
+                    self._carried[i] = part if i not in self._carried else self._carried[i] + part
+            self.totals["refused_steps"] += 1
+        step.results = []
+        self._staged_last, self._orders_last = step.staged, step.orders
+        self.step += 1
+        self.totals["steps"] += 1
+        self.stats.append([])
+        if len(self.stats) > 1000:  # keep memory bounded on long runs
+            del self.stats[:-1000]
+        step.ended = True
 
 
 def sparse_allreduce_hook(state: SparseHookState,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: sparse (or warm-up/small-bucket dense) allreduce of a bucket.
+    """DDP communication hook: sparse (or warm-up/small-layout dense) allreduce of a bucket.
 
-    1. Look up the algorithm state of the bucket's layout (``SparseHookState._layout``:
-       the bucket's own order once it has repeated; new layouts inherit the residuals
-       of their parameters), copying the bucket into that layout if it differs.
-    2. Warm-up steps and small buckets: dense allreduce. Otherwise the
-       state's algorithm, with error feedback and the compressor.
-    3. Return a future of the reduced bucket (averaged for "avg"), written into
-       the bucket's own buffer when its layout allows: completed, or with
-       ``overlap=True`` pending on the state's engine (steps 1-3 run there).
+    1. On the caller's thread: the step's first bucket reads the scaler's scale and
+       arranges for the step's error to be raised when backward ends.
+    2. Synchronously, or with ``overlap=True`` as a job on the state's engine (in
+       bucket order): reduce the bucket in place if it is a held layout, else stage it
+       into the held layouts and reduce each once all its parameters came, or make it
+       a layout (see the module docstring); refusals and carried results as there.
+    3. Return a future of the bucket's result (averaged for "avg"), in the bucket's own
+       buffer: complete once all its parameters are reduced.
     """
-    order = [state._param_index[id(p)] for p in bucket.parameters()]
+    order = tuple(state._param_index[id(p)] for p in bucket.parameters())
     flat, index, last = bucket.buffer(), bucket.index(), bucket.is_last()
-    if state._engine is not None:
-        job = state._engine.run(lambda comm: _reduce_bucket(state, flat, order, index, last, comm),
-                                what=f"DDP bucket {index}")
-        return job.future
-    fut = torch.futures.Future()
-    fut.set_result(_reduce_bucket(state, flat, order, index, last, state.comm))
-    return fut
+    step = state._open_call(index, last)
+    future: torch.futures.Future = torch.futures.Future()
+    if state._engine is None:
+        state._arrive(step, flat, order, index, last, future, state.comm)
+        return future
+    job = state._engine.run(lambda comm: state._arrive(step, flat, order, index, last, future, comm),
+                            what=f"DDP bucket {index}")
 
+    def not_run(job_future: torch.futures.Future) -> None:
+        # The engine refused the job without running it (closed, or the interpreter exits):
+        # the bucket's future must still complete, or DDP waits for it forever.
+        try:
+            job_future.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed on through the step
+            step.error = step.error or exc
+            if not future.done():
+                if step.in_backward:
+                    future.set_result(flat)
+                else:
+                    future.set_exception(exc)
 
-def _reduce_bucket(state: SparseHookState, flat: torch.Tensor, order: List[int], index: int, last: bool,
-                   comm: Communicator) -> torch.Tensor:
-    """Steps 1-3 of :func:`sparse_allreduce_hook` for bucket ``index`` on ``comm``."""
-    key = state._layout(tuple(order))
-    # Reduce in place (DDP's own hooks do the same): into the bucket's buffer, or, for a bucket
-    # whose order is not (yet) its state's layout, into a copy in that layout kept per layout,
-    # so that no step allocates a bucket-sized tensor.
-    copy = key != tuple(order)
-    buf = _reorder(flat, order, key, state._numel, out=state._canonical_buffer(key, flat) if copy else None)
-    t0 = time.perf_counter()
-    before = comm.stats.snapshot()
-    dense = state.step < state.warmup_steps or buf.numel() < state.min_bucket_elements
-    if dense:
-        out = allreduce(buf, algorithm="dense", op=state.op, comm=comm, out=buf)
-        selected = buf.numel()
-    else:
-        st = state._bucket_state(key, buf.device)
-        out = allreduce(buf, state=st, op=state.op, compressor=state.compressor, comm=comm, out=buf)
-        selected = st.last.global_selected
-    delta = comm.stats - before
-    state.stats[-1].append({"bucket": index, "numel": buf.numel(), "dense": dense,
-                            "selected": selected, "bytes_sent": delta.bytes_sent,
-                            "messages": delta.messages_sent, "seconds": time.perf_counter() - t0})
-    state.totals["bytes_sent"] += delta.bytes_sent
-    state.totals["dense_buckets" if dense else "sparse_buckets"] += 1
-    if last:
-        state.step += 1
-        state.totals["steps"] += 1
-        state.stats.append([])
-        if len(state.stats) > 1000:  # keep memory bounded on long runs
-            del state.stats[:-1000]
-    return _reorder(out, list(key), tuple(order), state._numel, out=flat)  # back to the bucket's layout
-
-
-def _reorder(flat: torch.Tensor, order: List[int], wanted: Tuple[int, ...], numel: List[int],
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``flat`` holds parameters ``order`` one after another; return them in ``wanted`` order.
-
-    Written into ``out`` when given (a tensor like ``flat``), else a new tensor.
-    Returns ``flat`` itself when nothing moves, or when the sizes do not add
-    up (a bucket that is not exactly its parameters: left as DDP laid it out).
-    """
-    if list(wanted) == list(order) or sum(numel[i] for i in order) != flat.numel():
-        return flat
-    starts, pos = {}, 0
-    for i in order:
-        starts[i] = pos
-        pos += numel[i]
-    if out is None:
-        return torch.cat([flat[starts[i]:starts[i] + numel[i]] for i in wanted])
-    pos = 0
-    for i in wanted:
-        out[pos:pos + numel[i]].copy_(flat[starts[i]:starts[i] + numel[i]])
-        pos += numel[i]
-    return out
+    job.future.add_done_callback(not_run)
+    return future

@@ -40,7 +40,7 @@ class Schedule:
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             sched.step()
-        sched.synchronize()           # before evaluating or saving
+        sched.finish()                # before evaluating or saving
         torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(),
                     "sched": sched.state_dict()}, path)
 
@@ -57,6 +57,11 @@ class Schedule:
 
     def synchronize(self) -> None:
         """Wait for what is in flight and bring the gradients (or updates) up to date."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Apply what earlier steps left in flight (Pipe-SGD's last gradient, DeAR's last updates),
+        before evaluating, saving or stopping; the group schedules leave nothing after ``step()``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:

@@ -472,6 +472,10 @@ class DeAR(Schedule):
             error, self._failed = self._failed, None
             raise error
 
+    def finish(self) -> None:
+        """Apply every pending update (:meth:`synchronize`)."""
+        self.synchronize()
+
     # ---- between steps ---------------------------------------------------------------------
     def _at_forward(self) -> None:
         """At each forward, before any group's update: recover from a backward that raised, and

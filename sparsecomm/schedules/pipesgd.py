@@ -213,7 +213,7 @@ class PipeSGD(Schedule):
         """Apply the gradient still in flight (the last step's), if any."""
         self._apply_previous(self._previous)
 
-    flush = synchronize
+    flush = finish = synchronize
 
     def _follow_trainable(self) -> None:
         """A layer frozen or unfrozen (every rank alike): apply what is in flight, then rebuild the
@@ -221,9 +221,13 @@ class PipeSGD(Schedule):
         flags = tuple(p.requires_grad for p in self._all)
         if flags == self._flags:
             return
-        grads = [p.grad for p in self.params]
-        self.synchronize()  # the result in flight is for the old layers
-        for p, g in zip(self.params, grads):  # this step's gradients, set aside while it applied
+        # This step's gradients are set aside while the result in flight (for the old layers) is
+        # applied: a thawed layer's own local gradient would otherwise be stepped with it.
+        grads = [p.grad for p in self._all]
+        for p in self._all:
+            p.grad = None
+        self.synchronize()
+        for p, g in zip(self._all, grads):
             p.grad = g
         residuals = dict(self._parked)
         r, offset = getattr(self.state, "residual", None), 0

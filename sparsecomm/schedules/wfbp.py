@@ -429,6 +429,13 @@ class GroupSchedule(Schedule):
             raise
         self._optimizer_step()
 
+    def finish(self) -> None:
+        """Nothing is left in flight after ``step()``; a backward not yet stepped raises ScheduleError
+        (its allreduces are under way: call ``step()``). Unlike ``synchronize()``, which ends a step
+        (after the optimizer stepped it reduces anew, as a rank without a backward must)."""
+        if self._jobs or self._ready_at:
+            raise ScheduleError(f"{type(self).__name__}.finish: a backward was not followed by step()")
+
     def _optimizer_step(self) -> None:
         if optimizer_size(self.optimizer) != self._opt_size:  # a param group was added
             check_optimizer(self.optimizer, self.model, type(self).__name__)
