@@ -96,29 +96,32 @@ def conservation(rank: int, size: int, steps: int = 15, algorithm: str = "oktopk
             "state_layouts": set(state.buckets), "sparse": state.totals["sparse_buckets"]}
 
 
-def save_restore(rank: int, size: int) -> list:
-    """Gradients of 4 steps after a checkpoint: continued vs restored from the checkpoint."""
+def save_restore(rank: int, size: int, make: str = "mlp", cap_mb: float | None = None, overlap: bool = False,
+                 at: int = 6) -> list:
+    """Gradients of 4 steps after a checkpoint taken after ``at`` steps: continued vs restored
+    from the checkpoint, with DDP buckets of ``cap_mb`` (None: DDP's default, one bucket)."""
+    caps = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
 
     def build():
-        model = DDP(_model(mlp))
-        state = SparseHookState(model, "oktopk", 0.02, min_bucket_elements=0,
+        model = DDP(_model({"mlp": mlp, "shuffled": Shuffled}[make]), **caps)
+        state = SparseHookState(model, "oktopk", 0.02, min_bucket_elements=0, overlap=overlap,
                                 algorithm_options={"tau": 3, "tau_prime": 5})
         model.register_comm_hook(state, sparse_allreduce_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     model, state, opt = build()
-    for step in range(6):
+    for step in range(at):
         _step(model, opt, rank, step)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
-    continued = [_step(model, opt, rank, step) for step in range(6, 10)]
+    continued = [_step(model, opt, rank, step) for step in range(at, at + 4)]
     buf.seek(0)
     ckpt = torch.load(buf)  # torch's defaults (weights_only=True): what users do
     model2, state2, opt2 = build()
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     state2.load_state_dict(ckpt["hook"])
-    restored = [_step(model2, opt2, rank, step) for step in range(6, 10)]
+    restored = [_step(model2, opt2, rank, step) for step in range(at, at + 4)]
     return [all(torch.equal(a, b) for a, b in zip(c, r)) for c, r in zip(continued, restored)]
 
 

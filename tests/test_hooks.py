@@ -88,6 +88,21 @@ def test_checkpoint_resumes_identically():
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.parametrize("make, cap_mb, overlap, at", [
+    ("shuffled", 0.01, False, 6),  # the rebuilt buckets hold other parameter sets than the initial ones
+    ("mlp", 0.02, True, 6),
+    ("shuffled", 0.01, True, 2),  # taken before the rebuilt buckets became the layouts
+    ("shuffled", 0.01, False, 3),  # taken the step they did
+])
+def test_checkpoint_resumes_identically_with_several_buckets(make, cap_mb, overlap, at):
+    # The resumed run's first step has DDP's initial buckets: they are staged into the
+    # saved layouts, whose saved states reduce them as the uninterrupted run did.
+    for same in engines.run_gloo(3, hook_cases.save_restore, make, cap_mb, overlap, at):
+        assert same == [True] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_nan_gradient_fails_on_every_rank():
     for msg in engines.run_gloo(P, hook_cases.nan_gradient):
         assert "NaN or Inf on rank(s) [1]" in msg, msg
@@ -144,8 +159,10 @@ def test_new_layout_inherits_residuals_and_state_pickles():
         assert st.totals["dense_buckets"] == 1 and not st.residuals()
         sparse_allreduce_hook(st, FakeBucket(params))  # one bucket of all three
         before = st.residuals()
-        # Re-bucketed: two buckets in another order. Residuals follow their parameters.
-        sparse_allreduce_hook(st, FakeBucket([params[2], params[0]], 0, False))
+        # Re-bucketed: a step of one bucket of two of them, in another order. It is staged
+        # into the held layout, which never completes, so at the step's end it becomes a
+        # layout of its own. Residuals follow their parameters.
+        sparse_allreduce_hook(st, FakeBucket([params[2], params[0]], 0, True)).wait()
         after = st.residuals()
         assert torch.equal(after[1], before[1])  # not in the new bucket: untouched
         for i in (0, 2):
@@ -160,7 +177,7 @@ def test_new_layout_inherits_residuals_and_state_pickles():
         assert all(torch.equal(copy.residuals()[i], after[i]) for i in after)
         return copy.step
 
-    assert sparsecomm.simulate(2, body).results == [2, 2]
+    assert sparsecomm.simulate(2, body).results == [3, 3]
 
 
 def _hook_after_steps(sizes, algorithm, density, steps=3):
