@@ -158,3 +158,107 @@ def overlap_equals_sync(rank: int, size: int, steps: int = 6) -> dict:
                         "residuals": state.residuals(), "totals": dict(state.totals),
                         "threads": state._engine.comm.name if overlap else None}
     return out
+
+
+def _poison(param: torch.nn.Parameter):
+    """A tensor hook making one entry of ``param``'s gradient NaN (remove the handle after backward)."""
+
+    def hook(g):
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+    return param.register_hook(hook)
+
+
+class Recorder:
+    """Wraps the hook: every local gradient fed to it, per step and parameter (float64)."""
+
+    def __init__(self, state: SparseHookState, params: list) -> None:
+        self.state, self.params, self.steps = state, params, [{}]
+
+    def hook(self, st, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            self.steps[-1][st._param_index[id(p)]] = g.double().clone()
+        if bucket.is_last():
+            self.steps.append({})
+        return sparse_allreduce_hook(st, bucket)
+
+
+def refused_layouts(state: SparseHookState, step: int) -> set:
+    """Parameters of the reductions refused at hook step ``step``."""
+    return {i for row in state.stats[step] if row["refused"] for i in row["layout"]}
+
+
+def refusal_carry(rank: int, size: int, overlap: bool, steps: int = 8, bad_step: int = 3) -> dict:
+    """A NaN in one rank's gradient of one layer at one step, several buckets; the loop catches the
+    error, zero_grads and goes on. Fed gradients, applied results, residuals, carried, errors."""
+    import sparsecomm
+
+    model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0, overlap=overlap,
+                            algorithm_options={"tau": 3, "tau_prime": 4})
+    params = list(model.parameters())
+    rec = Recorder(state, params)
+    model.register_comm_hook(state, rec.hook)
+    opt = torch.optim.SGD(params, lr=0.05)
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    errors, counted = [], []
+    for step in range(steps):
+        handle = _poison(model.module.middle.weight) if step == bad_step and rank == 1 % size else None
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        try:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        except sparsecomm.InputError as exc:
+            errors.append((step, type(exc).__name__, getattr(exc, "ranks", None)))
+            opt.zero_grad()
+            continue
+        finally:
+            if handle is not None:
+                handle.remove()
+        for a, p in zip(applied, params):
+            a += p.grad.double() * size
+        counted.append(step)
+        opt.step()
+    refused = {s: refused_layouts(state, s) for s in range(steps)}
+    fed = [{i: (torch.zeros_like(g) if i in refused[s] else g) for i, g in rec.steps[s].items()} for s in range(steps)]
+    fed = [sum(f[i] for f in fed) for i in range(len(params))]
+    residuals, carried = state.residuals(), state.carried()
+    zeros = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    return {"fed": fed, "applied": applied, "errors": errors, "refused": refused,
+            "residuals": [residuals.get(i, zeros[i]).double().view_as(p) for i, p in enumerate(params)],
+            "carried": [carried.get(i, zeros[i]).double().view_as(p) * size for i, p in enumerate(params)],
+            "params": [p.detach().clone() for p in params], "totals": dict(state.totals)}
+
+
+def fatal_error(rank: int, size: int, overlap: bool, error: str) -> list:
+    """Every rank's allreduce raises ``error`` (a timeout, a dead peer) at the third step's second
+    reduction (several buckets): what each backward raised, per step."""
+    import sparsecomm
+    import sparsecomm.hooks as hooks
+
+    model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0, overlap=overlap)
+    model.register_comm_hook(state, sparse_allreduce_hook)
+    real = hooks.allreduce
+
+    def failing(*args, **kwargs):
+        if state.step == 2 and len(state.stats[-1]) == 1:
+            raise getattr(sparsecomm, error)(f"simulated {error} on rank {rank}")
+        return real(*args, **kwargs)
+
+    hooks.allreduce = failing
+    try:
+        seen = []
+        for step in range(5):
+            x, y = batch(rank, step)
+            model.zero_grad()
+            try:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                seen.append("ok")
+            except Exception as exc:  # noqa: BLE001 - what reached the loop is the result
+                seen.append(f"{type(exc).__name__}: {exc}")
+        return seen
+    finally:
+        hooks.allreduce = real

@@ -100,7 +100,8 @@ def members(name: str, sched, index: int, params: list) -> list[int]:
 def held(name: str, sched) -> dict[int, torch.Tensor]:
     """Every residual and carried result the schedule holds, by ``id`` of its parameter,
     carried results counted ``size`` times over by the caller (they are averaged)."""
-    out: dict[int, torch.Tensor] = {k: v.clone() for k, v in sched._parked.items()}
+    shapes = {id(p): p.shape for p in sched.model.parameters()}
+    out: dict[int, torch.Tensor] = {k: v.clone().view(shapes[k]).double() for k, v in sched._parked.items()}
     if name == "pipesgd":
         groups, states = [sched.params], [sched.state]
     elif name == "dear":
@@ -147,17 +148,21 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
         kind, *args = event.split()
         params = list(net.parameters())
         if kind == "restart":
-            sched.finish()
+            if name != "pipesgd":  # its checkpoint holds the gradient in flight, applied at the next step
+                try:
+                    sched.finish()
+                except Exception as exc:  # noqa: BLE001 - the last step's refusal surfaces here
+                    errors.append(f"{step} {type(exc).__name__}")
             buf = io.BytesIO()
             torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
             sched.close()
             buf.seek(0)
             saved = torch.load(buf)
             net, opt, sched = build(name, algorithm, scaler)
+            watch(net.parameters())  # before the checkpoint may freeze some
             net.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             sched.load_state_dict(saved["sched"])
-            watch(net.parameters())
             params = list(net.parameters())
             kind = "plain"
         if kind in ("freeze", "thaw"):
@@ -190,7 +195,7 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
                 else:
                     loss.backward()
             sched.step()
-            if scaler is not None and name != "dear":  # DeAR drives its scaler
+            if scaler is not None and name not in ("dear", "pipesgd"):  # those two drive their scaler
                 scaler.update()
         except Exception as exc:  # noqa: BLE001 - the loop skips the batch, as users' loops do
             errors.append(f"{step} {type(exc).__name__}")

@@ -7,6 +7,7 @@ import sys
 import torch
 
 import cases
+import loop_cases
 import test_gpu
 import test_properties
 import test_schedules
@@ -33,6 +34,8 @@ def main() -> None:
         "engine": lambda: cases.engine_cases(rank, size),
         "schedules": lambda: test_schedules.schedule_cases(rank, size),
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),
+        "loops": lambda: {name: loop_cases.property_case(rank, size, name, "oktopk", 200)
+                          for name in sorted(loop_cases.SCHEDULES)},
     }
     save_result(outdir, rank, bodies[case])
 

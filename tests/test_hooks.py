@@ -275,3 +275,39 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
         left = sum(r[i].double() for _, _, r in res)
         for _, got, _ in res:
             torch.testing.assert_close(got[i] + left, fed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("overlap", [False, True])
+def test_refused_step_loses_nothing_and_ddp_goes_on(overlap):
+    # A NaN in rank 1's gradient of one layer at step 3, several buckets. The loop catches
+    # the NonFiniteError (its own type, on every rank: not DDP's RuntimeError), zero_grads
+    # and skips the step; DDP's next iterations work. The step's other reductions gave up
+    # their residuals: their results are carried into the next step, so everything fed but
+    # the refused layout's gradients is applied or still in a residual, on every rank alike.
+    out = engines.run_gloo(3, hook_cases.refusal_carry, overlap)
+    for o in out:
+        assert o["errors"] == [(3, "NonFiniteError", [1])]
+        assert o["refused"][3] and not any(o["refused"][s] for s in o["refused"] if s != 3)
+        assert o["totals"]["refused_steps"] == 1 and o["totals"]["steps"] == 8
+        assert all(torch.equal(a, b) for a, b in zip(o["params"], out[0]["params"]))
+        assert all(not c.any() for c in o["carried"])  # applied at step 4
+    n = len(out[0]["fed"])
+    assert len(out[0]["refused"][3]) < n  # some reductions of the refused step went through
+    for i in range(n):
+        fed = sum(o["fed"][i] for o in out)
+        residual = sum(o["residuals"][i] for o in out)
+        torch.testing.assert_close(out[0]["applied"][i] + residual, fed, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("error", ["CommTimeoutError", "PeerError"])
+def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap, error):
+    # Raised inside the hook, DDP's reducer asserted at every later iteration; with
+    # overlap, DDP could not cast the failed future's value ("Unable to cast ... to Tensor").
+    for seen in engines.run_gloo(2, hook_cases.fatal_error, overlap, error):
+        assert seen[:2] == ["ok", "ok"] and seen[2].startswith(f"{error}: simulated"), seen
+        assert "simulated" in seen[2] and seen[3:] == [seen[2]] * 2, seen

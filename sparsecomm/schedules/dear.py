@@ -358,6 +358,8 @@ class DeAR(Schedule):
     def _update(self, gi: int) -> None:
         if self._verdict is None:
             self._decide()  # the step's first update: all its first phases have run
+            if self._second[gi] is None:  # the step was skipped (a scaler's overflow): carried
+                return
         flat = self._take(gi)
         if self._failed is not None:  # a call failed: the other groups' updates go in now, then its error
             error = self._failed
@@ -473,7 +475,9 @@ class DeAR(Schedule):
             raise error
 
     def finish(self) -> None:
-        """Apply every pending update (:meth:`synchronize`)."""
+        """Apply every pending update (:meth:`synchronize`), after recovering from a backward that raised."""
+        if self._arrived and not self._ended and not self._accumulating:
+            self._recover()
         self.synchronize()
 
     # ---- between steps ---------------------------------------------------------------------

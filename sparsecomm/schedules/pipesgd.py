@@ -38,9 +38,11 @@ a refused call raises ``InputError`` from the ``step()`` that would have
 applied it (the step after its own) and that step applies nothing; the job
 submitted by that step is kept and applied at the next. Backwards accumulate
 until ``step()`` (it reduces what it finds, so ``no_sync()`` changes
-nothing). With ``scaler=``, a NaN/Inf refusal makes the gradients Inf for
-``scaler.step`` to skip the step, and the residual and a result in flight
-follow the scale. Freezing or unfreezing a layer is seen at ``step()``: the
+nothing). With ``scaler=``, Pipe-SGD drives the scaler (the loop is
+``scaler.scale(loss).backward(); sched.step()``: it calls ``scaler.step`` and
+``scaler.update`` for each update it applies, as its first step applies
+none); a NaN/Inf refusal makes the gradients Inf for ``scaler.step`` to skip
+the update, and the residual and a result in flight follow the scale. Freezing or unfreezing a layer is seen at ``step()``: the
 gradient in flight is applied first, then the buffers and the state are
 rebuilt over the trainable layers (residuals move with their layers).
 """
@@ -137,8 +139,9 @@ class PipeSGD(Schedule):
         if optimizer_size(self.optimizer) != self._opt_size:  # a param group was added
             check_optimizer(self.optimizer, self.model, "PipeSGD")
             self._opt_size = optimizer_size(self.optimizer)
-        if self.scaler is not None:
+        if self.scaler is not None:  # Pipe-SGD drives the scaler: a step may apply nothing (its first)
             self.scaler.step(self.optimizer)
+            self.scaler.update()
         else:
             self.optimizer.step()
 
@@ -250,8 +253,13 @@ class PipeSGD(Schedule):
         self._make_buffers()
 
     def state_dict(self) -> dict:
-        """Step count, the algorithm state and the aggregated gradient in flight (waited for)."""
-        pending = self._previous()
+        """Step count, the algorithm state and the aggregated gradient in flight (waited for; a
+        refused one is saved as nothing in flight, and still raised by this run's next step)."""
+        job = self._pending
+        try:
+            pending = self._previous()
+        except InputError:
+            pending, self._pending = None, job
         self._ready = pending
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "PipeSGD", "layers": layer_settings(self._all), "trainable": list(self._flags),

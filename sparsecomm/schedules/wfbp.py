@@ -433,6 +433,8 @@ class GroupSchedule(Schedule):
         """Nothing is left in flight after ``step()``; a backward not yet stepped raises ScheduleError
         (its allreduces are under way: call ``step()``). Unlike ``synchronize()``, which ends a step
         (after the optimizer stepped it reduces anew, as a rank without a backward must)."""
+        if self._aborted():
+            self._recover()
         if self._jobs or self._ready_at:
             raise ScheduleError(f"{type(self).__name__}.finish: a backward was not followed by step()")
 
@@ -452,6 +454,8 @@ class GroupSchedule(Schedule):
     def state_dict(self) -> dict:
         """Groups, per-group algorithm states (residuals, thresholds), parked residuals, carried
         results and the loss scale seen: between steps (after ``step()``), never mid-step."""
+        if self._aborted():
+            self._recover()
         if self._jobs or self._ready_at:
             raise ScheduleError(f"{type(self).__name__}.state_dict: a step is under way; call it after step()")
         index = {id(p): i for i, p in enumerate(self._all)}

@@ -1,0 +1,269 @@
+"""Every schedule in training loops as users write them: refusals, skipped batches, freezing,
+accumulation, checkpoints and a loss scaler (bodies in ``loop_cases.py``).
+
+The property suite draws seeded sequences of those events and checks, for every
+schedule: identical parameters on every rank; conservation (what was applied,
+plus every residual and carried result, equals the gradients fed, less those of
+refused calls and of batches dropped before any call took them); and a run
+restarted from checkpoints equals the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.schedules import SCHEDULES, PipeSGD
+
+import engines
+import loop_cases
+
+SEEDS = int(os.environ.get("SPARSECOMM_LOOP_SEEDS", "3"))
+NAMES = sorted(SCHEDULES)
+
+
+def check(out: list[dict], P: int) -> None:
+    """Identical parameters on every rank, and conservation (float64: to rounding)."""
+    for i in range(len(out[0]["params"])):
+        for o in out:
+            assert torch.equal(o["params"][i], out[0]["params"][i]), f"parameter {i} differs across ranks"
+        fed = sum(o["fed"][i] for o in out)
+        kept = sum(o["held"][i] for o in out) + P * out[0]["carried"][i]
+        torch.testing.assert_close(P * out[0]["applied"][i] + kept, fed, rtol=1e-9, atol=1e-11)
+
+
+def run(P: int, name: str, algorithm: str, events: list[str], **kw) -> list[dict]:
+    return sparsecomm.simulate(P, lambda r: loop_cases.run_loop(r, P, name, algorithm, events, **kw),
+                               timeout=60).results
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_refused_call_loses_nothing_else(name):
+    # Rank 1's gradient of layer 2 is NaN at step 1: its call is refused on every rank; the
+    # other calls of that step had debited their residuals, and their results are carried.
+    out = run(2, name, "oktopk", ["plain", "refuse 1 2", "plain", "plain"])
+    assert [o["errors"] for o in out] == [[out[0]["errors"][0]]] * 2
+    assert "NonFiniteError" in out[0]["errors"][0]
+    check(out, 2)
+    assert float(sum(o["dropped"][2].abs().sum() for o in out)) > 0  # the refused gradient was left out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_backward_that_raised_is_skipped_and_training_goes_on(name):
+    # The skip-the-batch-on-OOM pattern: the backward raises on every rank, the loop zeroes the
+    # gradients and goes on. Calls the backward started are finished and carried.
+    out = run(2, name, "oktopk", ["plain", "abort", "plain", "plain"])
+    assert all(o["errors"] == ["1 RuntimeError"] for o in out), [o["errors"] for o in out]
+    check(out, 2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_accumulation_under_no_sync(name):
+    out = run(3, name, "oktopk", ["accumulate", "plain", "accumulate", "accumulate"])
+    assert all(o["errors"] == [] for o in out)
+    check(out, 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_accumulation_equals_reducing_the_summed_gradient(name):
+    # Exact against accumulating then reducing: two micro-batches under no_sync() and one
+    # step give what one allreduce of the local sum gives, on every rank.
+    out = run(2, name, "dense", ["accumulate"] + (["plain"] if name == "pipesgd" else []))
+    ref = [sum(o["fed"][i] for o in out) / 2 for i in range(len(out[0]["fed"]))]
+    for i, r in enumerate(ref):
+        torch.testing.assert_close(out[0]["applied"][i], r, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_and_thawed_layers_keep_ranks_together(name):
+    out = run(2, name, "oktopk", ["plain", "freeze", "plain", "plain", "thaw", "plain"])
+    assert all(o["errors"] == [] for o in out)
+    check(out, 2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_layer_frozen_after_construction_does_not_move(name):
+    # No weight decay or momentum on zeros: a frozen layer's .grad is None, as under DDP.
+    def body(rank: int):
+        net = loop_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        sched = SCHEDULES[name](net, opt, **loop_cases.options(name, "oktopk"))
+        first = list(net.parameters())[:2]
+        for step in range(6):
+            if step == 2:
+                for p in first:
+                    p.requires_grad_(False)
+            opt.zero_grad(set_to_none=False)
+            x, y = loop_cases.batch(rank, step)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            sched.step()
+            if step == 2:  # DeAR and Pipe-SGD apply the last gradient from before the freeze here
+                frozen = [p.detach().clone() for p in first]
+        sched.finish()
+        sched.close()
+        return [torch.equal(a, b) for a, b in zip(first, frozen)]
+
+    assert sparsecomm.simulate(2, body, timeout=60).results == [[True, True]] * 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_optimizer_over_other_parameters_is_refused(name):
+    net = loop_cases.model()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD(list(net.parameters()) + [extra], lr=0.1)
+    with pytest.raises(ValueError, match="not the model's"):
+        sparsecomm.simulate(1, lambda r: SCHEDULES[name](net, opt, **loop_cases.options(name, "dense")))
+
+
+GATHER = {"pipesgd": "_gather", "dear": "_flat"}  # where each schedule reads the gradients
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_rank_that_cannot_gather_its_gradients_is_refused_on_every_rank(name):
+    # Rank 1 fails to gather (a parameter left on the meta device, say): its call still takes part
+    # in the collective check, so every rank raises InputError at once instead of waiting it out.
+    def body(rank: int):
+        net = loop_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = SCHEDULES[name](net, opt, **loop_cases.options(name, "oktopk"))
+        if rank == 1:
+            def broken(*args):
+                raise RuntimeError("Tensor on device meta is not on the expected device cpu")
+            setattr(sched, GATHER.get(name, "_gather"), broken)
+        try:
+            for step in range(2):
+                opt.zero_grad()
+                x, y = loop_cases.batch(rank, step)
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                sched.step()
+            sched.finish()
+        except sparsecomm.InputError as exc:
+            return str(exc)
+        finally:
+            sched.close()
+        return "no error"
+
+    for msg in sparsecomm.simulate(2, body, timeout=20).results:
+        assert "bad input on rank 1" in msg, msg
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_loss_scaler_skips_an_overflowing_step_on_every_rank(name):
+    # Rank 0's last layer overflows (Inf) at step 2: the scaler skips that step on every rank and
+    # halves its scale; no residual holds an Inf; the steps after train on, identical everywhere.
+    out = run(2, name, "oktopk", ["plain", "plain", "overflow 0", "plain", "plain"], scaler_scale=2.0 ** 8)
+    for o in out:
+        assert o["errors"] == [], o["errors"]
+        lag = 1 if name in ("dear", "pipesgd") else 0  # they apply (and find the Inf) a step later
+        assert o["scales"][1 + lag] == 2.0 ** 8 and o["scales"][2 + lag] == 2.0 ** 7, o["scales"]
+        assert all(bool(torch.isfinite(h).all()) for h in o["held"])
+        assert all(bool(torch.isfinite(p).all()) for p in o["params"])
+        for a, b in zip(o["params"], out[0]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_pipesgd_keeps_the_job_submitted_with_a_refused_one():
+    # Step t's job was submitted before step t-1's error was raised: it is applied at t+1.
+    out = run(2, "pipesgd", "dense", ["plain", "refuse 0 0", "plain", "plain"])
+    assert out[0]["errors"] == ["2 NonFiniteError"]
+    check(out, 2)
+
+
+def test_pipesgd_checkpoint_of_another_algorithm_keeps_its_own_settings():
+    def body(rank: int):
+        net = loop_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        a = PipeSGD(net, opt, algorithm="topka", density=0.3)
+        for step in range(3):
+            x, y = loop_cases.batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            a.step()
+        saved = a.state_dict()
+        a.close()
+        b = PipeSGD(net, opt, algorithm="oktopk", density=0.2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            b.load_state_dict(saved)
+        kept = type(b.state).__name__, b.state.density, torch.equal(b.state.residual, saved["algorithm_state"].residual)
+        b.close()
+        return kept, [str(w.message) for w in caught]
+
+    for kept, caught in sparsecomm.simulate(2, body, timeout=60).results:
+        assert kept[0] != "TopkAState" and kept[1] == 0.2 and kept[2], kept
+        assert any("residuals carry over" in m for m in caught), caught
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_checkpoint_of_another_model_is_refused_at_load(name):
+    def body(rank: int):
+        net = loop_cases.model()
+        sched = SCHEDULES[name](net, torch.optim.SGD(net.parameters(), lr=0.1), **loop_cases.options(name, "dense"))
+        saved = sched.state_dict()
+        sched.close()
+        other = torch.nn.Linear(6, 3).double()
+        twin = SCHEDULES[name](other, torch.optim.SGD(other.parameters(), lr=0.1),
+                               **loop_cases.options(name, "dense"))
+        try:
+            twin.load_state_dict(saved)
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            twin.close()
+        return "loaded"
+
+    for msg in sparsecomm.simulate(1, body, timeout=30).results:
+        assert "another model" in msg, msg
+
+
+def _check_property(results: list[dict], P: int, name: str) -> None:
+    check([r["resumed"] for r in results], P)
+    check([r["straight"] for r in results], P)
+    if name != "mgwfbp":  # MG-WFBP plans from measured times: two runs may plan differently
+        for r in results:
+            for a, b in zip(r["resumed"]["params"], r["straight"]["params"]):
+                assert torch.equal(a, b), (r["events"], "the restarted run left the uninterrupted one")
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+@pytest.mark.parametrize("name", NAMES)
+def test_training_loop_property_in_the_simulated_world(name, seed):
+    P = 2 + seed % 2
+    results = sparsecomm.simulate(P, lambda r: loop_cases.property_case(r, P, name, "oktopk", seed),
+                                  timeout=120).results
+    _check_property(results, P, name)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", NAMES)
+def test_training_loop_property_on_gloo(name):
+    _check_property(engines.run_gloo(3, loop_cases.property_case, name, "oktopk", 100), 3, name)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
+def test_training_loop_property_on_mpi():
+    out = engines.run_mpi(3, "loops")
+    for name in NAMES:
+        _check_property([o[name] for o in out], 3, name)
+
+
+# Seeds the property finds still failing (12 seeds per schedule drawn): Pipe-SGD loses
+# conservation on two sequences mixing refusals, aborted batches and freezing, and one DeAR
+# sequence resumed from a checkpoint leaves the uninterrupted run. Strict: fixing one fails here.
+OPEN = [("dear", 4), ("pipesgd", 4), ("pipesgd", 7)]
+
+
+@pytest.mark.xfail(strict=True, reason="open: see the OPEN list above")
+@pytest.mark.parametrize("name,seed", OPEN)
+def test_training_loop_property_open_cases(name, seed):
+    P = 2 + seed % 2
+    results = sparsecomm.simulate(P, lambda r: loop_cases.property_case(r, P, name, "oktopk", seed),
+                                  timeout=120).results
+    _check_property(results, P, name)
