@@ -240,7 +240,9 @@ def test_training_loop_property_in_the_simulated_world(name, seed):
 
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="open: DeAR resumed from a checkpoint leaves the uninterrupted run on this "
+    "sequence (as in OPEN below)")) if n == "dear" else n for n in NAMES])
 def test_training_loop_property_on_gloo(name):
     _check_property(engines.run_gloo(3, loop_cases.property_case, name, "oktopk", 100), 3, name)
 
