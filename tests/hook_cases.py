@@ -262,3 +262,86 @@ def fatal_error(rank: int, size: int, overlap: bool, error: str) -> list:
         return seen
     finally:
         hooks.allreduce = real
+
+
+def amp_scaler(rank: int, size: int, overlap: bool, steps: int = 10, bad_step: int = 4) -> dict:
+    """A GradScaler (CPU, float32: the scale itself makes the units) drives the loop; rank 1's
+    gradient of one layer holds a NaN at ``bad_step``. Per step: the scale, whether the scaler
+    skipped; the unscaled fed and applied sums; residuals and carried results at the end."""
+    model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=3)
+    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0, overlap=overlap, scaler=scaler,
+                            algorithm_options={"tau": 3, "tau_prime": 4})
+    params = list(model.parameters())
+    rec = Recorder(state, params)
+    model.register_comm_hook(state, rec.hook)
+    opt = torch.optim.SGD(params, lr=0.05)
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    scales, skipped, finite_residuals = [], [], []
+    for step in range(steps):
+        handle = _poison(model.module.middle.weight) if step == bad_step and rank == 1 % size else None
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()  # never raises here
+        if handle is not None:
+            handle.remove()
+        scaler.unscale_(opt)
+        if all(bool(torch.isfinite(p.grad).all()) for p in params):
+            for a, p in zip(applied, params):
+                a += p.grad.double() * size
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(b, p) for b, p in zip(before, params)))
+        finite_residuals.append(all(bool(torch.isfinite(r).all()) for r in state.residuals().values()))
+    refused = {s: refused_layouts(state, s) for s in range(steps)}
+    fed = [sum((torch.zeros_like(g) if i in refused[s] else g) / scales[s]
+               for s in range(steps) for j, g in rec.steps[s].items() if j == i) for i in range(len(params))]
+    residuals, carried = state.residuals(), state.carried()
+    last = state._scale  # the units of what the state holds: the scale of its last step
+    zeros = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    return {"fed": fed, "applied": applied, "scales": scales, "skipped": skipped, "refused": refused,
+            "finite_residuals": finite_residuals, "last_scale": last,
+            "residuals": [residuals.get(i, zeros[i]).double().view_as(p) / last for i, p in enumerate(params)],
+            "carried": [carried.get(i, zeros[i]).double().view_as(p) * size / last for i, p in enumerate(params)],
+            "params": [p.detach().clone() for p in params], "totals": dict(state.totals)}
+
+
+def accumulate(rank: int, size: int, algorithm: str, density: float, micro: int = 3, steps: int = 4) -> dict:
+    """Gradient accumulation: ``micro - 1`` backwards under ``no_sync()`` and a last one outside it,
+    against the same hook fed the locally accumulated gradient in one backward (grads set
+    beforehand, as autograd accumulates them), and, hookless, DDP's own allreduce."""
+    def build(hooked=True):
+        model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+        state = None
+        if hooked:
+            state = SparseHookState(model, algorithm, density, min_bucket_elements=0,
+                                    algorithm_options={"tau": 2, "tau_prime": 3} if algorithm == "oktopk" else None)
+            model.register_comm_hook(state, sparse_allreduce_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss(model, step, j):
+        x, y = batch(rank, 100 * step + j)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    out = {}
+    for name in ("no_sync", "local", "ddp"):
+        model, state, opt = build(hooked=name != "ddp")
+        grads = []
+        for step in range(steps):
+            opt.zero_grad()
+            if name == "local":  # the same sums, accumulated outside DDP
+                for j in range(micro - 1):
+                    gs = torch.autograd.grad(loss(model.module, step, j), list(model.parameters()))
+                    for p, g in zip(model.parameters(), gs):
+                        p.grad = g if p.grad is None else p.grad.add_(g)
+            else:
+                with model.no_sync():
+                    for j in range(micro - 1):
+                        loss(model, step, j).backward()
+            loss(model, step, micro - 1).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        out[name] = {"grads": grads, "steps": state.totals["steps"] if state else None}
+    return out

@@ -311,3 +311,40 @@ def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap,
     for seen in engines.run_gloo(2, hook_cases.fatal_error, overlap, error):
         assert seen[:2] == ["ok", "ok"] and seen[2].startswith(f"{error}: simulated"), seen
         assert "simulated" in seen[2] and seen[3:] == [seen[2]] * 2, seen
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grad_scaler_skips_the_overflowing_step_on_every_rank(overlap):
+    # With scaler=, a NaN in one rank's gradient is no error: the refused layout's results are
+    # Inf on every rank, so GradScaler skips the step everywhere and halves its scale. The
+    # step's other results are carried; residuals and carried results follow the scale (down
+    # after the skip, up every growth_interval steps), so in unscaled units nothing is lost.
+    out = engines.run_gloo(3, hook_cases.amp_scaler, overlap)
+    s0 = 2.0 ** 12
+    for o in out:
+        assert o["scales"] == [s0, s0, s0, 2 * s0, 2 * s0, s0, s0, s0, 2 * s0, 2 * s0]
+        assert o["skipped"] == [False] * 4 + [True] + [False] * 5
+        assert o["refused"][4] and not any(o["refused"][s] for s in o["refused"] if s != 4)
+        assert all(o["finite_residuals"]) and o["totals"]["refused_steps"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(o["params"], out[0]["params"]))
+        assert all(not c.any() for c in o["carried"])
+    for i in range(len(out[0]["fed"])):
+        fed = sum(o["fed"][i] for o in out)
+        residual = sum(o["residuals"][i] for o in out)
+        torch.testing.assert_close(out[0]["applied"][i] + residual, fed, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("algorithm, density", [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)])
+def test_no_sync_accumulation_equals_one_reduction_of_the_accumulated_gradient(algorithm, density):
+    for o in engines.run_gloo(3, hook_cases.accumulate, algorithm, density):
+        assert o["no_sync"]["steps"] == o["local"]["steps"] == 4  # one hook step per optimizer step
+        for a, b in zip(o["no_sync"]["grads"], o["local"]["grads"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        if density == 1.0:  # and DDP's own allreduce, to the summation order
+            for a, b in zip(o["no_sync"]["grads"], o["ddp"]["grads"]):
+                for x, y in zip(a, b):
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
