@@ -345,3 +345,90 @@ def accumulate(rank: int, size: int, algorithm: str, density: float, micro: int 
             opt.step()
         out[name] = {"grads": grads, "steps": state.totals["steps"] if state else None}
     return out
+
+
+def loop_plan(seed: int, steps: int) -> dict:
+    """A random training loop (the same on every rank): per step "train", "skip" (no batch) or
+    ("refuse", rank, parameter) (a NaN in that rank's gradient of that parameter); restarts
+    (checkpoint, then a new DDP, state and optimizer) after some steps; the hook's settings."""
+    import random
+
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(steps):
+        u = rng.random()
+        plan.append("skip" if u < 0.15 else ("refuse", rng.randrange(3), rng.randrange(6)) if u < 0.35 else "train")
+    # A checkpoint resumes bit for bit once the hook has made two steps (DDP rebuilt its buckets).
+    trained = [s for s, kind in enumerate(plan) if kind != "skip"]
+    restarts = sorted(rng.sample([s for s in range(steps - 1) if s >= trained[1]], 2)) if len(trained) > 2 else []
+    settings = {"algorithm": rng.choice(["oktopk", "topka"]), "density": rng.choice([0.02, 0.1]),
+                "warmup_steps": rng.choice([0, 1]), "min_bucket_elements": rng.choice([0, 700]),
+                "overlap": rng.random() < 0.5}
+    return {"plan": plan, "restarts": restarts, "settings": settings}
+
+
+def property_loop(rank: int, size: int, seed: int, steps: int = 9, lr: float = 0.05) -> dict:
+    """Run :func:`loop_plan`'s loop twice, without and with its restarts: per-step parameters of
+    both, and for the uninterrupted run what conservation needs."""
+    import sparsecomm
+
+    case = loop_plan(seed, steps)
+    settings = dict(case["settings"])
+    algorithm, density = settings.pop("algorithm"), settings.pop("density")
+    if algorithm == "oktopk":
+        settings["algorithm_options"] = {"tau": 2, "tau_prime": 3}
+
+    def build():
+        model = DDP(_model(Shuffled), bucket_cap_mb=0.01)
+        state = SparseHookState(model, algorithm, density, **settings)
+        rec = Recorder(state, list(model.parameters()))
+        model.register_comm_hook(state, rec.hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=lr), rec
+
+    runs = {}
+    for name, restarts in (("straight", []), ("restarted", case["restarts"])):
+        model, state, opt, rec = build()
+        first = [p.detach().clone() for p in model.parameters()]
+        history, fed, errors, hook_step = [], None, [], 0
+        for step, kind in enumerate(case["plan"]):
+            if kind != "skip":
+                handle = None
+                if kind != "train" and kind[1] % size == rank:
+                    handle = _poison(list(model.parameters())[kind[2]])
+                x, y = batch(rank, step)
+                opt.zero_grad()
+                try:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                except sparsecomm.InputError as exc:
+                    errors.append((step, type(exc).__name__))
+                    opt.zero_grad()
+                finally:
+                    if handle is not None:
+                        handle.remove()
+            history.append([p.detach().clone() for p in model.parameters()])
+            if step in restarts:
+                buf = io.BytesIO()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
+                buf.seek(0)
+                ckpt = torch.load(buf)
+                model, state, opt, rec = build()
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+                state.load_state_dict(ckpt["hook"])
+        runs[name] = {"history": history, "errors": errors}
+        if name == "straight":
+            n = len(first)
+            refused = [refused_layouts(state, s) for s in range(len(rec.steps) - 1)]
+            fed = [sum(g for s, f in enumerate(rec.steps[:-1]) for j, g in f.items() if j == i and i not in refused[s])
+                   for i in range(n)]
+            residuals, carried = state.residuals(), state.carried()
+            zeros = [torch.zeros(p.numel(), dtype=torch.float64) for p in first]
+            runs[name].update(
+                fed=[f if isinstance(f, torch.Tensor) else torch.zeros_like(p, dtype=torch.float64)
+                     for f, p in zip(fed, first)],
+                applied=[(a.double() - b.double()) / lr * size for a, b in zip(first, history[-1])],
+                residuals=[residuals.get(i, zeros[i]).double().view_as(p) for i, p in enumerate(first)],
+                carried=[carried.get(i, zeros[i]).double().view_as(p) * size for i, p in enumerate(first)],
+                totals=dict(state.totals))
+    return {"case": case, **runs}
