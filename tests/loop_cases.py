@@ -90,7 +90,7 @@ def members(name: str, sched, index: int, params: list) -> list[int]:
     if name == "pipesgd":
         group = sched.params
     elif name == "dear":
-        group = next(ps for ps in sched.params if any(q is p for q in ps))
+        group = next((ps for ps in sched.params if any(q is p for q in ps)), [])
     else:
         gi = sched._group_of[sched._index[id(p)]]
         group = [sched.params[i] for i in sched.groups[gi]]
@@ -176,9 +176,6 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
             if params[layer].requires_grad:
                 bad = float("nan") if kind == "refuse" else float("inf")
                 injected.append(params[layer].register_hook(lambda g, bad=bad: g * bad))
-        if kind == "refuse":
-            layer = int(args[1])
-            drop = members(name, sched, layer, params) if params[layer].requires_grad else []
         try:
             opt.zero_grad()
             micro = 2 if kind == "accumulate" else 1
@@ -204,6 +201,8 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
         finally:
             for h in injected:
                 h.remove()
+        if kind == "refuse" and params[int(args[1])].requires_grad:  # the layout this step used
+            drop = members(name, sched, int(args[1]), params)
         if scaler is not None:
             scales.append(float(scaler.get_scale()))
         fold(drop)

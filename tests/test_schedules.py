@@ -550,9 +550,10 @@ def test_dear_gathers_in_the_next_forward(algorithm, halves, monkeypatch):
     assert all(split == halves and (sent > 0) == halves for split, sent in seconds)
 
 
-def test_dear_raises_a_failed_call_once_in_the_forward_that_needs_it_and_goes_on():
-    # step() does not wait for the first halves, so a refused call (NaN gradients) is raised by
-    # the next forward's pre-hook: once, after the other groups' updates; then training goes on.
+def test_dear_raises_a_failed_call_once_at_the_next_step_and_goes_on():
+    # step() does not wait for the first halves, so a refused call (NaN gradients) is found by
+    # the next forward's first update: that step applies nothing, and the error is raised once,
+    # by the next step(), after that batch's forward and backward went on; then training goes on.
     from sparsecomm.schedules import DeAR
 
     def body(rank: int):
@@ -566,9 +567,11 @@ def test_dear_raises_a_failed_call_once_in_the_forward_that_needs_it_and_goes_on
         (loss * (float("nan") if rank == 1 else 1.0)).backward()  # one rank's gradients are NaN
         sched.step()  # returns: the refusal is on the engine's thread
         before = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(sparsecomm.InputError, match="NaN|Inf|finite"):
-            _loss(model, rank, 3)
+        opt.zero_grad()
+        _loss(model, rank, 3).backward()  # the forward finds the refusal, applies nothing, goes on
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        with pytest.raises(sparsecomm.InputError, match="NaN|Inf|finite"):
+            sched.step()
         sched.synchronize()  # nothing left to raise
         _train(model, opt, sched, rank, 2)
         sched.synchronize()

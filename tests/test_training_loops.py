@@ -240,9 +240,7 @@ def test_training_loop_property_in_the_simulated_world(name, seed):
 
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="open: DeAR resumed from a checkpoint leaves the uninterrupted run on this "
-    "sequence (as in OPEN below)")) if n == "dear" else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_training_loop_property_on_gloo(name):
     _check_property(engines.run_gloo(3, loop_cases.property_case, name, "oktopk", 100), 3, name)
 
@@ -255,17 +253,3 @@ def test_training_loop_property_on_mpi():
     for name in NAMES:
         _check_property([o[name] for o in out], 3, name)
 
-
-# Seeds the property finds still failing (12 seeds per schedule drawn): Pipe-SGD loses
-# conservation on two sequences mixing refusals, aborted batches and freezing, and one DeAR
-# sequence resumed from a checkpoint leaves the uninterrupted run. Strict: fixing one fails here.
-OPEN = [("dear", 4), ("pipesgd", 4), ("pipesgd", 7)]
-
-
-@pytest.mark.xfail(strict=True, reason="open: see the OPEN list above")
-@pytest.mark.parametrize("name,seed", OPEN)
-def test_training_loop_property_open_cases(name, seed):
-    P = 2 + seed % 2
-    results = sparsecomm.simulate(P, lambda r: loop_cases.property_case(r, P, name, "oktopk", seed),
-                                  timeout=120).results
-    _check_property(results, P, name)

@@ -55,7 +55,8 @@ Training-loop rules (README, Guarantees; the same in every schedule):
 * A refused call (``InputError``, on every rank alike) is found at the next
   forward's first update (the first phases have all run by then): that
   step applies nothing, the other groups' results are carried to the next
-  step, and the error is raised there, once.
+  step, and the error is raised by the next ``step()`` (or ``synchronize()``),
+  once; the forward and backward in between go on.
 * A backward that raised is noticed at the next forward: the groups it
   started are finished and carried.
 * ``no_sync()`` accumulates backwards locally; the next backward reduces the sum.
@@ -140,6 +141,7 @@ class DeAR(Schedule):
         self.states: list[Any] = []
         self._pending = False  # second phases queued whose updates wait for their forward
         self._verdict: bool | None = True  # None: the pending step is not yet decided (see _decide)
+        self._refused: Exception | None = None  # a refused step's error, for the next step() to raise
         self._failed: Exception | None = None  # the first failed call found while updating
         self.trials: list[tuple[int, float]] = []  # (buffer bytes, seconds per step) of each trial
         self._tune = None
@@ -310,6 +312,9 @@ class DeAR(Schedule):
             if self._tune is not None:
                 self._tune.after_step()
         finally:
+            if self._refused is not None:  # the last step's refusal, found in this forward
+                error, self._refused = self._refused, None
+                raise error
             if changed is not None:  # raised last, so every rank made the same calls
                 raise changed
 
@@ -324,10 +329,7 @@ class DeAR(Schedule):
         for the optimizer's call and put back; a failure is raised by the next update.
         """
         if self._verdict is None:
-            try:
-                self._decide()
-            except InputError as exc:  # not inside backward: raised by the next update or synchronize()
-                self._failed = self._failed or exc
+            self._decide()
             if self._second[gi] is None:  # carried by a refused step
                 return
         params = self.params[gi]
@@ -406,7 +408,9 @@ class DeAR(Schedule):
         error = errors[0]
         error.args = (f"{error.args[0]} (DeAR: the step applies nothing; what other groups reduced is carried "
                       "to the next step)",) + error.args[1:]
-        raise error
+        # Raised by the next step() (or synchronize()), not here in a forward: that batch's forward
+        # and backward go on, so its gradient is taken like any other.
+        self._refused = error
 
     def _scaler_update(self, skipped: bool) -> None:
         """What ``GradScaler.update`` does after a step, for the step DeAR applied or skipped."""
@@ -473,6 +477,9 @@ class DeAR(Schedule):
         if self._failed is not None:  # found by a catch-up (see _catch_up) with nothing left to update
             error, self._failed = self._failed, None
             raise error
+        if self._refused is not None:
+            error, self._refused = self._refused, None
+            raise error
 
     def finish(self) -> None:
         """Apply every pending update (:meth:`synchronize`), after recovering from a backward that raised."""
@@ -501,7 +508,10 @@ class DeAR(Schedule):
         Every rank whose backward raised at the same point started the same ones. Last step's
         updates (if still pending) go in first, as they would have.
         """
-        self.synchronize()
+        try:
+            self.synchronize()
+        except InputError as exc:  # last step's refusal: still for the next step() to raise
+            self._refused = exc
         started = [gi for gi in range(self._next + 1, len(self.groups)) if self._first[gi] is not None]
         for gi in started:
             self._start_second(gi)
@@ -522,6 +532,7 @@ class DeAR(Schedule):
         scaler's bookkeeping: with nothing pending (``synchronize()`` first)."""
         if self._pending or self._arrived:
             raise ScheduleError("DeAR.state_dict: updates are pending; call synchronize() first")
+        self._at_forward()  # follow the layers frozen since, as the next forward would
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "DeAR", "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "buffer_bytes": self.buffer_bytes, "states": [snapshot(st) for st in self.states],

@@ -198,7 +198,13 @@ class PipeSGD(Schedule):
 
     def step(self) -> None:
         """After backward: start this step's allreduce, then update with the previous step's result."""
-        self._follow_trainable()
+        try:
+            self._follow_trainable()
+        except InputError as exc:  # the last step's call, refused: this step's gradient still goes
+            self._follow_scale()
+            self._pending, self._ready = self._submit(), None
+            self.step_count += 1
+            raise exc
         self._follow_scale()
         if self.step_count < self.warmup_steps:
             job = self._submit()
@@ -229,9 +235,15 @@ class PipeSGD(Schedule):
         grads = [p.grad for p in self._all]
         for p in self._all:
             p.grad = None
-        self.synchronize()
-        for p, g in zip(self._all, grads):
-            p.grad = g
+        try:
+            self.synchronize()  # a refusal is raised by step() once this step's job is submitted
+        finally:
+            for p, g in zip(self._all, grads):
+                p.grad = g
+            self._rebuild(flags)
+
+    def _rebuild(self, flags: tuple) -> None:
+        """The buffers and the state over the layers ``flags`` marks trainable."""
         residuals = dict(self._parked)
         r, offset = getattr(self.state, "residual", None), 0
         for p in self.params:
@@ -255,6 +267,10 @@ class PipeSGD(Schedule):
     def state_dict(self) -> dict:
         """Step count, the algorithm state and the aggregated gradient in flight (waited for; a
         refused one is saved as nothing in flight, and still raised by this run's next step)."""
+        try:
+            self._follow_trainable()  # the layers frozen since, as the next step() would
+        except InputError:
+            pass  # the refused call in flight: nothing to save, and this run's next step() goes on
         job = self._pending
         try:
             pending = self._previous()

@@ -454,8 +454,7 @@ class GroupSchedule(Schedule):
     def state_dict(self) -> dict:
         """Groups, per-group algorithm states (residuals, thresholds), parked residuals, carried
         results and the loss scale seen: between steps (after ``step()``), never mid-step."""
-        if self._aborted():
-            self._recover()
+        self._before_forward()  # recover, and follow the layers frozen since: what the next step would do
         if self._jobs or self._ready_at:
             raise ScheduleError(f"{type(self).__name__}.state_dict: a step is under way; call it after step()")
         index = {id(p): i for i, p in enumerate(self._all)}
