@@ -23,6 +23,26 @@ def test_engine_jobs_equal_synchronous_calls(P):
     cases.check_engine_cases(sparsecomm.simulate(P, lambda r: cases.engine_cases(r, P), timeout=60).results)
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_jobs_future_waits_without_holding_the_simulated_ranks_turn(refused):
+    # job.future.wait() (what a DDP hook's caller does) must let the peers run, as job.wait() does.
+    def body(rank: int):
+        engine = Engine()
+        t = torch.full((100,), float("nan") if refused and rank == 1 else 1.0)
+        job = engine.submit(t, algorithm="dense", density=1.0)
+        try:
+            out = job.future.wait()
+        except InputError as exc:
+            out = type(exc).__name__
+        engine.close()
+        return out if isinstance(out, str) else float(out[0])
+
+    t0 = time.monotonic()
+    results = sparsecomm.simulate(3, body, timeout=20).results
+    assert time.monotonic() - t0 < 10
+    assert results == (["NonFiniteError"] * 3 if refused else [3.0] * 3)
+
+
 def test_a_dead_peer_breaks_the_engine_with_a_timeout_not_a_hang():
     def body(rank: int):
         engine = Engine()

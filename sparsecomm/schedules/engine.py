@@ -131,6 +131,20 @@ def second_backward(what: str) -> ScheduleError:
         "out. Call step() after every backward, or use PipeSGD, which reduces what step() finds.")
 
 
+class _Future(torch.futures.Future):
+    """A job's ``torch.futures.Future`` whose ``wait()`` lets the simulated world's other ranks run
+    meanwhile, as :meth:`Job.wait` does (a plain wait kept this rank's turn, so the job's peers
+    could not run and the wait lasted the whole timeout)."""
+
+    def __init__(self, idle: Callable[[], Any]) -> None:
+        super().__init__()
+        self._idle = idle
+
+    def wait(self) -> Any:
+        with self._idle():
+            return super().wait()
+
+
 class Job:
     """A submitted allreduce: ``wait()`` returns its result or raises its error.
 
@@ -141,7 +155,7 @@ class Job:
 
     def __init__(self, name: str, idle: Callable[[], Any], timeout: float) -> None:
         self.name = name
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.future: torch.futures.Future = _Future(idle)
         self._done = threading.Event()
         self._idle, self._timeout = idle, timeout
         self._result: Any = None
