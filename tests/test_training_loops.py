@@ -253,3 +253,32 @@ def test_training_loop_property_on_mpi():
     for name in NAMES:
         _check_property([o[name] for o in out], 3, name)
 
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_disabled_scaler_is_no_scaler(name):
+    # GradScaler(enabled=False), the usual fp32 switch, must not turn a refusal into an Inf step.
+    def body(rank: int):
+        net = loop_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        sched = SCHEDULES[name](net, opt, scaler=scaler, **loop_cases.options(name, "dense"))
+        caught = None
+        for step in range(3):
+            opt.zero_grad()
+            x, y = loop_cases.batch(rank, step)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            try:
+                (loss * (float("nan") if step == 1 and rank == 0 else 1.0)).backward()
+                sched.step()
+            except sparsecomm.NonFiniteError as exc:
+                caught = caught or f"{step} {type(exc).__name__}"
+        try:
+            sched.finish()
+        except sparsecomm.NonFiniteError as exc:
+            caught = caught or f"end {type(exc).__name__}"
+        sched.close()
+        return caught, all(bool(torch.isfinite(p).all()) for p in net.parameters())
+
+    for caught, finite in sparsecomm.simulate(2, body, timeout=30).results:
+        assert caught is not None and finite, (caught, finite)

@@ -28,7 +28,7 @@ from ..api import allreduce
 from ..errors import InputError
 
 __all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "optimizer_size", "layer_settings", "check_layers",
-           "state_settings", "adopt_states", "refused_job", "snapshot"]
+           "state_settings", "adopt_states", "refused_job", "snapshot", "active_scaler"]
 
 
 class Schedule:
@@ -152,6 +152,14 @@ class Carry:
 
     def load(self, saved: dict[int, torch.Tensor], params: list[torch.nn.Parameter]) -> None:
         self.values = {id(params[i]): v.clone().to(params[i].device) for i, v in saved.items()}
+
+
+def active_scaler(scaler: Any) -> Any:
+    """``scaler`` where it scales, else None: a disabled ``GradScaler`` (``enabled=False``, the usual
+    switch for an fp32 run) steps the optimizer as it is, so the schedule behaves as without one."""
+    if scaler is not None and not callable(getattr(scaler, "is_enabled", None)):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+    return scaler if scaler is not None and scaler.is_enabled() else None
 
 
 class LossScale:

@@ -80,8 +80,8 @@ import torch
 from .. import registry
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings, refused_job,
-                   snapshot)
+from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
+                   layer_settings, refused_job, snapshot)
 from .engine import Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward, write_grads
 
 __all__ = ["DeAR"]
@@ -127,7 +127,8 @@ class DeAR(Schedule):
         if not any(self._flags):
             raise ValueError("the model has no trainable parameters")
         check_optimizer(optimizer, model, "DeAR")
-        self.scaler, self._scale = scaler, LossScale(scaler)
+        self.scaler = active_scaler(scaler)
+        self._scale = LossScale(self.scaler)
         self._step_scale = 1.0  # the loss scale of the backward whose updates are pending
         self._good_steps = 0  # steps applied in a row (the scaler's growth)
         self._carry = Carry()  # unscaled: DeAR unscales as it applies

@@ -42,8 +42,9 @@ nothing). With ``scaler=``, Pipe-SGD drives the scaler (the loop is
 ``scaler.scale(loss).backward(); sched.step()``: it calls ``scaler.step`` and
 ``scaler.update`` for each update it applies, as its first step applies
 none); a NaN/Inf refusal makes the gradients Inf for ``scaler.step`` to skip
-the update, and the residual and a result in flight follow the scale. Freezing or unfreezing a layer is seen at ``step()``: the
-gradient in flight is applied first, then the buffers and the state are
+the update, and the residual and a result in flight follow the scale.
+Freezing or unfreezing a layer is seen at ``step()``: the gradient in
+flight is applied first, then the buffers and the state are
 rebuilt over the trainable layers (residuals move with their layers).
 """
 
@@ -55,8 +56,8 @@ import torch
 
 from .. import registry
 from ..errors import InputError, NonFiniteError
-from .base import (LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings, optimizer_size,
-                   refused_job, snapshot)
+from .base import (LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer, layer_settings,
+                   optimizer_size, refused_job, snapshot)
 from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
@@ -98,7 +99,8 @@ class PipeSGD(Schedule):
         self.state = self._spec.state_class(density, **self._kwargs)
         self.density = density
         self.options = {"state": self.state, "op": op, "compressor": compressor}
-        self.scaler, self._scale = scaler, LossScale(scaler)
+        self.scaler = active_scaler(scaler)
+        self._scale = LossScale(self.scaler)
         self._accumulating = False
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
         self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter

@@ -58,8 +58,8 @@ from .. import registry
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, adopt_states, check_layers, check_optimizer, layer_settings,
-                   optimizer_size, refused_job, snapshot)
+from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
+                   layer_settings, optimizer_size, refused_job, snapshot)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
@@ -106,7 +106,8 @@ class GroupSchedule(Schedule):
         if algorithm != "dense":
             self._state_kwargs.setdefault("error_feedback", error_feedback)
         self.spec.state_class(density, **self._state_kwargs)  # validate now
-        self.scaler, self._scale = scaler, LossScale(scaler)
+        self.scaler = active_scaler(scaler)
+        self._scale = LossScale(self.scaler)
         self._carry = Carry()
         self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
         self._accumulating = False  # inside no_sync()
