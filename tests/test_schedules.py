@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -111,6 +112,46 @@ def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algori
     groups = len(list(_model().parameters())) if cls is WFBP else 1
     assert len(gathered_in_place) == P * STEPS * groups
     assert sum(gathered_in_place) == (0 if set_to_none else P * (STEPS - 1) * groups)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("cls", [WFBP, SyncEASGD])
+def test_accumulated_micro_batches_equal_the_synchronous_calls_on_their_sum(cls, set_to_none):
+    # Two micro-batches a step, the first under no_sync(): bit for bit what accumulating both
+    # locally and then reducing each group synchronously (one sparsecomm.allreduce) gives.
+    def accumulate(model, opt, rank, step, sched=None):
+        opt.zero_grad(set_to_none=set_to_none)
+        with sched.no_sync() if sched is not None else contextlib.nullcontext():
+            _loss(model, rank, 2 * step).backward()
+        _loss(model, rank, 2 * step + 1).backward()
+
+    def body(rank: int):
+        model = _model()
+        opt = _optimizer("sgd", model.parameters())
+        sched = cls(model, opt, algorithm="oktopk", density=0.05)
+        for step in range(STEPS):
+            accumulate(model, opt, rank, step, sched)
+            sched.step()
+        groups = [list(g) for g in sched.groups]
+        sched.close()
+        got = [p.detach().clone() for p in model.parameters()]
+        ref = _model()
+        ropt = _optimizer("sgd", ref.parameters())
+        params = list(ref.parameters())
+        states = [sparsecomm.registry.get("oktopk").state_class(0.05, error_feedback=True) for _ in groups]
+        for step in range(STEPS):
+            accumulate(ref, ropt, rank, step)
+            for g, st in zip(groups, states):
+                layers = sorted(g, reverse=True)
+                out = sparsecomm.allreduce(torch.cat([params[i].grad.reshape(-1) for i in layers]), state=st, op="avg")
+                offset = 0
+                for i in layers:
+                    params[i].grad.copy_(out[offset:offset + params[i].numel()].view_as(params[i]))
+                    offset += params[i].numel()
+            ropt.step()
+        return all(torch.equal(a, b.detach()) for a, b in zip(got, params))
+
+    assert sparsecomm.simulate(3, body, timeout=60).results == [True] * 3
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
