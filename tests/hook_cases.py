@@ -389,7 +389,7 @@ def property_loop(rank: int, size: int, seed: int, steps: int = 9, lr: float = 0
     for name, restarts in (("straight", []), ("restarted", case["restarts"])):
         model, state, opt, rec = build()
         first = [p.detach().clone() for p in model.parameters()]
-        history, fed, errors, hook_step = [], None, [], 0
+        history, fed, errors = [], None, []
         for step, kind in enumerate(case["plan"]):
             if kind != "skip":
                 handle = None
