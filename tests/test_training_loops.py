@@ -282,3 +282,39 @@ def test_a_disabled_scaler_is_no_scaler(name):
 
     for caught, finite in sparsecomm.simulate(2, body, timeout=30).results:
         assert caught is not None and finite, (caught, finite)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fp16_autocast_overflows_are_skipped_alike_and_training_goes_on(name):
+    # A real fp16 run: autocast on CPU, a loss scale far too high. The backward overflows (Inf in
+    # the float32 gradients) until the scale has dropped far enough; every rank skips the same
+    # steps, no residual holds an Inf, and the steps after train, identical on every rank.
+    def body(rank: int):
+        net = loop_cases.model().float()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=1000)
+        sched = SCHEDULES[name](net, opt, scaler=scaler, **loop_cases.options(name, "oktopk"))
+        start = [p.detach().clone() for p in net.parameters()]
+        scales = []
+        for step in range(14):
+            opt.zero_grad()
+            x, y = loop_cases.batch(rank, step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(net(x.float()), y)
+            scaler.scale(loss).backward()
+            sched.step()
+            if name not in ("dear", "pipesgd"):  # those two drive their scaler
+                scaler.update()
+            scales.append(scaler.get_scale())
+        sched.finish()
+        held = loop_cases.held(name, sched)
+        sched.close()
+        moved = any(not torch.equal(a, b) for a, b in zip(start, net.parameters()))
+        return ([p.detach().clone() for p in net.parameters()], scales, moved,
+                all(bool(torch.isfinite(h).all()) for h in held.values()))
+
+    out = sparsecomm.simulate(2, body, timeout=60).results
+    for params, scales, moved, finite in out:
+        assert scales == out[0][1] and scales[-1] < 2.0 ** 24 and moved and finite, (scales, moved, finite)
+        assert all(bool(torch.isfinite(p).all()) for p in params)
+        assert all(torch.equal(a, b) for a, b in zip(params, out[0][0]))
