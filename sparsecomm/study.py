@@ -47,10 +47,10 @@ from .state import topk_count
 __all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv",
            "plot_volume", "plot_projection", "ALGORITHMS", "BERT_ELEMENTS"]
 
-ALGORITHMS = ["dense", "topka", "gaussiank", "topkdsa", "gtopk", "oktopk"]
+ALGORITHMS = ["dense", "topka", "gaussiank", "topkdsa", "gtopk", "oktopk", "cltk"]
 # Distinct markers and dashes: TopkA and Gaussiank often coincide and must both show.
 _STYLE = {"dense": ("o", "-"), "topka": ("s", "-"), "gaussiank": ("x", "--"), "topkdsa": ("^", "-"),
-          "gtopk": ("v", "-"), "oktopk": ("D", "-")}
+          "gtopk": ("v", "-"), "oktopk": ("D", "-"), "cltk": ("P", ":")}
 BERT_ELEMENTS = 133_547_324
 WORD = 4
 
@@ -66,6 +66,10 @@ def formula_words(algorithm: str, n: int, k: int, P: int) -> tuple[float, float]
         "topkdsa": (4 * k * f, 2 * k * f + n * f),
         "gtopk": (4 * k * lg, 4 * k * lg),
         "oktopk": (2 * k * f, 6 * k * f),
+        # Not in the table: the leader's k int64 indexes (2 words each) go down a binomial tree
+        # (the leader sends them ceil(log2 P) times, every other rank receives them once), then
+        # a ring allreduce of the k values: at least the ring's, at most the leader's traffic.
+        "cltk": (2 * k * f, 2 * k * max(lg, 1 if P > 1 else 0) + 2 * k * f),
     }
     return table[algorithm]
 

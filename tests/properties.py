@@ -27,10 +27,10 @@ import torch
 
 import sparsecomm
 
-from reference import (k_of, ref_gaussian_selection, ref_gtopk, ref_oktopk, ref_sum_of_selected,
+from reference import (k_of, ref_cltk, ref_gaussian_selection, ref_gtopk, ref_oktopk, ref_sum_of_selected,
                        ref_topk)
 
-ALGORITHMS = ["oktopk", "topka", "topkdsa", "gtopk", "gaussiank", "dense"]
+ALGORITHMS = ["oktopk", "topka", "topkdsa", "gtopk", "gaussiank", "cltk", "dense"]
 # Exact on the small integers the cases use: results can be compared bit for bit.
 EXACT_COMPRESSORS = [None, "fp16", "bf16", "trunc16"]
 LOSSY_COMPRESSORS = ["q8", "q4", "q8s"]
@@ -190,6 +190,8 @@ def reference(case: Case) -> torch.Tensor | None:
         out = ref_sum_of_selected(grads, [ref_gaussian_selection(g, case.density) for g in grads])
     elif case.algorithm == "gtopk":
         out = ref_gtopk(grads, case.density)
+    elif case.algorithm == "cltk":
+        out = ref_cltk(grads, case.density, 0)  # a stateless call is its state's first: rank 0 leads
     else:
         out = sum(grads)
     out = out.to(torch.float64)

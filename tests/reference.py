@@ -46,6 +46,20 @@ def ref_oktopk(grads: list[torch.Tensor], density: float) -> torch.Tensor:
     return out.reshape(grads[0].shape)
 
 
+def ref_cltk(grads: list[torch.Tensor], density: float, leader: int) -> torch.Tensor:
+    """CLT-k: every rank's values summed at the leader's k largest |value|, ties (zeros too,
+    when fewer than k are nonzero) to the lower index; zero elsewhere. Float32 sums."""
+    n = grads[0].numel()
+    k = k_of(density, n)
+    lead = grads[leader].reshape(-1).to(torch.float64).numpy()
+    order = np.lexsort((np.arange(n), -np.abs(lead)))
+    idx = torch.from_numpy(np.sort(order[:k]).astype(np.int64))
+    total = torch.zeros(n, dtype=torch.float32)
+    for g in grads:
+        total[idx] += g.reshape(-1).float()[idx]
+    return total.to(grads[0].dtype).reshape(grads[0].shape)
+
+
 def ref_local_topk(g: torch.Tensor, density: float) -> torch.Tensor:
     flat = g.reshape(-1).to(torch.float64)
     return torch.from_numpy(ref_topk(flat.numpy(), k_of(density, flat.numel())))

@@ -1,4 +1,4 @@
-"""TopkA, TopkDSA, gTopk, Gaussiank and Dense against their reference semantics."""
+"""TopkA, TopkDSA, gTopk, Gaussiank, CLT-k and Dense against their reference semantics."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 import sparsecomm
 
-from reference import k_of, ref_gaussian_selection, ref_gtopk, ref_sum_of_selected, ref_topk
+from reference import k_of, ref_cltk, ref_gaussian_selection, ref_gtopk, ref_sum_of_selected, ref_topk
 
-SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank"]
+SPARSE = ["topka", "topkdsa", "gtopk", "gaussiank", "cltk"]
 
 
 def run(algorithm, grads, density, **kw):
@@ -29,6 +29,40 @@ def test_topka_is_the_sum_of_every_local_topk(P):
     expected = ref_sum_of_selected(grads, [torch.from_numpy(ref_topk(g.numpy(), k_of(0.02, 3001))) for g in grads])
     for out in res:
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,density,levels", [(3001, 0.02, 20), (401, 1 / 401, 3), (401, 1.0, 3), (500, 0.3, 1)])
+def test_cltk_sums_every_rank_at_the_leaders_topk(P, n, density, levels):
+    # Small integers (ties everywhere; levels=1: mostly zeros, fewer nonzero than k), k = 1 and
+    # k = n; the leader rotates: call c is led by rank c mod P. Every rank, bit for bit.
+    calls = P + 1
+    grads = [int_grads(P, n, 10 * c + P, levels) for c in range(calls)]
+
+    def body(rank):
+        st = sparsecomm.registry.get("cltk").state_class(density, error_feedback=False)
+        return [sparsecomm.allreduce(grads[c][rank], state=st).clone() for c in range(calls)]
+
+    res = sparsecomm.simulate(P, body, timeout=30).results
+    for c in range(calls):
+        expected = ref_cltk(grads[c], density, c % P)
+        for out in res:
+            assert torch.equal(out[c], expected), (c, P)
+
+
+def test_cltk_sends_k_indexes_once_and_k_values_in_one_allreduce():
+    # O(k) volume with fixed sizes: a binomial broadcast of k int64 indexes from the leader
+    # (P - 1 messages), then a ring allreduce of k float32 values (2 (P - 1) / P of them sent
+    # per rank); no counts agreed. check=False: the collective input check is not the algorithm's.
+    n, density, P = 10_000, 0.01, 4
+    k = k_of(density, n)
+
+    def body(rank):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        sparsecomm.allreduce(g, density, algorithm="cltk", check=False)
+
+    stats = sparsecomm.simulate(P, body, timeout=30).stats
+    assert sum(s["bytes_sent"] for s in stats) == (P - 1) * 8 * k + 2 * (P - 1) * 4 * k
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 8])

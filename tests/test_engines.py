@@ -63,7 +63,8 @@ def compare_with_simulation(real, simulated):
     for rank in range(P):
         assert real[rank].keys() == simulated[rank].keys()
         for name, value in real[rank].items():
-            if name == "dense":
+            if name == "dense" or (name.startswith("cltk/") and not name.endswith("residual")):
+                # The backend's own allreduce sums (CLT-k's k values too): in its order, not the sim's.
                 torch.testing.assert_close(value, simulated[rank][name], rtol=1e-5, atol=1e-5)
             else:
                 assert torch.equal(value, simulated[rank][name]), f"{name} differs on rank {rank}"

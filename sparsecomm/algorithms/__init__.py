@@ -1,5 +1,6 @@
 """Sparse allreduce algorithms, one per module; importing this package registers them."""
 
+from .cltk import CltkState, cltk
 from .dense import DenseState, dense
 from .gaussiank import GaussiankState, gaussiank
 from .gtopk import GTopkState, gtopk
@@ -8,4 +9,4 @@ from .topka import TopkAState, topka
 from .topkdsa import TopkDSAState, topkdsa
 
 __all__ = ["OkTopkState", "oktopk", "TopkAState", "topka", "TopkDSAState", "topkdsa",
-           "GTopkState", "gtopk", "GaussiankState", "gaussiank", "DenseState", "dense"]
+           "GTopkState", "gtopk", "GaussiankState", "gaussiank", "DenseState", "dense", "CltkState", "cltk"]
