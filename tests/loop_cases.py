@@ -118,9 +118,11 @@ def held(name: str, sched) -> dict[int, torch.Tensor]:
     return out
 
 
-def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str], scaler_scale: float | None = None):
+def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str], scaler_scale: float | None = None,
+             growth_interval: int = 2000):
     """Train through ``events`` (see the module docstring); the conservation terms and parameters."""
-    scaler = None if scaler_scale is None else torch.amp.GradScaler("cpu", init_scale=scaler_scale)
+    scaler = None if scaler_scale is None else torch.amp.GradScaler("cpu", init_scale=scaler_scale,
+                                                                      growth_interval=growth_interval)
     net, opt, sched = build(name, algorithm, scaler)
     start = [p.detach().clone() for p in net.parameters()]
     n = len(start)

@@ -166,6 +166,21 @@ def test_a_loss_scaler_skips_an_overflowing_step_on_every_rank(name):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_moving_loss_scale_changes_nothing(name):
+    # Residuals, parked residuals, carried results and results in flight are in the scaler's
+    # units: a scale that doubles every step (powers of two: exact in float64) must give the
+    # bits of one that never moves, through freezing, thawing, a refusal, an aborted batch, a
+    # restart and finish(). (TopkA: Ok-Topk's reused thresholds do not follow the scale.)
+    events = ["plain", "plain", "freeze", "plain", "refuse 1 3", "thaw", "plain", "abort", "plain", "restart",
+              "plain", "plain"]
+    runs = [run(2, name, "topka", events, scaler_scale=2.0 ** 8, growth_interval=g) for g in (1, 10 ** 6)]
+    assert runs[0][0]["scales"][-1] > runs[1][0]["scales"][-1]  # the scale did move in the first
+    for moving, still in zip(*runs):
+        for a, b in zip(moving["params"], still["params"]):
+            assert torch.equal(a, b)
+
+
 def test_pipesgd_keeps_the_job_submitted_with_a_refused_one():
     # Step t's job was submitted before step t-1's error was raised: it is applied at t+1.
     out = run(2, "pipesgd", "dense", ["plain", "refuse 0 0", "plain", "plain"])
@@ -318,3 +333,73 @@ def test_fp16_autocast_overflows_are_skipped_alike_and_training_goes_on(name):
         assert scales == out[0][1] and scales[-1] < 2.0 ** 24 and moved and finite, (scales, moved, finite)
         assert all(bool(torch.isfinite(p).all()) for p in params)
         assert all(torch.equal(a, b) for a, b in zip(params, out[0][0]))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two blocks under reentrant activation checkpointing; ``shared``: the same block twice."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        net = loop_cases.model()
+        self.inp, self.b1, self.out = net[0], net[2], net[4]
+        self.b2 = self.b1 if shared else torch.nn.Linear(12, 12).double()
+        if not shared:
+            self.b2.load_state_dict(self.b1.state_dict())
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.inp(x))
+        h = checkpoint(lambda t: torch.relu(self.b1(t)), h, use_reentrant=True)
+        h = checkpoint(lambda t: torch.relu(self.b2(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reentrant_checkpoints_reduce_once_and_a_weight_they_share_is_refused_loudly(name):
+    # Reentrant checkpoints run inner backwards: a schedule must reduce each gradient once. A
+    # weight shared by two of them gets its gradient twice in one backward; a schedule whose
+    # calls start in backward refuses it (it took that gradient for an aborted backward's and
+    # applied twice), Pipe-SGD reduces what step() finds and takes it.
+    def body(rank: int, shared: bool):
+        net = _Checkpointed(shared)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = SCHEDULES[name](net, opt, **loop_cases.options(name, "dense"))
+        try:
+            for step in range(2):
+                opt.zero_grad()
+                x, y = loop_cases.batch(rank, step)
+                torch.nn.functional.cross_entropy(net(x.requires_grad_()), y).backward()
+                sched.step()
+            sched.finish()
+        except sparsecomm.ScheduleError as exc:
+            return str(exc)
+        finally:
+            sched.close()
+        return [p.detach().clone() for p in net.parameters()]
+
+    def plain(rank: int):  # the same steps, gradients averaged by hand
+        net = _Checkpointed(False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(2):
+            opt.zero_grad()
+            x, y = loop_cases.batch(rank, step)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            for p in net.parameters():
+                p.grad = sparsecomm.allreduce(p.grad, algorithm="dense", op="avg")
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    got = sparsecomm.simulate(2, lambda r: body(r, False), timeout=30).results
+    want = sparsecomm.simulate(2, plain, timeout=30).results
+    lagged = name in ("dear", "pipesgd")  # their updates come a step late: compare what finish() left
+    for g, w in zip(got, want):
+        assert not isinstance(g, str), g
+        if not lagged:
+            for a, b in zip(g, w):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    shared = sparsecomm.simulate(2, lambda r: body(r, True), timeout=30).results
+    if name == "pipesgd":
+        assert all(not isinstance(s, str) for s in shared)
+    else:
+        assert all(isinstance(s, str) and "twice in one backward" in s for s in shared), shared

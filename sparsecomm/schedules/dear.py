@@ -129,7 +129,9 @@ class DeAR(Schedule):
         check_optimizer(optimizer, model, "DeAR")
         self.scaler = active_scaler(scaler)
         self._scale = LossScale(self.scaler)
-        self._step_scale = 1.0  # the loss scale of the backward whose updates are pending
+        self._step_scale = 1.0  # the loss scale of the last backward
+        self._pending_scale = 1.0  # the loss scale of the step whose updates are pending
+        self._forwarded = False  # the model's forward ran since this backward's first gradient
         self._good_steps = 0  # steps applied in a row (the scaler's growth)
         self._carry = Carry()  # unscaled: DeAR unscales as it applies
         self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
@@ -162,8 +164,11 @@ class DeAR(Schedule):
         if self._pending:
             raise RuntimeError("DeAR.regroup: updates are pending; call synchronize() first")
         residuals, self._parked = dict(self._parked), {}
-        for ps, st in zip(self.params, self.states):
+        for gi, (ps, st) in enumerate(zip(self.params, self.states)):
             r, offset = getattr(st, "residual", None), 0
+            held, now = (self._group_scale[gi], self._scale.value) if self.scaler is not None else (None, None)
+            if r is not None and held is not None and now is not None and held != now:
+                r = r * (now / held)  # every residual moves (and is parked) in the current scale
             for p in ps:
                 if r is not None:
                     residuals[id(p)] = r[offset:offset + p.numel()].clone()
@@ -228,12 +233,19 @@ class DeAR(Schedule):
         if id(p) in self._arrived:
             if self._ended:
                 raise second_backward("DeAR")
+            if not self._forwarded:  # no forward since: a second gradient within one backward
+                raise ScheduleError(
+                    f"DeAR: a parameter (shape {tuple(p.shape)}) got its gradient twice in one backward (a "
+                    "weight shared by two reentrant checkpoints?); its group's first phase had started from "
+                    "the first. Use torch.utils.checkpoint(..., use_reentrant=False).")
             self._recover()  # the backward that delivered it raised
         if not self._arrived:  # the first gradient of a backward
-            self._ended = False
+            self._ended, self._forwarded = False, False
             if self.scaler is not None:
-                self._scale.moved()
+                ratio = self._scale.moved()
                 self._step_scale = self._scale.value
+                for r in self._parked.values():  # parked residuals are kept in the current scale
+                    r.mul_(ratio or 1.0)
         if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
             self._queued = True
             at_backward_end(self._backward_ended)
@@ -308,6 +320,7 @@ class DeAR(Schedule):
             if self._second[gi] is None:
                 self._start_second(gi)
         self._pending, self._verdict = True, None  # decided at the first update (see _decide)
+        self._pending_scale = self._step_scale
         self._reset_backward()
         try:
             if self._tune is not None:
@@ -401,7 +414,7 @@ class DeAR(Schedule):
                 continue
             flat = self._take(gi)  # its .grad is the user's to clear (zero_grad), or this backward's
             if flat is not None:
-                self._carry.keep(self.params[gi], flat / self._step_scale if self.scaler is not None else flat)
+                self._carry.keep(self.params[gi], flat / self._pending_scale if self.scaler is not None else flat)
         self._failed = None  # the refused calls' own errors: handled here
         if self.scaler is not None and all(isinstance(e, NonFiniteError) for e in errors):
             self._scaler_update(skipped=True)
@@ -417,7 +430,7 @@ class DeAR(Schedule):
         """What ``GradScaler.update`` does after a step, for the step DeAR applied or skipped."""
         if self.scaler is None or not self.scaler.is_enabled():
             return
-        scale = self._step_scale
+        scale = self._pending_scale
         if skipped:
             self._good_steps, scale = 0, scale * self.scaler.get_backoff_factor()
         else:
@@ -446,7 +459,7 @@ class DeAR(Schedule):
             write_grads(self.params[gi], flat)
             if self.scaler is not None:  # unscaled as applied (DeAR drives the scaler)
                 for p in self.params[gi]:
-                    p.grad.div_(self._step_scale)
+                    p.grad.div_(self._pending_scale)
             self._carry.add_into(self.params[gi])
             self._step_only(self.params[gi])
         for p in self.params[gi]:  # the backward about to run accumulates afresh
@@ -492,6 +505,7 @@ class DeAR(Schedule):
     def _at_forward(self) -> None:
         """At each forward, before any group's update: recover from a backward that raised, and
         follow layers frozen or unfrozen."""
+        self._forwarded = True
         if self._arrived and not self._ended and not self._accumulating:
             self._recover()
         flags = tuple(p.requires_grad for p in self._all)

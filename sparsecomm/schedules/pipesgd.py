@@ -200,14 +200,13 @@ class PipeSGD(Schedule):
 
     def step(self) -> None:
         """After backward: start this step's allreduce, then update with the previous step's result."""
+        self._follow_scale()  # first: what is in flight is in the last step's scale
         try:
             self._follow_trainable()
         except InputError as exc:  # the last step's call, refused: this step's gradient still goes
-            self._follow_scale()
             self._pending, self._ready = self._submit(), None
             self.step_count += 1
             raise exc
-        self._follow_scale()
         if self.step_count < self.warmup_steps:
             job = self._submit()
             self.step_count += 1
@@ -222,6 +221,7 @@ class PipeSGD(Schedule):
 
     def synchronize(self) -> None:
         """Apply the gradient still in flight (the last step's), if any."""
+        self._follow_scale()  # the scaler unscales by its scale now: the result in flight follows it
         self._apply_previous(self._previous)
 
     flush = finish = synchronize

@@ -111,6 +111,7 @@ class GroupSchedule(Schedule):
         self._carry = Carry()
         self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
         self._accumulating = False  # inside no_sync()
+        self._forwarded = False  # the model's forward ran since this backward's first gradient
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-schedule")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.set_groups(groups if groups is not None else self._default_groups())
@@ -192,6 +193,7 @@ class GroupSchedule(Schedule):
     # ---- between steps ---------------------------------------------------------------
     def _before_forward(self) -> None:
         """At each forward: recover from a backward that raised, follow frozen/unfrozen layers."""
+        self._forwarded = True
         if self._aborted():
             self._recover()
         flags = tuple(p.requires_grad for p in self._all)
@@ -209,6 +211,9 @@ class GroupSchedule(Schedule):
         Every rank whose backward raised at the same point (a batch skipped on every rank)
         started the same groups, so these calls complete; their residuals were debited, so
         their results go to the next step. A refused one is dropped, like its batch.
+        Noticed at the next forward of the model (or ``finish()``): a job started in the
+        failed backward may still be reading gradients in place, so a loop that zeroes them
+        in place (``zero_grad(set_to_none=False)``) calls ``finish()`` first.
         """
         for gi, job in enumerate(self._jobs):
             try:
@@ -261,7 +266,15 @@ class GroupSchedule(Schedule):
         if i in self._ready_at:
             if self._seen is not None:
                 raise second_backward(type(self).__name__)
+            if not self._forwarded:  # no forward since: a second gradient within one backward
+                raise ScheduleError(
+                    f"{type(self).__name__}: a parameter (shape {tuple(p.shape)}) got its gradient twice in one "
+                    "backward (a weight shared by two reentrant checkpoints?); its group's allreduce had "
+                    "started from the first. Use torch.utils.checkpoint(..., use_reentrant=False), or "
+                    "PipeSGD, which reduces what step() finds.")
             self._recover()  # the backward that delivered it raised (see _aborted)
+        if not self._ready_at:  # the first gradient of a backward
+            self._forwarded = False
         self._synchronized = False
         now = time.perf_counter()
         if self._t0 is None:
