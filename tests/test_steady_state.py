@@ -70,8 +70,9 @@ def test_out_zeroed_by_the_fused_pass_holds_exactly_the_result(algorithm, P, dty
 
     for same, residuals in sparsecomm.simulate(P, body).results:
         assert all(same) and residuals, same
-    # Every algorithm that selects in its accumulating pass took the zeroing path.
-    if algorithm not in ("dense", "gaussiank"):
+    # Every algorithm that selects in its accumulating pass took the zeroing path (CLT-k's
+    # selection is the leader's alone, over all n: its pass only accumulates).
+    if algorithm not in ("dense", "gaussiank", "cltk"):
         assert any(zeroing)
 
 
