@@ -58,7 +58,7 @@ def drifting(rank: int, n: int, shrink: float = 1.0, shared_scale: bool = False)
     """Successive gradients of ``rank`` under error feedback's typical workload, endlessly.
 
     1. x starts as randn(n) (seeded by ``rank``).
-    2. Each call x = 0.9 x + 0.1 randn (issue 11's slowly drifting gradient);
+    2. Each call x = 0.9 x + 0.1 randn (the slowly drifting gradient of the steady-state benchmark);
        with ``shared_scale`` it is yielded times a per-entry scale exp(randn)
        that every rank shares, and call t (from 0) is multiplied by ``shrink ** t``
        (0.97: a gradient shrinking as in early training).

@@ -21,7 +21,7 @@ N = 3001
 
 
 def _gradient(rank: int, step: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """Step ``step`` of x <- 0.9 x + 0.1 noise (issue 11's drifting workload), from x_0 = noise."""
+    """Step ``step`` of x <- 0.9 x + 0.1 noise (the steady-state benchmark's drifting workload), from x_0 = noise."""
     x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
     for s in range(1, step + 1):
         x = 0.9 * x + 0.1 * torch.randn(N, generator=torch.Generator().manual_seed(1000 * rank + s))

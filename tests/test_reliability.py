@@ -1,4 +1,4 @@
-"""Promises a hostile run found broken (issue 9), one reproducer each, plus their engine twins.
+"""Promises a hostile run found broken, one reproducer each, plus their engine twins.
 
 1. an ``op`` that differs between ranks;            5. checkpoints with torch.load's defaults;
 2. a density or state setting that differs;          6. torch.compile in a fresh process;

@@ -1,4 +1,4 @@
-"""Steady-state calls (issue 11): results into ``out=``, scratch buffers, thresholds that follow drift.
+"""Steady-state calls: results into ``out=``, scratch buffers, thresholds that follow drift.
 
 Speed itself is measured in ``benchmarks/test_steady_state.py``; these tests
 hold the behaviour the speed rests on.
