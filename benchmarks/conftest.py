@@ -10,7 +10,7 @@ Suites: ``test_allreduce.py`` (every algorithm × sizes × densities ×
 compressors), ``test_kernels.py`` (local kernels, one process),
 ``test_ddp.py`` (a DDP step with each communication hook),
 ``test_schedules.py`` (a training step under each schedule) and
-``test_steady_state.py`` (issue 11's world-size-1 floor).
+``test_steady_state.py`` (the world-size-1 floor).
 
 Every rank runs the same tests in the same order with fixed rounds (pedantic
 mode, a barrier before every round), so all ranks make the same collective

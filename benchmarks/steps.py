@@ -1,6 +1,6 @@
 """What the step suites (test_ddp.py, test_schedules.py) share: models, data and the timing.
 
-Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, issue 11's 5000 -> 5000 -> 10
+Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, the steady-state benchmark's 5000 -> 5000 -> 10
 (25M parameters, one big layer); ``deep``, 12 x Linear(1024, 1024) + ReLU and
 a classifier (12.6M parameters in 26 tensors: backward to overlap with);
 ``cnn``, a ResNet-18-like CNN at half width on 32 x 32 images (2.8M parameters

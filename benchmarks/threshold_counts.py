@@ -4,7 +4,7 @@ Runs in the simulated world (counts do not depend on the engine: sim, gloo and M
 bit-identical results). For each workload and world size, ``calls`` calls with error
 feedback on, and per call the local count of rank 0 and the global count over k:
 
-* ``drift``: x = 0.9 x + 0.1 randn each call (issue 11's workload);
+* ``drift``: x = 0.9 x + 0.1 randn each call (the steady-state workload);
 * ``decay``: the same with a shared per-entry scale, shrinking 3% a call (early training);
 * ``repeat``: noise that repeats every 4 calls (the same batches every epoch), whose
   residual grows steadily instead of wandering;
