@@ -28,7 +28,8 @@ from ..api import allreduce
 from ..errors import InputError
 
 __all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "optimizer_size", "layer_settings", "check_layers",
-           "state_settings", "adopt_states", "refused_job", "snapshot", "active_scaler"]
+           "state_settings", "adopt_states", "refused_job", "snapshot", "active_scaler", "split_residual",
+           "join_residuals"]
 
 
 class Schedule:
@@ -185,6 +186,28 @@ class LossScale:
         now = float(self.scaler.get_scale())
         old, self.value = self.value, now
         return None if old is None or old == now else now / old
+
+
+def split_residual(params: list[torch.nn.Parameter], residual: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """A call's residual (``params``' entries one after another), copied apart per parameter, by
+    ``id``: how error feedback keeps every bit when groups change (a re-plan, a freeze)."""
+    out, offset = {}, 0
+    if residual is None:
+        return out
+    for p in params:
+        out[id(p)] = residual[offset:offset + p.numel()].clone()
+        offset += p.numel()
+    return out
+
+
+def join_residuals(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The residual of a call over ``params``: each one's taken out of ``residuals``, zeros where it
+    has none; None when none has one (the state then starts without, as for a new tensor)."""
+    held = [residuals[id(p)] for p in params if id(p) in residuals]
+    if not held:
+        return None
+    return torch.cat([residuals.pop(id(p)) if id(p) in residuals else held[0].new_zeros(p.numel())
+                      for p in params])
 
 
 def state_settings(state: Any) -> tuple:

@@ -81,7 +81,7 @@ from .. import registry
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
 from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
-                   layer_settings, refused_job, snapshot)
+                   join_residuals, layer_settings, refused_job, snapshot, split_residual)
 from .engine import Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward, write_grads
 
 __all__ = ["DeAR"]
@@ -165,14 +165,11 @@ class DeAR(Schedule):
             raise RuntimeError("DeAR.regroup: updates are pending; call synchronize() first")
         residuals, self._parked = dict(self._parked), {}
         for gi, (ps, st) in enumerate(zip(self.params, self.states)):
-            r, offset = getattr(st, "residual", None), 0
+            r = getattr(st, "residual", None)
             held, now = (self._group_scale[gi], self._scale.value) if self.scaler is not None else (None, None)
             if r is not None and held is not None and now is not None and held != now:
                 r = r * (now / held)  # every residual moves (and is parked) in the current scale
-            for p in ps:
-                if r is not None:
-                    residuals[id(p)] = r[offset:offset + p.numel()].clone()
-                offset += p.numel()
+            residuals.update(split_residual(ps, r))
         for h in self._handles:
             h.remove()
         self.buffer_bytes = buffer_bytes
@@ -199,9 +196,9 @@ class DeAR(Schedule):
             size += sum(p.numel() * p.element_size() for p in new)
         self.states = [self._spec.state_class(self.density, **self._kwargs) for _ in self.groups]
         for ps, st in zip(self.params, self.states):
-            if any(id(p) in residuals for p in ps):
-                st.residual = torch.cat([residuals.pop(id(p)) if id(p) in residuals
-                                         else torch.zeros(p.numel(), device=p.device) for p in ps])
+            joined = join_residuals(ps, residuals)
+            if joined is not None:
+                st.residual = joined
         self._parked = residuals  # layers not trainable now keep theirs for when they are again
         self._group_scale = [self._scale.value] * len(self.groups)  # the loss scale of each residual
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}

@@ -57,7 +57,7 @@ import torch
 from .. import registry
 from ..errors import InputError, NonFiniteError
 from .base import (LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer, layer_settings,
-                   optimizer_size, refused_job, snapshot)
+                   join_residuals, optimizer_size, refused_job, snapshot, split_residual)
 from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
@@ -246,12 +246,7 @@ class PipeSGD(Schedule):
 
     def _rebuild(self, flags: tuple) -> None:
         """The buffers and the state over the layers ``flags`` marks trainable."""
-        residuals = dict(self._parked)
-        r, offset = getattr(self.state, "residual", None), 0
-        for p in self.params:
-            if r is not None:
-                residuals[id(p)] = r[offset:offset + p.numel()].clone()
-            offset += p.numel()
+        residuals = {**self._parked, **split_residual(self.params, getattr(self.state, "residual", None))}
         for p, trains in zip(self._all, flags):
             if not trains:
                 p.grad = None  # no longer reduced: a stale one would be stepped by each rank alone
@@ -259,10 +254,9 @@ class PipeSGD(Schedule):
         self.params = [p for p in self._all if p.requires_grad]
         self.state = self._spec.state_class(self.density, **self._kwargs)
         self.options["state"] = self.state
-        if residuals and any(id(p) in residuals for p in self.params) and self._kwargs.get("error_feedback"):
-            self.state.residual = torch.cat([residuals.pop(id(p)) if id(p) in residuals
-                                             else torch.zeros(p.numel(), dtype=flat_dtype(self.params),
-                                                              device=p.device) for p in self.params])
+        joined = join_residuals(self.params, residuals) if self._kwargs.get("error_feedback") else None
+        if joined is not None:
+            self.state.residual = joined
         self._parked = {k: v for k, v in residuals.items() if k not in {id(p) for p in self.params}}
         self._make_buffers()
 

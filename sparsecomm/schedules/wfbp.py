@@ -59,7 +59,7 @@ from ..api import allreduce
 from ..comm import Communicator
 from ..errors import InputError, NonFiniteError, ScheduleError
 from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
-                   layer_settings, optimizer_size, refused_job, snapshot)
+                   join_residuals, layer_settings, optimizer_size, refused_job, snapshot, split_residual)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 from .planner import fit_linear, plan_merge, plan_time
@@ -142,11 +142,10 @@ class GroupSchedule(Schedule):
         self._states = [self.spec.state_class(self.density, **self._state_kwargs) for _ in self.groups]
         # Error feedback keeps every bit across a re-plan: each layer's residual moves to its new
         # group (thresholds and boundaries restart, as for a state of a new tensor).
-        like = next(iter(residuals.values()), None)
         for g, st in zip(self.groups, self._states):
-            if any(id(self.params[i]) in residuals for i in g):
-                st.residual = torch.cat([residuals.pop(id(self.params[i]), None) if id(self.params[i]) in residuals
-                                         else like.new_zeros(self.params[i].numel()) for i in g])
+            joined = join_residuals([self.params[i] for i in g], residuals)
+            if joined is not None:
+                st.residual = joined
         self._parked.update(residuals)  # layers not trainable now keep theirs for when they are again
         # Per group: the gathered gradients, and the result, in a buffer of its own so that
         # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
@@ -168,12 +167,8 @@ class GroupSchedule(Schedule):
         """Each layer's slice of its group's residual (a group lays its layers out in its order)."""
         out = {}
         for g, st in zip(getattr(self, "groups", []), getattr(self, "_states", [])):
-            r, offset = getattr(st, "residual", None), 0
-            if r is None:
-                continue
-            for i in g:
-                out[i] = r[offset:offset + self.params[i].numel()].clone()
-                offset += self.params[i].numel()
+            parts = split_residual([self.params[i] for i in g], getattr(st, "residual", None))
+            out.update({i: parts[id(self.params[i])] for i in g if id(self.params[i]) in parts})
         return out
 
     def _reset(self) -> None:
