@@ -108,8 +108,10 @@ def main() -> None:
               f"{hook['dense_buckets']} dense (warm-up or small); sent {hook['bytes_sent'] / 1e6:.2f} MB "
               f"per rank (a dense allreduce: {dense / 1e6:.2f} MB)")
     # Lightning leaves the process group up; gloo's worker threads still alive at interpreter
-    # exit abort the process (SIGABRT, "terminate called without an active exception") now and then.
+    # exit abort the process (SIGABRT, "terminate called without an active exception") now and then,
+    # as does a rank tearing its group down while its peer still talks to it: meet, then destroy.
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
