@@ -137,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
             results += train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr,
                                  batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
                                  optimizer=args.optimizer, warmup_steps=args.warmup_steps,
-                                 momentum=args.momentum)
+                                 momentum=args.momentum, eval_every=args.eval_every, seed=args.seed)
         except Exception as exc:  # noqa: BLE001 - reported, and the next configuration runs
             failed.append(config)
             # The error itself, not the note on how a process then ended (the JSON has it all).
@@ -153,6 +153,10 @@ def _train(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(train.format_results(done))
+    tta = train.time_to_accuracy(done)
+    if tta:
+        print(train.format_time_to_accuracy(tta))
+        write_json(tta, os.path.join(args.out, "time_to_accuracy.json"))
     train.plot(done, os.path.join(args.out, "train.png"))
     print(f"# wrote {args.out}/train.json and {args.out}/train.png"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
@@ -307,8 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SGD's momentum (one-step-stale Pipe-SGD diverged on the LM at 0.9; see README)")
     tr.add_argument("--batch", type=at.positive_int, default=16, help="per rank")
     tr.add_argument("--warmup-steps", type=at.nonnegative_int, default=0,
-                    help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first")
+                    help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first; "
+                         "AdamW with a sparse configuration: SparseAdamW's dense steps (default 10)")
     tr.add_argument("--network", type=network, default="10gbe", help="profile for the modelled time")
+    tr.add_argument("--eval-every", type=at.nonnegative_int, default=10,
+                    help="evaluate every so many steps too, for the time to accuracy (0: per epoch only)")
+    tr.add_argument("--seed", type=at.nonnegative_int, default=0, help="model, data split and batches")
     tr.add_argument("--schedule", default="none", choices=train.SCHEDULES,
                     help="reduce with a schedule around the plain model instead of the DDP hook")
     tr.add_argument("--out", type=at.out_folder, default="train", help="output folder")

@@ -38,13 +38,15 @@ class Task:
 
     #: The optimizer it trains with by default ("sgd": SGD with momentum 0.9, or "adamw").
     default_optimizer = "sgd"
+    #: AdamW's settings (``torch.optim.AdamW`` and ``sparsecomm.optim.SparseAdamW`` alike).
+    adamw_settings = {"betas": (0.9, 0.95), "weight_decay": 0.01}
 
     def optimizer(self, params, lr: float, kind: str | None = None, momentum: float = 0.9) -> torch.optim.Optimizer:
         kind = kind or self.default_optimizer
         if kind == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=momentum)
         if kind == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+            return torch.optim.AdamW(params, lr=lr, **self.adamw_settings)
         raise ValueError(f"unknown optimizer {kind!r}; choose from {OPTIMIZERS}")
 
     def steps_per_epoch(self, size: int, batch: int) -> int:

@@ -34,7 +34,12 @@ from . import output
 from .schedules import SCHEDULES as REGISTERED_SCHEDULES
 from .tasks import get_task
 
-__all__ = ["CONFIGS", "SCHEDULES", "parse_config", "check_warmup", "train_rank", "run", "format_results", "plot"]
+__all__ = ["CONFIGS", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup", "train_rank", "run",
+           "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
+           "format_results", "plot"]
+
+#: Network profiles the evaluation curve models the communication on (time to accuracy).
+CURVE_PROFILES = ("1gbe", "10gbe", "pizdaint")
 
 #: ``--schedule`` choices.
 SCHEDULES = ("none", *REGISTERED_SCHEDULES)
@@ -43,10 +48,14 @@ SCHEDULES = ("none", *REGISTERED_SCHEDULES)
 CONFIGS: dict[str, dict | None] = {
     "dense": None,
     "oktopk": {"algorithm": "oktopk", "density": 0.01},
+    # The DDP hook in front of the task's own optimizer even under AdamW (error feedback on
+    # the gradient, then torch's AdamW): the naive path SparseAdamW replaces.
+    "oktopk-hook": {"algorithm": "oktopk", "density": 0.01, "hook": True},
     "topka": {"algorithm": "topka", "density": 0.01},
     "gtopk": {"algorithm": "gtopk", "density": 0.01},
     "gaussiank": {"algorithm": "gaussiank", "density": 0.01},
     "cltk": {"algorithm": "cltk", "density": 0.01},
+    "cltk-hook": {"algorithm": "cltk", "density": 0.01, "hook": True},
     "dense-q4": {"algorithm": "dense", "compressor": "q4"},
     "dense-fp16": {"algorithm": "dense", "compressor": "fp16"},
     "oktopk-q8": {"algorithm": "oktopk", "density": 0.01, "compressor": "q8"},
@@ -84,7 +93,7 @@ def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, set
 def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float | None = None,
                network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none",
                task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0,
-               momentum: float = 0.9) -> dict:
+               momentum: float = 0.9, adamw_options: dict | None = None, eval_every: int = 10) -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised).
 
     ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
@@ -92,6 +101,13 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     first 5% of steps); ``momentum``: SGD's. ``warmup_steps``: with the DDP hook, so many dense
     steps before the sparse ones (DGC's warm-up); with Pipe-SGD, so many
     synchronous steps before the pipelined ones (the paper's warm-up).
+
+    With AdamW, a sparse configuration (not ``*-hook``) without a schedule trains with
+    :class:`sparsecomm.optim.SparseAdamW` (DDP then communicates nothing:
+    ``local_gradient_hook``); ``warmup_steps`` (default 10) are its dense steps and
+    ``adamw_options`` its other keyword arguments. The metric is also evaluated every
+    ``eval_every`` steps (``curve``: the step, the metric, and the modelled communication
+    seconds so far on each profile of :data:`CURVE_PROFILES`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
@@ -106,18 +122,32 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     ethernet = {"modelled_1gbe": PROFILES["1gbe"], "modelled_10gbe": PROFILES["10gbe"]}
     job = get_task(task, seed)
     settings = CONFIGS[config]
+    kind = optimizer or job.default_optimizer
+    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none"
+                    and not settings.get("hook") and settings["algorithm"] != "dense")
     plain = job.model(seed)
     model = DDP(plain) if schedule == "none" else plain
     steps_per_epoch = job.steps_per_epoch(size, batch)
     total_steps = epochs * steps_per_epoch
     state = None
-    if settings is not None and schedule == "none":
+    if sparse_adamw:
+        from .optim import SparseAdamW, local_gradient_hook
+
+        model.register_comm_hook(None, local_gradient_hook)
+        options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
+        opt = SparseAdamW(model.parameters(), lr=job.lr if lr is None else lr, **job.adamw_settings,
+                          density=settings["density"], algorithm=settings["algorithm"],
+                          compressor=settings.get("compressor"), algorithm_options=options,
+                          warmup_steps=warmup_steps or 10, **(adamw_options or {}))
+        warmup_steps = opt.warmup_steps
+    elif settings is not None and schedule == "none":
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         state = SparseHookState(model, settings["algorithm"], settings.get("density", 1.0),
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
+    if not sparse_adamw:
+        opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
     sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
@@ -133,6 +163,9 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 "steps": [], **{name: [] for name in ethernet}}
     modelled, compute, bytes_steps, selected = 0.0, 0.0, [], []
     on_ethernet = dict.fromkeys(ethernet, 0.0)
+    curve: dict[str, list] = {"step": [], job.metric: [], **{name: [] for name in CURVE_PROFILES}}
+    on_curve = dict.fromkeys(CURVE_PROFILES, 0.0)
+    step = 0
     label = config if schedule == "none" else f"{config}/{schedule}"
     bar = output.progress(total=epochs, show=progress and rank == 0, desc=label, unit="epoch")
     for epoch in range(epochs):
@@ -150,7 +183,13 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                 sched_comm.step()  # waits for this step's allreduces (Pipe-SGD: the last step's)
             sched.step()
             wall = time.perf_counter() - t0
-            if sched_comm is not None:  # every allreduce of the step, as if none overlapped
+            if sparse_adamw:
+                call = opt.last_call
+                traffic = [(call["messages"], call["bytes_sent"])]
+                hook_s = call["seconds"]
+                if not call["dense"]:
+                    selected.append(call["selected"] / max(call["k"], 1))
+            elif sched_comm is not None:  # every allreduce of the step, as if none overlapped
                 delta = sched_comm.engine.comm.stats - before
                 traffic = [(delta.messages_sent, delta.bytes_sent)]
                 hook_s = 0.0
@@ -170,6 +209,14 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             compute += max(wall - hook_s, 0.0)
             bytes_steps.append(sum(nb for _, nb in traffic))
             total_loss += loss.item()
+            for name in CURVE_PROFILES:
+                on_curve[name] += sum(PROFILES[name].time(m, nb) for m, nb in traffic)
+            step += 1
+            if eval_every and step % eval_every == 0:  # a schedule's updates in flight stay in flight
+                curve["step"].append(step)
+                curve[job.metric].append(job.evaluate(plain) if rank == 0 else math.nan)
+                for name in CURVE_PROFILES:
+                    curve[name].append(on_curve[name])
         if sched_comm is not None:
             sched_comm.finish()  # evaluate with every update applied (Pipe-SGD's last, DeAR's pending)
         score = job.evaluate(plain) if rank == 0 else math.nan  # rank 0's record is the one returned
@@ -195,15 +242,67 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             "ranks": size, "epochs": epochs, "steps_per_epoch": steps_per_epoch, "params": n_params,
             "bytes_per_step": float(sent), "network": net.name,
             "selected_per_k": {"mean": sum(selected) / len(selected), "min": min(selected)} if selected else None,
-            **history}
+            "path": "SparseAdamW" if sparse_adamw else ("hook" if state is not None else
+                                                         ("schedule" if sched_comm is not None else "ddp")),
+            "adamw_options": adamw_options if sparse_adamw else None,
+            "curve": curve, **history}
+
+
+def measure_compute(task: str = "digits", batch: int = 16, optimizer: str | None = None,
+                    steps: int = 10, seed: int = 0) -> float:
+    """Seconds of one training step without communication (forward, backward, the
+    task's torch optimizer) in this process: the same figure for every configuration
+    of a comparison, so loopback traffic is never counted as compute."""
+    job = get_task(task, seed)
+    model = job.model(seed)
+    opt = job.optimizer(model.parameters(), job.lr, optimizer)
+    times = []
+    for i, (x, y) in enumerate(job.batches(0, 1, batch, 0)):
+        if i == steps + 2:
+            break
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        job.loss(model, x, y).backward()
+        opt.step()
+        if i >= 2:  # the first steps allocate
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_local_cost(config: str, n: int, calls: int = 10, seed: int = 0) -> float:
+    """Seconds of one call of the configuration's allreduce on one rank (error feedback,
+    selection, packing; every collective returns at once): the local cost a step adds.
+    0 for DDP's dense allreduce."""
+    settings = CONFIGS[config]
+    if settings is None:
+        return 0.0
+    from . import registry
+    from .api import allreduce
+    from .comm.sim import single_rank
+
+    options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
+    st = registry.get(settings["algorithm"]).state_class(settings.get("density", 1.0), **options)
+    comm = single_rank()
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    for i in range(calls + 2):
+        flat = torch.randn(n, generator=g)
+        t0 = time.perf_counter()
+        allreduce(flat, state=st, compressor=settings.get("compressor"), comm=comm)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> list[dict]:
     """Run each configuration on ``ranks`` local gloo processes; rank 0's records.
 
-    Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task).
-    A configuration may name its own schedule, ``"oktopk/pipesgd"``; the
-    others take ``schedule`` (default none).
+    Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task,
+    optimizer, adamw_options, eval_every). A configuration may name its own schedule,
+    ``"oktopk/pipesgd"``; the others take ``schedule`` (default none). Each record also
+    holds ``compute_per_step`` (:func:`measure_compute`, measured once, before the runs)
+    and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time
+    that :func:`time_to_accuracy` adds to the modelled communication.
     """
     from .launch import spawn
 
@@ -211,8 +310,76 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> 
     for name in configs:
         config, schedule = parse_config(name)
         runs.append((config, {**kwargs, **({"schedule": schedule} if schedule else {})}))
-    # Training runs for long: the collectives' own timeouts catch a dead peer.
-    return [spawn(ranks, _train_spawned, config, epochs, options, timeout=7 * 86400)[0] for config, options in runs]
+    task = kwargs.get("task", "digits")
+    compute = measure_compute(task, kwargs.get("batch", 16), kwargs.get("optimizer"), seed=kwargs.get("seed", 0))
+    n = sum(p.numel() for p in get_task(task).model().parameters())
+    results = []
+    for config, options in runs:
+        local = measure_local_cost(config, n)
+        # Training runs for long: the collectives' own timeouts catch a dead peer.
+        r = spawn(ranks, _train_spawned, config, epochs, options, timeout=7 * 86400)[0]
+        results.append({**r, "compute_per_step": compute, "local_per_step": local})
+    return results
+
+
+def time_to_accuracy(results: list[dict]) -> list[dict]:
+    """When each run first reaches the dense run's marks, in steps and modelled seconds.
+
+    1. The marks: dense's metric at 25/50/75% of its run, its final metric within 2%
+       ("1.02x": a loss at most 1.02 times, an accuracy at least 0.98 times), and
+       its final metric itself (1.00x).
+    2. For each run, the first evaluation (``curve``) at or past each mark.
+    3. Its modelled time on each profile of :data:`CURVE_PROFILES`: steps x (compute per
+       step + the algorithm's local cost per step) + the modelled communication so far.
+
+    Returns one dict per run: config, and per mark (its name: "dense@25%", ...,
+    "1.02x", "1.00x") {"value", "step", and a time per profile}, step and times None when
+    it never got there. Empty without a dense run or without curves.
+    """
+    dense = next((r for r in results if r["config"].split("/")[0] == "dense" and r.get("curve")), None)
+    if dense is None:
+        return []
+    metric, higher = dense["metric"], dense.get("higher_is_better", True)
+    curve = dense["curve"]
+    final = curve[metric][-1]
+    marks = {}
+    for frac in (25, 50, 75):
+        i = max(0, math.ceil(len(curve["step"]) * frac / 100) - 1)
+        marks[f"dense@{frac}%"] = curve[metric][i]
+    marks["1.02x"] = final * (0.98 if higher else 1.02)
+    marks["1.00x"] = final
+    rows = []
+    for r in results:
+        c = r.get("curve")
+        if not c:
+            continue
+        per_step = r.get("compute_per_step", 0.0) + r.get("local_per_step", 0.0)
+        row: dict[str, Any] = {"config": r["config"]}
+        for mark, value in marks.items():
+            hit = next((i for i, m in enumerate(c[metric]) if (m >= value if higher else m <= value)), None)
+            entry: dict[str, Any] = {"value": value, "step": None if hit is None else c["step"][hit]}
+            for name in CURVE_PROFILES:
+                entry[name] = None if hit is None else c["step"][hit] * per_step + c[name][hit]
+            row[mark] = entry
+        rows.append(row)
+    return rows
+
+
+def format_time_to_accuracy(rows: list[dict], profile: str = "1gbe") -> str:
+    """The table of :func:`time_to_accuracy`: step / modelled seconds on ``profile`` per mark."""
+    if not rows:
+        return ""
+    marks = [k for k in rows[0] if k != "config"]
+    head = f"{'time to accuracy (' + profile + ')':<24}" + "".join(f"{m + ' ' + format(rows[0][m]['value'], '.4f'):>22}"
+                                                           for m in marks)
+    lines = [head, f"{'config':<24}" + "".join(f"{'step / seconds':>22}" for _ in marks)]
+    for row in rows:
+        cells = []
+        for m in marks:
+            e = row[m]
+            cells.append(f"{'never':>22}" if e["step"] is None else f"{e['step']:>10} / {e[profile]:>9.1f}")
+        lines.append(f"{row['config']:<24}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def _train_spawned(rank: int, size: int, name: str, epochs: int, kwargs: dict) -> dict:
@@ -248,14 +415,27 @@ def plot(results: list[dict], path: str) -> None:
     metric = r0.get("metric", "accuracy")
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for r in results:
+        c = r.get("curve")
+        if c and c["step"]:  # evaluated every few steps; the modelled time of time_to_accuracy
+            per_step = r.get("compute_per_step", 0.0) + r.get("local_per_step", 0.0)
+            axes[0].plot(c["step"], c[metric], label=r["config"])
+            for ax, key in zip(axes[1:], ("1gbe", "10gbe")):
+                ax.plot([s * per_step + m for s, m in zip(c["step"], c[key])], c[metric], label=r["config"])
+            continue
         steps = r.get("steps") or [(e + 1) * r.get("steps_per_epoch", 1) for e in range(len(r[metric]))]
         axes[0].plot(steps, r[metric], label=r["config"])
         for ax, key in zip(axes[1:], ("modelled_1gbe", "modelled_10gbe")):
             if key in r:
                 ax.plot([c + m for c, m in zip(r["compute_seconds"], r[key])], r[metric], label=r["config"])
+    dense = next((r for r in results if r["config"].split("/")[0] == "dense"), None)
+    if dense is not None and dense.get("curve"):  # the marks of time_to_accuracy
+        final = dense["curve"][metric][-1]
+        for ax in axes:
+            ax.axhline(final, color="k", lw=0.6, ls=":")
+            ax.axhline(final * (0.98 if dense.get("higher_is_better", True) else 1.02), color="k", lw=0.6, ls="--")
     axes[0].set_xlabel("step")
-    axes[1].set_xlabel("compute + modelled communication on 1 Gbit/s (s)")
-    axes[2].set_xlabel("compute + modelled communication on 10 Gbit/s (s)")
+    axes[1].set_xlabel("compute + local cost + modelled communication on 1 Gbit/s (s)")
+    axes[2].set_xlabel("compute + local cost + modelled communication on 10 Gbit/s (s)")
     for ax in axes:
         ax.set_ylabel({"accuracy": "test accuracy", "val_loss": "validation loss (nats/byte)"}.get(metric, metric))
         if metric == "accuracy":
