@@ -31,6 +31,10 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "frozen-refresh20": ("oktopk", {"variance": "frozen", "compress": "preconditioned", "variance_interval": 20}),
     "local-preconditioned-bf16": ("oktopk", {"variance": "local", "compress": "preconditioned",
                                              "residual_dtype": "bfloat16"}),
+    "local-preconditioned-dw50": ("oktopk", {"variance": "local", "compress": "preconditioned",
+                                             "density_warmup": 50}),
+    "frozen-preconditioned-dw50": ("oktopk", {"variance": "frozen", "compress": "preconditioned",
+                                              "density_warmup": 50}),
     "cltk": ("cltk", {}),
     "cltk-hook": ("cltk-hook", None),
     "topka": ("topka", {}),
@@ -57,6 +61,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "study.json")
     runs = json.load(open(path)) if os.path.exists(path) else []
+    # One compute figure for every approach (measured before any run; or the study's earlier one).
+    compute = next((r["compute_per_step"] for r in runs if "compute_per_step" in r), None)
+    if compute is None:
+        compute = train.measure_compute(args.task, 16, "adamw", seed=args.seed)
     for name in args.approaches.split(","):
         config, options = APPROACHES[name]
         if any(r["approach"] == name and r["seed"] == args.seed for r in runs):
@@ -64,7 +72,7 @@ def main() -> None:
         try:
             (r,) = train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr, task=args.task,
                              optimizer="adamw", seed=args.seed, warmup_steps=args.warmup_steps,
-                             adamw_options=_options(options))
+                             adamw_options=_options(options), compute_per_step=compute)
         except Exception as exc:  # noqa: BLE001 - a diverging approach is a result too
             r = {"config": config, "failed": str(exc).strip().splitlines()[-1]}
         r.update(approach=name, seed=args.seed, adamw_options=options)

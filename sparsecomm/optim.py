@@ -19,7 +19,7 @@ import torch
 from . import registry
 from .api import allreduce
 from .errors import NonFiniteError
-from .state import State
+from .state import State, check_density
 
 __all__ = ["SparseGradientReducer", "SparseAdamW", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
 
@@ -120,6 +120,8 @@ class SparseAdamW(torch.optim.Optimizer):
         compress: one of :data:`COMPRESS_MODES`.
         variance: one of :data:`VARIANCE_MODES`.
         variance_interval: frozen variance only: 0 (never refreshed) or N.
+        density_warmup, start_density: the first ``density_warmup`` sparse steps select
+            more, from ``start_density`` down to ``density`` in four geometric stages (DGC).
         residual_dtype: torch.float32 or torch.bfloat16 (kept between steps).
         compressor, algorithm_options, group, comm: as ``sparsecomm.allreduce``.
 
@@ -139,8 +141,8 @@ class SparseAdamW(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, density: float = 0.01,
                  algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "preconditioned",
-                 variance: str = "local", variance_interval: int = 0,
-                 residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
+                 variance: str = "local", variance_interval: int = 0, density_warmup: int = 0,
+                 start_density: float = 0.25, residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None) -> None:
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
@@ -152,7 +154,7 @@ class SparseAdamW(torch.optim.Optimizer):
             raise ValueError(f"variance must be one of {VARIANCE_MODES}, got {variance!r}")
         frozen = variance == "frozen"
         for name, value, low in (("warmup_steps", warmup_steps, int(frozen)),
-                                 ("variance_interval", variance_interval, 0)):
+                                 ("variance_interval", variance_interval, 0), ("density_warmup", density_warmup, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 where = " with variance='frozen'" if low else ""
                 raise ValueError(f"{name} must be an integer >= {low}{where}, got {value!r}")
@@ -170,8 +172,12 @@ class SparseAdamW(torch.optim.Optimizer):
         self.warmup_steps, self.compress, self.variance = warmup_steps, compress, variance
         self.variance_interval, self.residual_dtype = variance_interval, residual_dtype
         self.compressor, self.group, self.comm, self.algorithm = compressor, group, comm, algorithm
+        self.density, self.density_warmup = check_density(density), density_warmup
+        self.start_density = max(check_density(start_density), self.density)
+        self.algorithm_options = dict(algorithm_options or {})
         self._dense_state: State = registry.get("dense").state_class()
-        self.sparse_state: State = registry.get(algorithm).state_class(density, **(algorithm_options or {}))
+        self.sparse_state: State = registry.get(algorithm).state_class(
+            self._density_at(warmup_steps + 1), **self.algorithm_options)
         if not self.sparse_state.error_feedback:
             raise ValueError("SparseAdamW needs an algorithm state with error feedback")
         #: The last reduction's traffic on this rank: dense or not, messages, bytes_sent,
@@ -214,6 +220,15 @@ class SparseAdamW(torch.optim.Optimizer):
                 self.flat_state["residual"], st.residual = st.residual.to(torch.bfloat16), None
         self._record(st, dense=False)
         return out
+
+    def _density_at(self, t: int) -> float:
+        """Step t's density: from start_density down to density in four geometric stages over
+        the density_warmup steps after the dense ones (DGC's warm-up), then density."""
+        j = t - self.warmup_steps - 1
+        if j >= self.density_warmup:
+            return self.density
+        stage = 4 * j // self.density_warmup
+        return self.start_density * (self.density / self.start_density) ** (stage / 4)
 
     def _record(self, st: State, dense: bool) -> None:
         last = st.last
@@ -278,6 +293,10 @@ class SparseAdamW(torch.optim.Optimizer):
             phase = "refresh"
         else:
             phase = "sparse"
+        if phase == "sparse" and self.sparse_state.density != self._density_at(t):
+            # A new stage of the density warm-up: a state of its own, the residual moves over.
+            fresh = registry.get(self.algorithm).state_class(self._density_at(t), **self.algorithm_options)
+            fresh.residual, self.sparse_state = self.sparse_state.residual, fresh
         if phase == "sparse" and st["denom"] is None:  # the first sparse step: m to preconditioned units
             st["denom"] = self._denom(st["v"], t - 1, floor=frozen) if t > 1 else torch.ones_like(st["v"])
             st["m"].div_(st["denom"])

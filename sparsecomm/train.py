@@ -294,14 +294,15 @@ def measure_local_cost(config: str, n: int, calls: int = 10, seed: int = 0) -> f
     return sorted(times)[len(times) // 2]
 
 
-def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> list[dict]:
+def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: float | None = None,
+        **kwargs: Any) -> list[dict]:
     """Run each configuration on ``ranks`` local gloo processes; rank 0's records.
 
     Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task,
     optimizer, adamw_options, eval_every). A configuration may name its own schedule,
     ``"oktopk/pipesgd"``; the others take ``schedule`` (default none). Each record also
-    holds ``compute_per_step`` (:func:`measure_compute`, measured once, before the runs)
-    and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time
+    holds ``compute_per_step`` (:func:`measure_compute`, measured once, before the runs,
+    unless given: a comparison made of several calls measures it once) and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time
     that :func:`time_to_accuracy` adds to the modelled communication.
     """
     from .launch import spawn
@@ -311,7 +312,9 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, **kwargs: Any) -> 
         config, schedule = parse_config(name)
         runs.append((config, {**kwargs, **({"schedule": schedule} if schedule else {})}))
     task = kwargs.get("task", "digits")
-    compute = measure_compute(task, kwargs.get("batch", 16), kwargs.get("optimizer"), seed=kwargs.get("seed", 0))
+    compute = compute_per_step
+    if compute is None:
+        compute = measure_compute(task, kwargs.get("batch", 16), kwargs.get("optimizer"), seed=kwargs.get("seed", 0))
     n = sum(p.numel() for p in get_task(task).model().parameters())
     results = []
     for config, options in runs:

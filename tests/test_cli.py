@@ -151,6 +151,8 @@ def no_training(monkeypatch):
     (["--task", "imagenet"], "--task"),
     (["--optimizer", "lion"], "--optimizer"),
     (["--network", "nosuchnet"], "--network"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--seed", "x"], "--seed"),
     # A combination no single type sees: warm-up steps under a schedule that has none.
     (["--configs", "dense,oktopk/wfbp", "--warmup-steps", "5"], "--warmup-steps"),
     (["--schedule", "dear", "--warmup-steps", "5"], "--warmup-steps"),

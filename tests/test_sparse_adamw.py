@@ -422,3 +422,28 @@ def test_under_ddp_with_the_local_gradient_hook_on_gloo():
     for plain, ddp in out:
         assert torch.equal(plain, ddp)
         assert torch.equal(plain, out[0][0])
+
+
+def test_the_density_warmup_selects_more_first_and_loses_nothing():
+    """DGC's warm-up: four geometric stages from start_density down to density; the residual
+    moves from stage to stage, so conservation holds across them."""
+    P, n = 3, sum(p.numel() for p in _MODEL.parameters())
+
+    def body(rank):
+        model = copy.deepcopy(_MODEL)
+        opt = _opt(model, algorithm="topka", density=0.01, warmup_steps=2, density_warmup=8, start_density=0.16)
+        fed, got = _recording(opt)
+        ks = []
+        for s in range(12):
+            _backward(model, rank, s)
+            opt.step()
+            ks.append(opt.last_call["k"] if not opt.last_call["dense"] else None)
+        return _flat(model), sum(fed).double(), sum(got).double(), opt.residual().double(), ks
+
+    out = sparsecomm.simulate(P, body).results
+    expected = [math.ceil(d * n) for d in (0.16, 0.16, 0.08, 0.08, 0.04, 0.04, 0.02, 0.02, 0.01, 0.01)]
+    assert out[0][4] == [None, None, *expected]
+    for o in out:
+        assert torch.equal(o[0], out[0][0])
+    fed = sum(o[1] for o in out)
+    torch.testing.assert_close(out[0][2] * P + sum(o[3] for o in out), fed, rtol=1e-5, atol=1e-5)

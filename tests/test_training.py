@@ -125,3 +125,59 @@ def test_lm_task_reads_the_standard_library_and_starts_near_uniform(tmp_path):
         get_task("imagenet")
     with pytest.raises(RuntimeError, match="standard library"):
         TextTask(root=str(tmp_path / "nowhere"))
+
+
+def _record(config, steps, values, per_step=1.0, comm_per_step=0.5, metric="val_loss"):
+    return {"config": config, "metric": metric, "higher_is_better": metric == "accuracy",
+            "compute_per_step": per_step, "local_per_step": 0.0,
+            "curve": {"step": steps, metric: values,
+                      **{name: [s * comm_per_step for s in steps] for name in ("1gbe", "10gbe", "pizdaint")}}}
+
+
+def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
+    from sparsecomm import train
+
+    dense = _record("dense", [10, 20, 30, 40], [3.0, 2.5, 2.2, 2.0], comm_per_step=0.5)
+    fast = _record("oktopk", [10, 20, 30, 40], [3.1, 2.4, 2.05, 2.01], per_step=1.0, comm_per_step=0.01)
+    slow = _record("cltk", [10, 20, 30, 40], [3.5, 3.0, 2.9, 2.8], comm_per_step=0.01)
+    rows = train.time_to_accuracy([dense, fast, slow])
+    assert [r["config"] for r in rows] == ["dense", "oktopk", "cltk"]
+    d, f, c = rows
+    # Dense's marks: its metric at 25/50/75% of its curve, 1.02x and 1.00x of its final.
+    assert [d[m]["value"] for m in ("dense@25%", "dense@50%", "dense@75%")] == [3.0, 2.5, 2.2]
+    assert d["1.02x"]["value"] == pytest.approx(2.04) and d["1.00x"]["value"] == 2.0
+    assert d["1.00x"]["step"] == 40 and d["1.00x"]["1gbe"] == pytest.approx(40 * 1.0 + 40 * 0.5)
+    assert f["1.02x"]["step"] == 40 and f["dense@75%"]["step"] == 30 and f["dense@50%"]["step"] == 20
+    assert f["1.02x"]["1gbe"] == pytest.approx(40 * 1.01)
+    assert f["1.00x"]["step"] is None and f["1.00x"]["1gbe"] is None
+    assert c["dense@25%"]["step"] == 20 and c["dense@50%"]["step"] is None
+    table = train.format_time_to_accuracy(rows)
+    assert "never" in table and "1.02x 2.0400" in table
+    # Accuracy: higher is better, and within 2% means at least 0.98 of dense's final.
+    acc = train.time_to_accuracy([_record("dense", [10, 20], [0.5, 0.9], metric="accuracy"),
+                                  _record("x", [10, 20], [0.885, 0.95], metric="accuracy")])
+    assert acc[1]["1.02x"]["step"] == 10 and acc[1]["1.00x"]["step"] == 20
+    assert acc[0]["1.02x"]["value"] == pytest.approx(0.882)
+    assert train.time_to_accuracy([fast]) == []  # no dense run: no marks
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(tmp_path):
+    from sparsecomm import train
+
+    results = train.run(["dense", "oktopk", "oktopk-hook"], ranks=2, epochs=3, optimizer="adamw", lr=0.002)
+    by = {r["config"]: r for r in results}
+    assert by["dense"]["path"] == "ddp" and by["oktopk"]["path"] == "SparseAdamW"
+    assert by["oktopk-hook"]["path"] == "hook"
+    assert by["oktopk"]["warmup_steps"] == 10
+    steps = 3 * by["oktopk"]["steps_per_epoch"]
+    assert by["oktopk"]["curve"]["step"] == list(range(10, steps + 1, 10))
+    assert by["oktopk"]["accuracy"][-1] > by["dense"]["accuracy"][-1] - 0.1
+    # Ten dense steps, then about k entries a step: far fewer bytes than dense.
+    assert by["oktopk"]["bytes_per_step"] < 0.5 * by["dense"]["bytes_per_step"]
+    assert by["oktopk"]["compute_per_step"] == by["dense"]["compute_per_step"] > 0
+    assert by["oktopk"]["local_per_step"] > 0 == by["dense"]["local_per_step"]
+    rows = train.time_to_accuracy(results)
+    assert rows[0]["1.00x"]["step"] == steps - steps % 10
+    train.plot(results, str(tmp_path / "train.png"))
