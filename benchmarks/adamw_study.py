@@ -35,6 +35,8 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
                                              "density_warmup": 50}),
     "frozen-preconditioned-dw50": ("oktopk", {"variance": "frozen", "compress": "preconditioned",
                                               "density_warmup": 50}),
+    "local-momentum-dw50": ("oktopk", {"variance": "local", "compress": "momentum", "density_warmup": 50}),
+    "frozen-momentum": ("oktopk", {"variance": "frozen", "compress": "momentum"}),
     "cltk": ("cltk", {}),
     "cltk-hook": ("cltk-hook", None),
     "topka": ("topka", {}),

@@ -76,7 +76,7 @@ VARIANCE_MODES = ("local", "frozen")
 
 
 class SparseAdamW(torch.optim.Optimizer):
-    """AdamW whose ranks exchange a sparse allreduce of the preconditioned gradient.
+    """AdamW whose ranks exchange a sparse allreduce of their preconditioned momentum.
 
     Naive error feedback under Adam fails: a coordinate receives its
     accumulated gradient in rare bursts, and Adam's second moment, fed those
@@ -98,13 +98,15 @@ class SparseAdamW(torch.optim.Optimizer):
        denom = max(sqrt(v / (1 - beta2^t)), floor) + eps, where the floor (frozen
        only) is 0.1 x the tensor's mean sqrt(v): an entry whose gradient was zero
        through the warm-up would otherwise take a step 1/eps times too large.
-    3. Each step, ``compress="preconditioned"`` (default): p = g / denom; r = sparse
-       allreduce (average, error feedback) of p; m = beta1 m + (1 - beta1) r;
-       w -= lr (m / (1 - beta1^t) + weight_decay w): the same on every rank.
-       ``"momentum"``: DGC's momentum correction: each rank keeps its own momentum
-       u = beta1 u + (1 - beta1) p and the allreduce carries u (w -= lr (r / (1 -
-       beta1^t) + weight_decay w)). ``"gradient"`` (frozen only): the allreduce
-       carries g itself (selection by |g|) and r / denom replaces r above.
+    3. Each step, p = g / denom on every rank, and ``compress="momentum"``
+       (default; DGC's momentum correction, 1-bit Adam's momentum compression):
+       each rank keeps its own momentum u = beta1 u + (1 - beta1) p; r = sparse
+       allreduce (average, error feedback) of u; w -= lr (r / (1 - beta1^t) +
+       weight_decay w): the same on every rank. ``"preconditioned"``: r = sparse
+       allreduce of p, then the shared momentum m = beta1 m + (1 - beta1) r and w -=
+       lr (m / (1 - beta1^t) + weight_decay w). ``"gradient"`` (frozen only): as
+       "preconditioned" with the allreduce carrying g itself (selection by |g|)
+       and r / denom in place of r.
 
     Conservation (checked by the tests): what the ranks sent plus the residuals
     equals the sum of the preconditioned gradients (momentum: of the local
@@ -140,7 +142,7 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, density: float = 0.01,
-                 algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "preconditioned",
+                 algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "momentum",
                  variance: str = "local", variance_interval: int = 0, density_warmup: int = 0,
                  start_density: float = 0.25, residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None) -> None:

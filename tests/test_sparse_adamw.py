@@ -253,7 +253,8 @@ def test_a_bfloat16_residual_loses_only_its_rounding():
     assert (lost <= 8 * 2 ** -8 * scale + 1e-7).all()
     full = sparsecomm.simulate(P, body, torch.float32).results
     assert not torch.equal(out[0][0], full[0][0])
-    torch.testing.assert_close(out[0][0], full[0][0], rtol=0, atol=0.05 * float(full[0][0].abs().max()))
+    # A rounded residual may flip a selection here and there: close on average, not bit for bit.
+    assert float((out[0][0] - full[0][0]).abs().mean()) < 0.01 * float(full[0][0].abs().mean())
 
 
 def _state(opt, model):
