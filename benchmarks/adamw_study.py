@@ -31,6 +31,8 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "frozen-refresh20": ("oktopk", {"variance": "frozen", "compress": "preconditioned", "variance_interval": 20}),
     "local-preconditioned-bf16": ("oktopk", {"variance": "local", "compress": "preconditioned",
                                              "residual_dtype": "bfloat16"}),
+    "local-momentum-bf16": ("oktopk", {"variance": "local", "compress": "momentum",
+                                       "residual_dtype": "bfloat16"}),
     "local-preconditioned-dw50": ("oktopk", {"variance": "local", "compress": "preconditioned",
                                              "density_warmup": 50}),
     "frozen-preconditioned-dw50": ("oktopk", {"variance": "frozen", "compress": "preconditioned",
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--warmup-steps", type=int, default=0, help="SparseAdamW's dense steps (0: its default, 10)")
     ap.add_argument("--approaches", default=",".join(APPROACHES))
+    ap.add_argument("--tag", default="", help="appended to the approaches' names: runs of another "
+                    "length in the same folder (their time to accuracy is taken against the dense run's marks)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -69,7 +73,8 @@ def main() -> None:
         compute = train.measure_compute(args.task, 16, "adamw", seed=args.seed)
     for name in args.approaches.split(","):
         config, options = APPROACHES[name]
-        if any(r["approach"] == name and r["seed"] == args.seed for r in runs):
+        label = f"{name} {args.tag}".strip()
+        if any(r["approach"] == label and r["seed"] == args.seed for r in runs):
             continue  # already measured: rerunning the script resumes
         try:
             (r,) = train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr, task=args.task,
@@ -77,42 +82,46 @@ def main() -> None:
                              adamw_options=_options(options), compute_per_step=compute)
         except Exception as exc:  # noqa: BLE001 - a diverging approach is a result too
             r = {"config": config, "failed": str(exc).strip().splitlines()[-1]}
-        r.update(approach=name, seed=args.seed, adamw_options=options)
+        r.update(approach=label, seed=args.seed, adamw_options=options)
         runs.append(r)
         with open(path, "w") as f:
             json.dump(runs, f)
-        print(f"# {name}: {r.get(r.get('metric', ''), ['failed'])[-1]}", flush=True)
+        print(f"# {label}: {r.get(r.get('metric', ''), ['failed'])[-1]}", flush=True)
     write_table(runs, os.path.join(args.out, "study.md"))
 
 
+MARKS = ("dense@25%", "dense@50%", "dense@75%", "1.02x", "1.00x")
+
+
 def write_table(runs: list[dict], path: str) -> None:
-    """study.md: per approach and seed, the final metric, its ratio to dense, and the steps and
-    modelled seconds on 1 Gbit/s to dense's marks."""
+    """study.md: per approach and seed, the final metric, its ratio to dense's, bytes, and
+    the step and modelled seconds on 1 Gbit/s at which it first reached each of dense's marks
+    (``sparsecomm.train.time_to_accuracy``)."""
     lines = []
     for seed in sorted({r["seed"] for r in runs}):
         done = [r for r in runs if r["seed"] == seed and "failed" not in r]
-        dense = next((r for r in done if r["approach"] == "dense"), None)
+        dense = next((r for r in done if r["approach"] == "dense"), None)  # the marks: dense untagged
         if dense is None:
             continue
         metric = dense["metric"]
-        tta = {id(d): row for d, row in zip(done, train.time_to_accuracy(done))}  # every run has a curve
-        lines += [f"## seed {seed}", "",
-                  f"| approach | final {metric} | vs dense | bytes/rank/step | to 1.02x: step | s (1 Gbit/s) "
-                  f"| to 1.00x: step | s (1 Gbit/s) |", "|---|---|---|---|---|---|---|---|"]
+        rows = train.time_to_accuracy([dense] + [r for r in done if r is not dense])
+        tta = {id(d): row for d, row in zip([dense] + [r for r in done if r is not dense], rows)}
+        marks = " | ".join(f"{m} ({rows[0][m]['value']:.4f})" for m in MARKS)
+        lines += [f"## seed {seed}", "", "Marks: step / modelled seconds on 1 Gbit/s at which the run first "
+                  "reached dense's metric at 25/50/75% of its run, within 2% of its final, and its final.", "",
+                  f"| approach | steps | final {metric} | vs dense | bytes/rank/step | {marks} |",
+                  "|---|---|---|---|---|" + "---|" * len(MARKS)]
         for r in runs:
             if r["seed"] != seed:
                 continue
             if "failed" in r:
-                lines.append(f"| {r['approach']} | failed: {r['failed'][:80]} | | | | | | |")
+                lines.append(f"| {r['approach']} | | failed: {r['failed'][:80]} |" + " |" * (2 + len(MARKS)))
                 continue
-            row = tta.get(id(r))
-            cells = []
-            for mark in ("1.02x", "1.00x"):
-                e = row[mark] if row else None
-                cells += ["never", ""] if not e or e["step"] is None else [str(e["step"]), f"{e['1gbe']:.1f}"]
+            row = tta[id(r)]
+            cells = ["never" if row[m]["step"] is None else f"{row[m]['step']} / {row[m]['1gbe']:.1f}" for m in MARKS]
             final = r[metric][-1]
-            lines.append(f"| {r['approach']} | {final:.4f} | {final / dense[metric][-1]:.4f} | "
-                         f"{r['bytes_per_step']:,.0f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['approach']} | {r['epochs'] * r['steps_per_epoch']} | {final:.4f} | "
+                         f"{final / dense[metric][-1]:.4f} | {r['bytes_per_step']:,.0f} | " + " | ".join(cells) + " |")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))

@@ -57,6 +57,7 @@ CONFIGS: dict[str, dict | None] = {
     "cltk": {"algorithm": "cltk", "density": 0.01},
     "cltk-hook": {"algorithm": "cltk", "density": 0.01, "hook": True},
     "dense-q4": {"algorithm": "dense", "compressor": "q4"},
+    "dense-q8": {"algorithm": "dense", "compressor": "q8"},
     "dense-fp16": {"algorithm": "dense", "compressor": "fp16"},
     "oktopk-q8": {"algorithm": "oktopk", "density": 0.01, "compressor": "q8"},
 }
