@@ -179,5 +179,6 @@ def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(t
     assert by["oktopk"]["compute_per_step"] == by["dense"]["compute_per_step"] > 0
     assert by["oktopk"]["local_per_step"] > 0 == by["dense"]["local_per_step"]
     rows = train.time_to_accuracy(results)
-    assert rows[0]["1.00x"]["step"] == steps - steps % 10
+    # Dense reaches its own final metric by its last evaluation (earlier if it got there before).
+    assert rows[0]["1.00x"]["step"] <= steps - steps % 10 and rows[0]["1.00x"]["1gbe"] > 0
     train.plot(results, str(tmp_path / "train.png"))
