@@ -39,6 +39,7 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
                                               "density_warmup": 50}),
     "local-momentum-dw50": ("oktopk", {"variance": "local", "compress": "momentum", "density_warmup": 50}),
     "frozen-momentum": ("oktopk", {"variance": "frozen", "compress": "momentum"}),
+    "local-momentum-masked": ("oktopk", {"variance": "local", "compress": "momentum", "momentum_masking": True}),
     "cltk": ("cltk", {}),
     "cltk-hook": ("cltk-hook", None),
     "topka": ("topka", {}),

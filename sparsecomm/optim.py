@@ -122,6 +122,8 @@ class SparseAdamW(torch.optim.Optimizer):
         compress: one of :data:`COMPRESS_MODES`.
         variance: one of :data:`VARIANCE_MODES`.
         variance_interval: frozen variance only: 0 (never refreshed) or N.
+        momentum_masking: with compress="momentum", zero this rank's momentum where it
+            just contributed (DGC's momentum factor masking: a sent entry stops pushing).
         density_warmup, start_density: the first ``density_warmup`` sparse steps select
             more, from ``start_density`` down to ``density`` in four geometric stages (DGC).
         residual_dtype: torch.float32 or torch.bfloat16 (kept between steps).
@@ -144,7 +146,7 @@ class SparseAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, density: float = 0.01,
                  algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "momentum",
                  variance: str = "local", variance_interval: int = 0, density_warmup: int = 0,
-                 start_density: float = 0.25, residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
+                 start_density: float = 0.25, momentum_masking: bool = False, residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None) -> None:
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
@@ -175,6 +177,10 @@ class SparseAdamW(torch.optim.Optimizer):
         self.variance_interval, self.residual_dtype = variance_interval, residual_dtype
         self.compressor, self.group, self.comm, self.algorithm = compressor, group, comm, algorithm
         self.density, self.density_warmup = check_density(density), density_warmup
+        if not isinstance(momentum_masking, bool) or (momentum_masking and compress != "momentum"):
+            raise ValueError(f"momentum_masking must be True or False, and True needs compress='momentum', "
+                             f"got {momentum_masking!r}")
+        self.momentum_masking = momentum_masking
         self.start_density = max(check_density(start_density), self.density)
         self.algorithm_options = dict(algorithm_options or {})
         self._dense_state: State = registry.get("dense").state_class()
@@ -319,6 +325,8 @@ class SparseAdamW(torch.optim.Optimizer):
                 else:
                     u = st["u"].mul(beta1).add_(flat.div_(denom), alpha=1 - beta1)
                     r = self._reduce(u, sparse=True)
+                    if self.momentum_masking:  # DGC: what was sent stops pushing (its residual is 0)
+                        u.masked_fill_(self.residual() == 0, 0.0)
                     st["u"] = u
             else:
                 r = self._reduce(flat, sparse=False)

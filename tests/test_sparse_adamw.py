@@ -70,7 +70,7 @@ def test_warmup_steps_are_torch_adamw_on_the_averaged_gradient(P):
 
 
 def _reference(P: int, steps: int, warmup: int, variance: str, compress: str, density: float,
-               interval: int = 0) -> torch.Tensor:
+               interval: int = 0, masking: bool = False) -> torch.Tensor:
     """The class docstring written out, with CLT-k's exact semantics (leader = sparse call mod P)."""
     b1, b2 = BETAS
     model = copy.deepcopy(_MODEL)
@@ -158,6 +158,8 @@ def _reference(P: int, steps: int, warmup: int, variance: str, compress: str, de
                 else:
                     u = [b1 * u[r] + (1 - b1) * grads[r] / dens[r] for r in range(P)]
                     r_ = sparse_avg(u)
+                    if masking:  # every rank contributed at the leader's indexes
+                        u = [torch.where(res[r] == 0, torch.zeros_like(u[r]), u[r]) for r in range(P)]
                 if compress == "momentum":
                     d = r_ / (1 - b1 ** t)
                 else:
@@ -168,23 +170,25 @@ def _reference(P: int, steps: int, warmup: int, variance: str, compress: str, de
 
 
 @pytest.mark.parametrize("P", [2, 3])
-@pytest.mark.parametrize("variance,compress", MODES + [("frozen-refresh", "preconditioned")])
+@pytest.mark.parametrize("variance,compress", MODES + [("frozen-refresh", "preconditioned"),
+                                                        ("local-masked", "momentum")])
 def test_follows_the_hand_written_reference(P, variance, compress):
     steps, warmup, density = 9, 3, 0.1
     interval = 3 if variance == "frozen-refresh" else 0
+    masking = variance == "local-masked"
     variance = variance.split("-")[0]
 
     def body(rank):
         model = copy.deepcopy(_MODEL)
         opt = _opt(model, algorithm="cltk", density=density, warmup_steps=warmup, variance=variance,
-                   compress=compress, variance_interval=interval)
+                   compress=compress, variance_interval=interval, momentum_masking=masking)
         for s in range(steps):
             _backward(model, rank, s)
             opt.step()
         return _flat(model)
 
     out = sparsecomm.simulate(P, body).results
-    ref = _reference(P, steps, warmup, variance, compress, density, interval)
+    ref = _reference(P, steps, warmup, variance, compress, density, interval, masking)
     for o in out:
         torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-6)
 
@@ -384,6 +388,7 @@ def test_another_models_state_is_refused():
     ({"compress": "gradient"}, "need variance='frozen'"),
     ({"variance_interval": 5}, "need variance='frozen'"),
     ({"residual_dtype": torch.float16}, "residual_dtype must be"),
+    ({"compress": "preconditioned", "momentum_masking": True}, "True needs compress='momentum'"),
     ({"betas": (0.9, 1.0)}, "betas must lie in"),
     ({"lr": -1.0}, "must be >= 0"),
     ({"algorithm": "oktopk", "algorithm_options": {"error_feedback": False}}, "with error feedback"),
