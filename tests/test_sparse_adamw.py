@@ -210,7 +210,7 @@ def _recording(opt):
     return fed, got
 
 
-@pytest.mark.parametrize("P", [1, 3, 4])
+@pytest.mark.parametrize("P", [1, 3, 4, 5])
 @pytest.mark.parametrize("variance,compress", MODES)
 def test_identical_ranks_and_nothing_lost(P, variance, compress):
     """Every rank ends with the same parameters; what was sent plus the residuals equals
