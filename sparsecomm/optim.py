@@ -146,7 +146,8 @@ class SparseAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, density: float = 0.01,
                  algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "momentum",
                  variance: str = "local", variance_interval: int = 0, density_warmup: int = 0,
-                 start_density: float = 0.25, momentum_masking: bool = False, residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
+                 start_density: float = 0.25, momentum_masking: bool = False,
+                 residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None) -> None:
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
@@ -326,7 +327,8 @@ class SparseAdamW(torch.optim.Optimizer):
                     u = st["u"].mul(beta1).add_(flat.div_(denom), alpha=1 - beta1)
                     r = self._reduce(u, sparse=True)
                     if self.momentum_masking:  # DGC: what was sent stops pushing (its residual is 0)
-                        u.masked_fill_(self.residual() == 0, 0.0)
+                        kept = st["residual"] if st["residual"] is not None else self.sparse_state.residual
+                        u.masked_fill_(kept == 0, 0.0)  # no copy of the residual
                     st["u"] = u
             else:
                 r = self._reduce(flat, sparse=False)
