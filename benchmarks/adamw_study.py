@@ -3,7 +3,7 @@
     python benchmarks/adamw_study.py --task lm --epochs 4 --out DIR
     python benchmarks/adamw_study.py --task digits --epochs 10 --lr 0.002 --out DIR
 
-Runs ``sparsecomm.train.run`` (4 gloo ranks) once per approach of :data:`APPROACHES`
+Runs ``sparsecomm.tools.train.run`` (4 gloo ranks) once per approach of :data:`APPROACHES`
 (``--approaches`` picks some) and writes ``study.json`` (every run's record, with
 its evaluation curve) and ``study.md`` (final metric against dense, and the time to
 accuracy on 1 Gbit/s). "hook" is the naive path: error feedback on the gradient
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from sparsecomm import train
+from sparsecomm.tools import train
 
 #: name -> (configuration of ``sparsecomm train``, SparseAdamW keyword arguments or None).
 APPROACHES: dict[str, tuple[str, dict | None]] = {
@@ -97,7 +97,7 @@ MARKS = ("dense@25%", "dense@50%", "dense@75%", "1.02x", "1.00x")
 def write_table(runs: list[dict], path: str) -> None:
     """study.md: per approach and seed, the final metric, its ratio to dense's, bytes, and
     the step and modelled seconds on 1 Gbit/s at which it first reached each of dense's marks
-    (``sparsecomm.train.time_to_accuracy``)."""
+    (``sparsecomm.tools.train.time_to_accuracy``)."""
     lines = []
     for seed in sorted({r["seed"] for r in runs}):
         done = [r for r in runs if r["seed"] == seed and "failed" not in r]

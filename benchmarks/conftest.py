@@ -18,7 +18,7 @@ calls. Only rank 0 prints and writes ``--benchmark-json``; that JSON holds
 pytest-benchmark's own statistics (rank 0's real per-call times), each
 benchmark's row under ``extra_info["row"]`` (with the slowest rank's median),
 and the run's environment under the top-level key ``"sparsecomm"``
-(``sparsecomm.bench.environment``): ``sparsecomm report`` reads it.
+(``sparsecomm.tools.bench.environment``): ``sparsecomm report`` reads it.
 
 Environment: ``SPARSECOMM_BENCH_SIZES`` (elements, default "4000000,25000000"),
 ``SPARSECOMM_BENCH_ROUNDS``. Under torchrun the process group is NCCL where
@@ -35,9 +35,9 @@ import os
 import pytest
 import torch
 
-#: The run's environment (``sparsecomm.bench.environment``), set by the ``comm`` fixture on every rank.
+#: The run's environment (``sparsecomm.tools.bench.environment``), set by the ``comm`` fixture on every rank.
 ENV: dict = {}
-#: Rows of test_allreduce.py (``sparsecomm.bench.Row``), printed as one nccl-tests style table.
+#: Rows of test_allreduce.py (``sparsecomm.tools.bench.Row``), printed as one nccl-tests style table.
 ROWS: list = []
 #: Rows of test_steady_state.py (dicts), printed as one table with ratios to ``add``.
 STEADY: list = []
@@ -76,8 +76,8 @@ def _dist_backend() -> str:
 @pytest.fixture(scope="session")
 def comm():
     import sparsecomm
-    from sparsecomm.bench import environment
-    from sparsecomm.launch import join_launched_group
+    from sparsecomm.tools.bench import environment
+    from sparsecomm.tools.launch import join_launched_group
 
     join_launched_group()
     c = sparsecomm.resolve()
@@ -97,7 +97,7 @@ def torch_group(comm):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from sparsecomm.bench import local_rank
+        from sparsecomm.tools.launch import local_rank
 
         # Rank 0 resolves its address; every rank learns whether that worked, so a failure
         # raises everywhere instead of leaving the others waiting in the broadcast.
@@ -176,7 +176,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "steady-state call at world size 1 (ratios to add and to the out= call)")
         terminalreporter.write_line(_steady_table())
     if ROWS:
-        from sparsecomm.bench import add_ratios, format_table
+        from sparsecomm.tools.bench import add_ratios, format_table
 
         terminalreporter.write_sep("=", "sparsecomm allreduce (nccl-tests columns; ratios to dense)")
         terminalreporter.write_line(format_table(add_ratios(ROWS)))

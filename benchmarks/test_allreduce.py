@@ -1,6 +1,6 @@
 """The allreduce suite: every algorithm × sizes × densities × compressors, and a memory copy.
 
-Each test times a :class:`sparsecomm.bench.Workload` (the driver ``sparsecomm
+Each test times a :class:`sparsecomm.tools.bench.Workload` (the driver ``sparsecomm
 bench`` uses) through ``benchmark.pedantic``: fixed rounds, a barrier and an
 untimed check that all ranks agree before each, so pytest-benchmark's
 statistics are the real per-call times. The row (slowest rank's median,
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import sparsecomm
-from sparsecomm.bench import Case, Row, Workload, bench_device
+from sparsecomm.tools.bench import Case, Row, Workload, bench_device
 
 from conftest import ROWS
 

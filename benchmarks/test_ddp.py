@@ -27,7 +27,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.bench import bench_device
+from sparsecomm.tools.bench import bench_device
 from sparsecomm.hooks import SparseHookState, sparse_allreduce_hook
 
 from steps import batches, model, time_steps

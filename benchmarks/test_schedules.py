@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from sparsecomm.bench import bench_device
+from sparsecomm.tools.bench import bench_device
 from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
 
 from steps import batches, model, time_steps

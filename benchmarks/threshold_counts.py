@@ -8,7 +8,7 @@ feedback on, and per call the local count of rank 0 and the global count over k:
 * ``decay``: the same with a shared per-entry scale, shrinking 3% a call (early training);
 * ``repeat``: noise that repeats every 4 calls (the same batches every epoch), whose
   residual grows steadily instead of wandering;
-* the ``sparsecomm bench`` gradients (``sparsecomm.synthetic.KINDS``);
+* the ``sparsecomm bench`` gradients (``sparsecomm.tools.synthetic.KINDS``);
 * ``digits``: a real model's gradients, a 300k-parameter MLP trained on scikit-learn's
   digits over 8 fixed batches per rank (``synthetic.digits_gradients``; ``--n`` does not apply).
 
@@ -32,7 +32,7 @@ import json
 import statistics
 
 import sparsecomm
-from sparsecomm.synthetic import KINDS, digits_gradients, drifting, gradient, repeating
+from sparsecomm.tools.synthetic import KINDS, digits_gradients, drifting, gradient, repeating
 
 WORKLOADS = ("drift", "decay", "repeat") + KINDS + ("digits",)
 _EXACT_GLOBAL = ("global_corrected", "global_recomputed")

@@ -8,7 +8,7 @@ Writes train/train.json and train/train.png and prints the final table.
 
 import sys
 
-from sparsecomm.cli import main as cli
+from sparsecomm.tools.cli import main as cli
 
 
 def main() -> int:

@@ -35,15 +35,41 @@ Imports run one way: backend modules may use the operation modules' helpers,
 operation modules name backends only as strings in their tables.
 """
 
-from .coo import (index_dtype_for, isin_sorted, pack_records, record_bytes, scatter_add, scatter_dense,
-                  split_by_boundaries, sum_sorted_runs, take_and_zero, union_sorted_runs, unique_indexes,
-                  unpack_records)
+from .coo import (
+                  index_dtype_for,
+                  isin_sorted,
+                  pack_records,
+                  record_bytes,
+                  scatter_add,
+                  scatter_dense,
+                  split_by_boundaries,
+                  sum_sorted_runs,
+                  take_and_zero,
+                  union_sorted_runs,
+                  unique_indexes,
+                  unpack_records,
+)
 from .dispatch import BackendUnavailable
 from .efselect import ef_accumulate, ef_select, shares_memory
 from .estimate import bucketize, count_above, estimate_threshold
-from .message import blocked, message_bytes, pack_message, unpack_message, unpack_messages
-from .payload import (cast_values, decode_codes, delta_decode, delta_encode, dequantize, encode_codes,
-                      pack_unsigned, quantize, unpack_unsigned)
+from .message import (
+                  blocked,
+                  message_bytes,
+                  pack_message,
+                  unpack_message,
+                  unpack_messages,
+)
+from .payload import (
+                  cast_values,
+                  decode_codes,
+                  delta_decode,
+                  delta_encode,
+                  dequantize,
+                  encode_codes,
+                  pack_unsigned,
+                  quantize,
+                  unpack_unsigned,
+)
 from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_candidates
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",

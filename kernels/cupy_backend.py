@@ -34,7 +34,7 @@ SCATTER_THREADS = 256
 @functools.lru_cache(maxsize=None)
 def _module():
     try:
-        import cupy
+        import cupy  # optional GPU library
     except ImportError as e:
         raise ImportError("the CuPy kernels need cupy: pip install 'sparsecomm[cupy]' "
                           "(cupy-cuda12x for CUDA 12)") from e

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -59,28 +60,26 @@ def import_numba():
 
     numba sizes its pool from ``NUMBA_NUM_THREADS`` (default: every core) when
     it is first imported, and idle pool threads keep cores busy. With P ranks
-    on one node (torchrun and ``sparsecomm.launch`` give each rank cores/P
+    on one node (torchrun and ``sparsecomm.tools.launch`` give each rank cores/P
     torch threads) that made Ok-Topk 4x slower at P = 4 on 2 cores, and
     ``numba.set_num_threads`` later does not shrink the pool. So the budget is
     set before the import, unless the user set it.
     """
-    import sys
-
     if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
         os.environ["NUMBA_NUM_THREADS"] = str(max(1, torch.get_num_threads()))
-    import numba
+    import numba  # optional; imported here because its thread count must be set first
 
     return numba
 
 
 def _triton_ok() -> bool:
-    import triton  # noqa: F401
+    import triton  # noqa: F401  (optional: is it installed?)
 
     return torch.cuda.is_available()
 
 
 def _cupy_ok() -> bool:
-    import cupy
+    import cupy  # optional: is it installed, with a GPU?
 
     return bool(cupy.cuda.is_available())
 

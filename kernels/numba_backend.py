@@ -20,13 +20,16 @@ import itertools
 import math
 import os
 import threading
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
 
+from .coo import _BITS, record_buffers, record_fields, scatter_dense_torch
+from .message import INDEX_BLOCK
 from .payload import decode_buffers, decode_factor, encode_buffers
+from .select import topk_of_candidates_torch
 
 __all__ = ["ef_select", "ef_accumulate", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
@@ -54,7 +57,7 @@ if hasattr(os, "register_at_fork"):
 
 def _jit():
     try:
-        from . import _numba_jit
+        from . import _numba_jit  # start-up cost: compiles on first use, and needs numba
     except ImportError as e:  # numba missing: say how to get it
         raise ImportError("the fast CPU kernels need numba: pip install numba "
                           "(or pip install 'sparsecomm[cpu]')") from e
@@ -340,8 +343,6 @@ def _radix_float(key: int, dtype: np.dtype) -> float:
 def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
     """numba ``kernels.topk_of_candidates``: a radix select of the k-th largest, then one
     branch-free pass keeping what lies above it and the first ties (3 passes over the candidates)."""
-    from .select import topk_of_candidates_torch
-
     impl = _jit()
     if mag.dtype not in (torch.float32, torch.float64):
         mag = mag.float()  # fp16/bf16 widen exactly
@@ -474,8 +475,6 @@ def scatter_dense(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, ze
 
     Indexes that do not ascend strictly take the torch reference.
     """
-    from .coo import scatter_dense_torch
-
     impl = _jit()
     i = idx.to(torch.int64).contiguous().numpy()
     o = out.numpy()
@@ -502,8 +501,6 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
                  value_dtype: torch.dtype, out: torch.Tensor) -> None:
     """cpu ``kernels.pack_records``: two field copies through a packed numpy record view
     (0.3 ms against torch's 1.1 ms of strided byte-column copies for 250k records)."""
-    from .coo import record_fields
-
     idx, bits = record_fields(rel_idx, values, value_dtype)
     rec = out.numpy().view(_record_dtype(index_dtype, bits)).reshape(-1)
     rec["i"] = idx.numpy()  # a value cast: indexes fit the index dtype
@@ -514,8 +511,6 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu ``kernels.unpack_records``: the two fields copied out of a packed record view
     (0.26 ms against 2.5 ms for 250k records)."""
-    from .coo import record_buffers
-
     idx, bits = record_buffers(records, value_dtype)
     rec = records.contiguous().numpy().view(_record_dtype(index_dtype, bits)).reshape(-1)
     idx.numpy()[:] = rec["i"]
@@ -527,9 +522,6 @@ def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch
                  header: torch.Tensor, rows: torch.Tensor) -> None:
     """cpu ``kernels.message`` blocked packing: header, offsets and values in one pass
     (250k records: 0.6-0.9 ms, against 0.8-1.1 ms for a searchsorted and a record pack)."""
-    from .coo import record_fields
-    from .message import INDEX_BLOCK
-
     idx, bits = record_fields(rel_idx, values, value_dtype)
     rec = rows.numpy().view(_record_dtype(torch.int16, bits)).reshape(-1)
     if not _jit().pack_blocked(idx.numpy(), bits.numpy(), rec["i"], rec["v"], header.numpy(),
@@ -541,9 +533,6 @@ def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch
 def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
                    idx: torch.Tensor, vals: torch.Tensor) -> None:
     """cpu ``kernels.message`` blocked decoding: one pass over the header's blocks."""
-    from .coo import _BITS
-    from .message import INDEX_BLOCK
-
     bits = vals.view(_BITS[vals.element_size()])
     rec = rows.contiguous().numpy().view(_record_dtype(torch.int16, bits)).reshape(-1)
     if not _jit().unpack_blocked(header.numpy(), rec["i"], rec["v"], base, INDEX_BLOCK.bit_length() - 1,

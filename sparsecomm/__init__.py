@@ -27,7 +27,14 @@ from .algorithms import (
 )
 from .api import Pending, algorithms, allreduce, begin_allreduce, sparse_allreduce
 from .comm import Communicator, SimResult, resolve, simulate
-from .errors import CommTimeoutError, InputError, NonFiniteError, PeerError, ScheduleError, SparseCommError
+from .errors import (
+    CommTimeoutError,
+    InputError,
+    NonFiniteError,
+    PeerError,
+    ScheduleError,
+    SparseCommError,
+)
 from .network import PROFILES, Network
 from .result import SparseResult
 from .state import CallStats, State

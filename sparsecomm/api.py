@@ -25,10 +25,10 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from . import registry
-from .kernels import shares_memory
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError, NonFiniteError
+from .kernels import shares_memory
 from .result import SparseResult
 from .state import Compensated, PhaseStats, State, check_density, topk_count
 

@@ -64,6 +64,7 @@ from . import registry
 from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
+from .schedules.engine import Engine
 from .state import State, check_density
 
 __all__ = ["SparseHookState", "sparse_allreduce_hook"]
@@ -164,8 +165,6 @@ class SparseHookState:
         # Internal.
         self._engine = None
         if overlap:
-            from .schedules.engine import Engine
-
             self._engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-ddp")
         self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self._numel = [p.numel() for p in model.parameters()]

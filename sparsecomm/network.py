@@ -8,9 +8,13 @@ approximate public figures of the papers README (section 6); pass your own
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
-__all__ = ["Network", "PROFILES", "resolve_network"]
+from .errors import InputFileError
+
+__all__ = ["Network", "PROFILES", "resolve_network", "profile_dir", "load_profile"]
 
 
 @dataclass(frozen=True)
@@ -39,25 +43,36 @@ PROFILES: dict[str, Network] = {
 }
 
 
-def _saved_profile(name: str) -> Network | None:
-    """A profile written by ``sparsecomm calibrate --save``: a .json path or a name in its folder.
+def profile_dir() -> str:
+    """Where named profiles live: ``$SPARSECOMM_PROFILES``, else ~/.config/sparsecomm/networks."""
+    return os.environ.get("SPARSECOMM_PROFILES") or os.path.join(os.path.expanduser("~"), ".config",
+                                                                  "sparsecomm", "networks")
 
-    None if there is no such file; InputFileError (a ValueError) if it is not a profile.
+
+def load_profile(path: str, name: str = "custom") -> Network:
+    """The Network in a profile file written by ``sparsecomm calibrate --save``.
+
+    InputFileError (a ValueError) naming the file if it cannot be read or is not a profile.
     """
-    import os
-
-    from .calibrate import profile_dir
-    from .errors import InputFileError
-    from .output import read_json
-
-    path = name if name.endswith(".json") else os.path.join(profile_dir(), f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    d = read_json(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as exc:
+        raise InputFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputFileError(f"{path}: not JSON") from None
     try:
         return Network(float(d["alpha"]), float(d["beta"]), d.get("name", name))
     except (TypeError, KeyError, ValueError):
         raise InputFileError(f"{path}: not a network profile (numbers alpha and beta)") from None
+
+
+def _saved_profile(name: str) -> Network | None:
+    """A profile saved by name or given as a .json path; None if there is no such file."""
+    path = name if name.endswith(".json") else os.path.join(profile_dir(), f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    return load_profile(path, name)
 
 
 def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:

@@ -274,7 +274,7 @@ def oktopk_reuse_cases(rank: int, size: int, comm=None) -> dict:
     Returns each call's result, the residual, the thresholds after each call, and the
     global events seen, so a caller can check the rungs were exercised.
     """
-    from sparsecomm.synthetic import drifting
+    from sparsecomm.tools.synthetic import drifting
 
     n, calls = 20_011, 14
     grads = drifting(rank, n, shrink=0.97, shared_scale=True)

@@ -22,7 +22,7 @@ def _starts_processes_only_when_marked(request, monkeypatch):
             pytest.fail(f"{request.node.nodeid} {what}: mark it {decorators}", pytrace=False)
         return fail
 
-    # Every gloo launch (engines.run_gloo, sparsecomm.launch.spawn, train.run) goes through here.
+    # Every gloo launch (engines.run_gloo, sparsecomm.tools.launch.spawn, train.run) goes through here.
     if not {"slow", "gloo"} <= marks:
         monkeypatch.setattr(torch.multiprocessing, "start_processes",
                             refuse("starts gloo processes", ("slow", "gloo")))

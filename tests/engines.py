@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparsecomm.launch import collect, spawn
+from sparsecomm.tools.launch import collect, spawn
 
 HERE = Path(__file__).resolve().parent
 

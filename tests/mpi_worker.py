@@ -18,7 +18,7 @@ def main() -> None:
 
     import sparsecomm
     from sparsecomm.comm.mpi import MPICommunicator
-    from sparsecomm.launch import save_result
+    from sparsecomm.tools.launch import save_result
 
     case, outdir = sys.argv[1], sys.argv[2]
     world = MPI.COMM_WORLD

@@ -1,4 +1,4 @@
-"""The benchmark driver (``sparsecomm.bench``) and the results collector (``sparsecomm report``)."""
+"""The benchmark driver (``sparsecomm.tools.bench``) and the results collector (``sparsecomm report``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsecomm import report
-from sparsecomm.bench import Case, Workload, environment, measure, write_results
-from sparsecomm.cli import main
+from sparsecomm.tools import report
+from sparsecomm.tools.bench import Case, Workload, environment, measure, write_results
+from sparsecomm.tools.cli import main
 from sparsecomm.comm import simulate
 from sparsecomm.comm.sim import single_rank
 

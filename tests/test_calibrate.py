@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from sparsecomm import calibrate
-from sparsecomm.calibrate import Point, Profile, compare, fit, model, traffic
-from sparsecomm.cli import main
+from sparsecomm.tools import calibrate
+from sparsecomm.tools.calibrate import Point, Profile, compare, fit, model, traffic
+from sparsecomm.tools.cli import main
 from sparsecomm.network import resolve_network
 
 N = 40_000

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from sparsecomm import cli, train
+from sparsecomm.tools import cli, train
 
 PY = [sys.executable, "-m", "sparsecomm"]
 # A study small enough to run in a couple of seconds in a fresh interpreter.

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from sparsecomm import emulate
+from sparsecomm.tools import emulate
 
 
 def _cannot_emulate() -> str | None:

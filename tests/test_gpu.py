@@ -124,7 +124,7 @@ def _engine_matrix(rank, size):
 @pytest.mark.slow
 @pytest.mark.gloo  # the marker of every torch.multiprocessing test, whatever its backend
 def test_nccl_world_of_one_equals_cpu():
-    from sparsecomm.launch import spawn
+    from sparsecomm.tools.launch import spawn
 
     got = spawn(1, _engine_matrix, backend="nccl", timeout=300)
     compare(got, cpu_results(1))

@@ -11,7 +11,7 @@ import torch
 import sparsecomm
 from sparsecomm import kernels
 from sparsecomm.api import Signature
-from sparsecomm.synthetic import digits_gradients, drifting, gradient, repeating
+from sparsecomm.tools.synthetic import digits_gradients, drifting, gradient, repeating
 
 from reference import ref_oktopk
 

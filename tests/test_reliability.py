@@ -235,7 +235,7 @@ def _fails_then_aborts(rank: int, size: int):
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_spawn_reports_the_saved_error_of_a_rank_that_then_aborted():
-    from sparsecomm.launch import spawn
+    from sparsecomm.tools.launch import spawn
 
     with pytest.raises(RuntimeError, match="(?s)rank 0 failed.*the real error.*then a process ended"):
         spawn(2, _fails_then_aborts, threads=1, timeout=120)
@@ -249,7 +249,7 @@ def test_spawned_ranks_end_when_the_spawner_is_killed(tmp_path):
     # job started with & from a script ignores SIGINT, and its ranks inherit that: so here.
     script = textwrap.dedent(f"""
         import os, time
-        from sparsecomm.launch import spawn
+        from sparsecomm.tools.launch import spawn
 
         def forever(rank, size):
             open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()

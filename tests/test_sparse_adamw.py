@@ -422,7 +422,7 @@ def _ddp_worker(rank, size):
 @pytest.mark.gloo
 def test_under_ddp_with_the_local_gradient_hook_on_gloo():
     """DDP with the hook hands each rank its own gradient: the same bits as no DDP, on every rank."""
-    from sparsecomm.launch import spawn
+    from sparsecomm.tools.launch import spawn
 
     out = spawn(3, _ddp_worker, timeout=300)
     for plain, ddp in out:

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from sparsecomm import study
-from sparsecomm.cli import main
+from sparsecomm.tools import study
+from sparsecomm.tools.cli import main
 from sparsecomm.network import resolve_network
 
 

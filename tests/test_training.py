@@ -82,7 +82,7 @@ def test_short_convergence_run(tmp_path):
 @pytest.mark.gloo
 @pytest.mark.parametrize("schedule", ["pipesgd", "mgwfbp", "dear"])
 def test_training_under_a_schedule(schedule):
-    from sparsecomm import train
+    from sparsecomm.tools import train
 
     results = train.run(["dense", "oktopk"], ranks=2, epochs=4, schedule=schedule)
     assert [r["config"] for r in results] == [f"dense/{schedule}", f"oktopk/{schedule}"]
@@ -96,7 +96,7 @@ def test_training_under_a_schedule(schedule):
 def test_lm_task_reads_the_standard_library_and_starts_near_uniform(tmp_path):
     import math
 
-    from sparsecomm.tasks import TextTask, get_task
+    from sparsecomm.tools.tasks import TextTask, get_task
 
     for i in range(30):
         (tmp_path / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
@@ -135,7 +135,7 @@ def _record(config, steps, values, per_step=1.0, comm_per_step=0.5, metric="val_
 
 
 def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
-    from sparsecomm import train
+    from sparsecomm.tools import train
 
     dense = _record("dense", [10, 20, 30, 40], [3.0, 2.5, 2.2, 2.0], comm_per_step=0.5)
     fast = _record("oktopk", [10, 20, 30, 40], [3.1, 2.4, 2.05, 2.01], per_step=1.0, comm_per_step=0.01)
@@ -164,7 +164,7 @@ def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(tmp_path):
-    from sparsecomm import train
+    from sparsecomm.tools import train
 
     results = train.run(["dense", "oktopk", "oktopk-hook"], ranks=2, epochs=3, optimizer="adamw", lr=0.002)
     by = {r["config"]: r for r in results}

@@ -18,8 +18,12 @@ import os
 import threading
 from typing import Any
 
+import torch.distributed as dist
+
 from .base import CommStats, Communicator, Request, default_timeout
-from .sim import SimCommunicator, SimResult, current_sim_comm, simulate
+from .mpi import MPICommunicator
+from .sim import SimCommunicator, SimResult, current_sim_comm, simulate, single_rank
+from .torchdist import TorchCommunicator
 
 __all__ = ["Communicator", "Request", "CommStats", "SimCommunicator", "SimResult",
            "simulate", "resolve", "self_communicator", "default_timeout"]
@@ -46,8 +50,6 @@ def self_communicator() -> Communicator:
 
 
 def _make_self() -> Communicator:
-    from .sim import single_rank
-
     return single_rank(name="self")
 
 
@@ -69,30 +71,20 @@ def resolve(group: Any = None, comm: Any = None) -> Communicator:
     if comm is not None:
         if isinstance(comm, Communicator):
             return comm
-        from .mpi import MPICommunicator
-
         return _cached(comm, lambda: MPICommunicator(comm))
     if group is not None:
-        from .torchdist import TorchCommunicator
-
         return _cached(group, lambda: TorchCommunicator(group))
     sim = current_sim_comm()
     if sim is not None:
         return sim
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
-        from .torchdist import TorchCommunicator
-
         world = dist.group.WORLD
         return _cached(world, lambda: TorchCommunicator(world))
     if _launched_by_mpi():
         try:
-            from mpi4py import MPI
+            from mpi4py import MPI  # optional engine: present only where MPI is installed
         except ImportError:
             pass
         else:
-            from .mpi import MPICommunicator
-
             return _cached(MPI.COMM_WORLD, lambda: MPICommunicator(MPI.COMM_WORLD))
     return self_communicator()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -43,8 +44,6 @@ DEFAULT_TIMEOUT = 300.0
 
 def default_timeout() -> float:
     """The wait timeout in seconds: ``$SPARSECOMM_TIMEOUT`` or DEFAULT_TIMEOUT."""
-    import os
-
     value = os.environ.get("SPARSECOMM_TIMEOUT")
     return float(value) if value else DEFAULT_TIMEOUT
 

@@ -29,7 +29,7 @@ __all__ = ["MPICommunicator"]
 
 def _mpi() -> Any:
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional engine: imported when an MPI communicator is made
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise ImportError("the MPI backend needs mpi4py: pip install 'sparsecomm[mpi]' "
                           "(or pip install mpi4py mpich)") from exc

@@ -22,6 +22,7 @@ import time
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..errors import CommTimeoutError, PeerError
 from .base import Communicator, Request
@@ -50,8 +51,6 @@ class TorchCommunicator(Communicator):
     """Rank of a torch.distributed process group (default: the world group)."""
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "
                                "torch.distributed.init_process_group first (or use torchrun)")

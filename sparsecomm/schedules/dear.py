@@ -73,6 +73,7 @@ Training-loop rules (README, Guarantees; the same in every schedule):
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -80,9 +81,30 @@ import torch
 from .. import registry
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
-                   join_residuals, layer_settings, refused_job, snapshot, split_residual)
-from .engine import Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward, write_grads
+from .base import (
+    Carry,
+    LossScale,
+    Schedule,
+    active_scaler,
+    adopt_states,
+    check_layers,
+    check_optimizer,
+    join_residuals,
+    layer_settings,
+    refused_job,
+    snapshot,
+    split_residual,
+)
+from .engine import (
+    Engine,
+    Job,
+    at_backward_end,
+    flat_dtype,
+    grad_versions,
+    grads_changed,
+    second_backward,
+    write_grads,
+)
 
 __all__ = ["DeAR"]
 
@@ -593,7 +615,7 @@ class _Tuner:
         self.study = self.trial = None
         if dear.engine.comm.rank == 0:
             try:
-                import optuna
+                import optuna  # optional: only the tuner needs it
             except ImportError as exc:
                 raise ImportError("DeAR(buffer_bytes='auto') tunes with optuna: pip install optuna "
                                   "(or pip install 'sparsecomm[tune]')") from exc
@@ -616,8 +638,6 @@ class _Tuner:
         return self._ask()
 
     def after_step(self) -> None:
-        import time
-
         now = time.perf_counter()
         if self.count > 0 and self.last is not None:  # the trial's first step is warm-up
             self.times.append(now - self.last)

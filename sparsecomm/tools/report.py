@@ -20,6 +20,7 @@ no-communication step. Tables go to stdout and ``report.md``, plots to PNG.
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 import sys
@@ -27,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import InputFileError
+from ..errors import InputFileError
 from .output import pyplot, read_json
 
 __all__ = ["Record", "load", "machine_label", "tables", "plot", "main"]
@@ -312,8 +313,6 @@ def main(paths: list[str], outdir: str | None) -> int:
 
 
 def _write_csv(records: list[Record], path: str) -> None:
-    import csv
-
     keys: list[str] = ["suite", "machine", "source"]
     for r in records:
         keys += [k for k in r.row if k not in keys and k != "times_s" and not k.startswith("_")]

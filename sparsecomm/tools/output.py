@@ -11,7 +11,9 @@ import json
 from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable
 
-from .errors import InputFileError
+from tqdm import tqdm
+
+from ..errors import InputFileError
 
 __all__ = ["write_json", "read_json", "pyplot", "progress"]
 
@@ -46,8 +48,6 @@ def progress(iterable: Iterable[Any] | None = None, *, show: bool = True, **kwar
     Logs and pipes get no carriage-return noise; keyword arguments go to tqdm
     (``total``, ``desc``, ``unit``, ...).
     """
-    from tqdm import tqdm
-
     # disable=None: tqdm turns itself off when its stream (stderr) is not a terminal.
     return tqdm(iterable, disable=None if show else True, dynamic_ncols=True, **kwargs)
 
@@ -55,10 +55,10 @@ def progress(iterable: Iterable[Any] | None = None, *, show: bool = True, **kwar
 def pyplot() -> Any:
     """``matplotlib.pyplot`` with a file backend, or an ImportError saying how to install it."""
     try:
-        import matplotlib
+        import matplotlib  # optional: only plots need it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise ImportError("plots need matplotlib: pip install 'sparsecomm[study]'") from exc
     return plt

@@ -28,6 +28,7 @@ nodes, network, device, versions, git revision); JSON files carry it so that
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -41,14 +42,15 @@ from typing import Any, Sequence
 
 import torch
 
-from . import registry
-from .api import allreduce
-from .comm.base import Communicator
-from .state import topk_count
+from .. import __version__, registry
+from ..api import allreduce
+from ..comm.base import Communicator
+from ..state import topk_count
+from .launch import local_rank
 from .synthetic import gradient
 
 __all__ = ["Case", "Row", "Workload", "measure", "add_ratios", "format_table", "environment",
-           "bench_device", "local_rank", "write_results"]
+           "bench_device", "write_results"]
 
 
 @dataclass(frozen=True)
@@ -93,14 +95,6 @@ class Row:
     #: This rank's times (seconds) of the timed calls, for spreads and re-analysis.
     times_s: list[float] = field(default_factory=list)
     suite: str = "allreduce"
-
-
-def local_rank() -> int:
-    """This rank's index on its node, from whichever launcher started it (0 if none says)."""
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
 
 
 def bench_device(comm: Communicator) -> torch.device:
@@ -298,15 +292,13 @@ def _device_name(device: torch.device) -> str:
 
 
 def _versions(comm: Communicator) -> dict[str, str]:
-    from . import __version__
-
     v = {"python": platform.python_version(), "torch": torch.__version__, "sparsecomm": __version__}
     for mod in ("numpy", "mpi4py", "triton", "cupy", "numba"):
         m = sys.modules.get(mod)
         if m is not None:
             v[mod] = getattr(m, "__version__", "?")
     if comm.name == "mpi":
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional engine, in use on this path
 
         v["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
     if torch.cuda.is_available():
@@ -340,8 +332,6 @@ def environment(comm: Communicator) -> dict[str, Any]:
 
 def write_results(rows: Sequence[Any], env: dict[str, Any], path: str) -> None:
     """Write ``{"sparsecomm": env, "rows": [...]}``: what ``sparsecomm report`` reads."""
-    import json
-
     dicts = [asdict(r) if hasattr(r, "__dataclass_fields__") else r for r in rows]
     with open(path, "w") as f:
         json.dump({"sparsecomm": env, "rows": dicts}, f, indent=2)

@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-__all__ = ["spawn", "save_result", "collect", "join_launched_group"]
+__all__ = ["spawn", "save_result", "collect", "join_launched_group", "local_rank"]
+
+
+def local_rank() -> int:
+    """This rank's index on its node, from whichever launcher started it (0 if none says)."""
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
 
 
 def _free_port() -> int:
@@ -37,8 +49,6 @@ def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
     thread polls the parent's pid (portable, unlike prctl's death signal). The spawner
     passes its own pid: one read here could already see the re-parented value.
     """
-    import threading
-
     if os.getppid() != parent:
         os._exit(3)
 
@@ -53,8 +63,6 @@ def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
 
 def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: int,
            fn: Callable[..., Any], args: tuple, parent: int) -> None:
-    import torch.distributed as dist
-
     _exit_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -68,7 +76,6 @@ def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: 
         # peer ("terminate called without an active exception") under load. A rank
         # that failed joins too; if the barrier itself fails, the saved results
         # still say what went wrong.
-        import gc
 
         gc.collect()
         try:
@@ -95,7 +102,6 @@ def spawn(nprocs: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo"
     Raises RuntimeError with the failing rank's traceback if any rank failed.
     With ``missing_ok``, a rank that exited without a result gives None.
     """
-    import torch.multiprocessing as mp
 
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     with tempfile.TemporaryDirectory() as outdir:
@@ -166,15 +172,11 @@ def join_launched_group() -> bool:
     destroyed at interpreter exit: gloo's worker threads still alive while the
     interpreter finalises abort the process now and then.
     """
-    import torch.distributed as dist
-
     if not ("TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)):
         return False
     if not dist.is_initialized():
         backend = os.environ.get("SPARSECOMM_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            from .bench import local_rank
-
             torch.cuda.set_device(local_rank() % torch.cuda.device_count())
         dist.init_process_group(backend)
         atexit.register(_destroy_group)
@@ -182,7 +184,5 @@ def join_launched_group() -> bool:
 
 
 def _destroy_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()

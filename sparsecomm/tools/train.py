@@ -1,6 +1,6 @@
 """Convergence comparison on real data: DDP training with sparsecomm's hooks, or a schedule.
 
-Two tasks (:mod:`sparsecomm.tasks`; nothing is downloaded): ``digits``, a
+Two tasks (:mod:`sparsecomm.tools.tasks`; nothing is downloaded): ``digits``, a
 small MLP on scikit-learn's bundled handwritten digits (test accuracy), and
 ``lm``, a byte-level transformer language model of about 2.5 million
 parameters on the Python standard library's own source files (validation
@@ -29,9 +29,18 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import registry, schedules
+from ..api import allreduce
+from ..comm.sim import single_rank
+from ..hooks import SparseHookState, sparse_allreduce_hook
+from ..network import PROFILES, resolve_network
+from ..optim import SparseAdamW, local_gradient_hook
+from ..schedules import SCHEDULES as REGISTERED_SCHEDULES
 from . import output
-from .schedules import SCHEDULES as REGISTERED_SCHEDULES
+from .launch import spawn
 from .tasks import get_task
 
 __all__ = ["CONFIGS", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup", "train_rank", "run",
@@ -81,8 +90,6 @@ def check_warmup(schedule: str, warmup_steps: int) -> None:
 
 def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: dict | None,
               warmup_steps: int = 0):
-    from . import schedules
-
     cls = schedules.SCHEDULES[name]
     settings = settings or {"algorithm": "dense", "density": 1.0}
     options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
@@ -113,11 +120,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
     check_warmup(schedule, warmup_steps)
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .hooks import SparseHookState, sparse_allreduce_hook
-    from .network import PROFILES, resolve_network
 
     net = resolve_network(network)
     ethernet = {"modelled_1gbe": PROFILES["1gbe"], "modelled_10gbe": PROFILES["10gbe"]}
@@ -132,8 +135,6 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     total_steps = epochs * steps_per_epoch
     state = None
     if sparse_adamw:
-        from .optim import SparseAdamW, local_gradient_hook
-
         model.register_comm_hook(None, local_gradient_hook)
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         opt = SparseAdamW(model.parameters(), lr=job.lr if lr is None else lr, **job.adamw_settings,
@@ -277,9 +278,6 @@ def measure_local_cost(config: str, n: int, calls: int = 10, seed: int = 0) -> f
     settings = CONFIGS[config]
     if settings is None:
         return 0.0
-    from . import registry
-    from .api import allreduce
-    from .comm.sim import single_rank
 
     options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
     st = registry.get(settings["algorithm"]).state_class(settings.get("density", 1.0), **options)
@@ -306,8 +304,6 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     unless given: a comparison made of several calls measures it once) and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time
     that :func:`time_to_accuracy` adds to the modelled communication.
     """
-    from .launch import spawn
-
     runs = []
     for name in configs:
         config, schedule = parse_config(name)

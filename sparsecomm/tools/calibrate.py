@@ -37,18 +37,17 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from .errors import InputFileError
-from .network import Network
-from .output import progress, read_json
+import numpy as np
+
+from ..comm import resolve, simulate
+from ..errors import InputFileError
+from ..network import Network, profile_dir
+from .bench import Case, Workload
+from .output import progress, pyplot, read_json
+from .report import load
 
 __all__ = ["Profile", "Point", "traffic", "points", "fit", "model", "compare", "project", "reuse_traffic",
-           "profile_dir", "main"]
-
-
-def profile_dir() -> str:
-    """Where named profiles live: ``$SPARSECOMM_PROFILES``, else ~/.config/sparsecomm/networks."""
-    return os.environ.get("SPARSECOMM_PROFILES") or os.path.join(os.path.expanduser("~"), ".config",
-                                                                  "sparsecomm", "networks")
+           "main"]
 
 
 @dataclass
@@ -108,7 +107,7 @@ def traffic(algorithm: str, compressor: str | None, P: int, n: int, density: flo
             kind: str = "model", n_sim: int = 1 << 18, calls: int = 3) -> tuple[float, float]:
     """Critical-path (messages, bytes) per call of the busiest rank, extrapolated from small simulations.
 
-    1. Run :class:`sparsecomm.bench.Workload` (the benchmark's own workload:
+    1. Run :class:`sparsecomm.tools.bench.Workload` (the benchmark's own workload:
        same gradients, fresh state, error feedback) on P simulated ranks for
        ``calls`` calls; the first is the threshold's warm-up and not counted.
     2. Average each rank's critical messages and bytes over the counted calls
@@ -118,9 +117,6 @@ def traffic(algorithm: str, compressor: str | None, P: int, n: int, density: flo
        thresholds, O(P) words) does not, and a plain n / n_sim scaling would
        multiply the latter too. Messages are taken from the larger run.
     """
-    from .bench import Case, Workload
-    from .comm import resolve, simulate
-
     def run(m: int) -> tuple[float, float]:
         def body(rank: int) -> tuple[float, float]:
             work = Workload(resolve(), Case(algorithm, m, density, compressor, kind=kind), variants=2)
@@ -169,7 +165,7 @@ def _case(row: dict) -> tuple:
 
 
 def points(records: Iterable, n_sim: int = 1 << 18, show_progress: bool = False) -> list[Point]:
-    """The allreduce rows at P > 1 of ``records`` (``sparsecomm.report.load``), with simulated traffic.
+    """The allreduce rows at P > 1 of ``records`` (``sparsecomm.tools.report.load``), with simulated traffic.
 
     ``show_progress``: a progress bar over the simulated cases (on a terminal).
     """
@@ -196,8 +192,7 @@ def fit(pts: list[Point], names: dict[str, str] | None = None) -> dict[str, Prof
 
     Returns one Profile per machine label (named by ``names`` or "calibrated-i").
     """
-    import numpy as np
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # optional: only the fit needs scipy
 
     machines = sorted({p.machine for p in pts})
     locals_ = sorted({(p.device, p.label) for p in pts})
@@ -278,8 +273,6 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bool,
          project_to: int, project_n: int | None, n_sim: int, traffic_from: str | None = None) -> int:
     """``sparsecomm calibrate``: fit, print modelled vs measured, save profiles, project to ``project_to``."""
-    from .report import load
-
     if traffic_from:
         reuse_traffic(traffic_from)
 
@@ -344,8 +337,6 @@ def main(paths: list[str], names: list[str] | None, outdir: str | None, save: bo
 
 
 def _plot(cmp_rows: list[dict], proj: list[dict], outdir: str) -> None:
-    from .output import pyplot
-
     plt = pyplot()
     fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(13 if proj else 6.5, 5), squeeze=False)
     ax = axes[0][0]

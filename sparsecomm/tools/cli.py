@@ -32,17 +32,24 @@ import os
 import sys
 from typing import Any, Callable
 
+from ..api import algorithms
+from ..comm import resolve, simulate
+from ..compress import COMPRESSORS
+from ..errors import InputFileError
+from ..network import resolve_network
 from . import argtypes as at
-from .errors import InputFileError
+from . import calibrate, emulate, report, study, train
+from .bench import environment, format_table, measure, write_results
+from .launch import join_launched_group, spawn
 from .output import progress, write_json
+from .synthetic import KINDS
+from .tasks import OPTIMIZERS, TASKS
+from .train import check_warmup, parse_config
 
 __all__ = ["build_parser", "main"]
 
 
 def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> tuple[list, dict]:
-    from .bench import environment, measure
-    from .comm import resolve
-
     comm = resolve()
     rows = measure(comm, args.algorithms, args.n, args.density, args.steps, args.warmup, args.kind,
                    compressors=args.compressors)
@@ -50,22 +57,13 @@ def _bench_rank(rank: int, size: int, args: argparse.Namespace) -> tuple[list, d
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, write_results
-
     if args.launcher == "spawn":
-        from .launch import spawn
-
         os.environ.setdefault("SPARSECOMM_LAUNCHER", "spawn")  # the spawned ranks inherit it
         rows, env = spawn(args.ranks, _bench_rank, args)[0]
     elif args.launcher == "sim":
-        from .comm import simulate
-
         os.environ.setdefault("SPARSECOMM_LAUNCHER", "sim")
         rows, env = simulate(args.ranks, lambda r: _bench_rank(r, args.ranks, args)).results[0]
     else:
-        from .comm import resolve
-        from .launch import join_launched_group
-
         join_launched_group()  # torchrun; under mpiexec/srun resolve() finds MPI
         comm = resolve()
         rows, env = _bench_rank(comm.rank, comm.size, args)
@@ -82,8 +80,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from . import study
-
     volume = args.what == "volume"
     sizes = args.ranks or ([2, 4, 8, 16, 32, 64, 128, 256] if volume else [32, 64, 128, 256])
     kinds = args.kinds or (["gaussian", "student_t", "skewed"] if volume else ["model"])
@@ -125,8 +121,6 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from . import train
-
     print(f"# sparsecomm train: task {args.task}, {args.ranks} gloo ranks, {args.epochs} epochs, "
           f"configs {','.join(args.configs)}", flush=True)
     # One configuration at a time, the JSON rewritten after each: a run that fails (a diverging
@@ -165,8 +159,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_problem(args: argparse.Namespace) -> str | None:
     """An option combination ``train`` would refuse for a configuration, before any rank starts."""
-    from .train import check_warmup, parse_config
-
     for config in args.configs:
         try:
             check_warmup(parse_config(config)[1] or args.schedule, args.warmup_steps)
@@ -176,21 +168,15 @@ def _train_problem(args: argparse.Namespace) -> str | None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from . import report
-
     return report.main(args.results, args.out)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from . import calibrate
-
     return calibrate.main(args.results, args.names, args.out, args.save, args.project, args.project_n,
                           args.n_sim, args.traffic_from)
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from . import emulate
-
     return emulate.main(args)
 
 
@@ -229,12 +215,6 @@ def _command(sub: Any, name: str, help: str, run: Callable[[argparse.Namespace],
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sparsecomm`` parser: one subcommand each, every argument checked by its type."""
-    from . import algorithms, emulate, study, train
-    from .compress import COMPRESSORS
-    from .network import resolve_network
-    from .synthetic import KINDS
-    from .tasks import OPTIMIZERS, TASKS
-
     network = at.checked_by(resolve_network, "network")
     parser = argparse.ArgumentParser(prog="sparsecomm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="subcommand", required=True)

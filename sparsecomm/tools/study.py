@@ -37,12 +37,13 @@ from typing import Iterable
 
 import torch
 
-from . import registry
-from .api import allreduce
-from .comm import simulate
-from .network import Network, resolve_network
+from .. import registry
+from ..api import allreduce
+from ..comm import simulate
+from ..network import Network, resolve_network
+from ..state import topk_count
 from .output import pyplot
-from .state import topk_count
+from .synthetic import gradient
 
 __all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv",
            "plot_volume", "plot_projection", "ALGORITHMS", "BERT_ELEMENTS"]
@@ -94,8 +95,6 @@ class VolumeRow:
 def _base(rank: int, n: int, kind: str) -> torch.Tensor:
     """The persistent part of a rank's gradient; for the "model" kind a shared model
     gradient plus per-rank noise of half its size (ranks see different minibatches)."""
-    from .synthetic import gradient
-
     return gradient(rank, 0, n, kind, drift=0.5)
 
 

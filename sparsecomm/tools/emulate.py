@@ -12,7 +12,7 @@ added (``netem`` is not available everywhere ``tbf`` is). With ``mpi=True``
 (``--mpi``) the ranks are instead one MPICH ``mpiexec`` job whose rank r runs
 in namespace r and talks TCP over its shaped port.
 
-From the command line (wired in ``sparsecomm.cli``)::
+From the command line (wired in ``sparsecomm.tools.cli``)::
 
     sparsecomm emulate --ranks 4 --rate 1gbit -- python -m pytest benchmarks/test_allreduce.py
 

@@ -26,7 +26,7 @@ __all__ = ["Task", "DigitsTask", "TextTask", "TASKS", "OPTIMIZERS", "get_task"]
 
 
 class Task:
-    """What :func:`sparsecomm.train.train_rank` trains (see the module docstring)."""
+    """What :func:`sparsecomm.tools.train.train_rank` trains (see the module docstring)."""
 
     name = "task"
     #: The evaluation's name, and whether higher is better.
@@ -69,7 +69,7 @@ class DigitsTask(Task):
     name, metric, higher_is_better, lr = "digits", "accuracy", True, 0.05
 
     def __init__(self, seed: int = 0) -> None:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # optional: only the digits task needs it
 
         d = load_digits()
         x = torch.tensor(d.data, dtype=torch.float32) / 16.0
