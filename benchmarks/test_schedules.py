@@ -23,11 +23,10 @@ import pytest
 import torch
 
 from sparsecomm.tools.bench import bench_device
-from sparsecomm.schedules import MGWFBP, WFBP, DeAR, PipeSGD, SyncEASGD, plan_time
+from sparsecomm.schedules import SCHEDULES, plan_time
 
 from steps import batches, model, time_steps
 
-SCHEDULES = {"wfbp": WFBP, "synceasgd": SyncEASGD, "mgwfbp": MGWFBP, "dear": DeAR, "pipesgd": PipeSGD}
 CHOSEN = [s for s in os.environ.get("SPARSECOMM_BENCH_SCHEDULES", ",".join(SCHEDULES)).split(",") if s]
 ALGORITHMS = {"dense": {"algorithm": "dense", "density": 1.0}, "oktopk 1%": {"algorithm": "oktopk", "density": 0.01}}
 #: Untimed steps at least (``SPARSECOMM_BENCH_WARMUP``): the steady state, not error feedback's build-up.
@@ -45,9 +44,9 @@ def test_schedule_step(benchmark, comm, request, config):
         net = DDP(net, process_group=request.getfixturevalue("torch_group"),
                   device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    sched = None
+    sched, name = None, config.split(" ", 1)[0]
     if config not in ("none", "ddp default"):
-        name, algo = config.split(" ", 1)
+        algo = config.split(" ", 1)[1]
         sched = SCHEDULES[name](net, opt, comm=comm, **ALGORITHMS[algo])
     data = batches(net, comm.rank, device)
 
@@ -55,19 +54,17 @@ def test_schedule_step(benchmark, comm, request, config):
         x, y = data()
         opt.zero_grad(set_to_none=False)
         torch.nn.functional.cross_entropy(net(x), y).backward()
-        if isinstance(sched, (PipeSGD, DeAR)):
-            sched.step()
+        if sched is not None:
+            sched.step()  # the Schedule interface: reduce and update
         else:
-            if sched is not None:
-                sched.synchronize()
             opt.step()
 
     try:
         # MG-WFBP profiles (6 steps), then measures its plan against one group (6 steps each);
         # Ok-Topk's thresholds and residuals settle over ~20 calls.
-        warmup = max(20 if isinstance(sched, MGWFBP) else 6, WARMUP)
+        warmup = max(20 if name == "mgwfbp" else 6, WARMUP)
         row = time_steps(benchmark, comm, "schedules", config, step, warmup=warmup, device=device)
-        if isinstance(sched, MGWFBP) and sched.backward_times is not None:  # the plan it made
+        if name == "mgwfbp" and sched.backward_times is not None:  # the plan it made
             row.update(groups=len(sched.groups), a=sched.a, b=sched.b, backward_ms=1e3 * sum(sched.backward_times),
                        trials=[(len(g), 1e3 * t) for g, t in sched.trials],
                        planned_comm_ms=1e3 * plan_time(sched.groups, sched.backward_times, sched.sizes,

@@ -43,9 +43,10 @@ a checkpoint too (the step is the state's iteration).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,7 +54,7 @@ from . import kernels
 from .comm.base import Communicator
 
 __all__ = ["Compressor", "Cast", "Truncate16", "Quantize", "Divided", "Encoded", "get_compressor",
-           "COMPRESSORS", "pack_bits", "unpack_bits"]
+           "COMPRESSORS", "register_compressor", "pack_bits", "unpack_bits"]
 
 
 @dataclass
@@ -362,11 +363,30 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
-COMPRESSORS = ["fp16", "bf16", "trunc16", "q8", "q4", "q2", "q8s", "q4s", "q2s"]
+#: Compressor names users may pass as ``compressor=``, in registration order.
+COMPRESSORS: list[str] = []
+_FACTORIES: dict[str, Callable[[], Compressor]] = {}
+
+
+def register_compressor(name: str, factory: Callable[[], Compressor]) -> None:
+    """Make ``compressor=name`` build ``factory()`` (the commands and tests list it too)."""
+    if name in _FACTORIES or name == "none":
+        raise ValueError(f"compressor {name!r} is already registered")
+    _FACTORIES[name] = factory
+    COMPRESSORS.append(name)
+
+
+register_compressor("fp16", functools.partial(Cast, torch.float16, "fp16"))
+register_compressor("bf16", functools.partial(Cast, torch.bfloat16, "bf16"))
+register_compressor("trunc16", Truncate16)
+for _stochastic in (False, True):
+    for _bits in (8, 4, 2):
+        register_compressor(f"q{_bits}{'s' if _stochastic else ''}",
+                            functools.partial(Quantize, _bits, stochastic=_stochastic))
 
 
 def get_compressor(spec: "str | Compressor | None", dtype: torch.dtype, divisor: int = 1) -> Compressor:
-    """A compressor from a name in COMPRESSORS, an instance, or None.
+    """A compressor from a registered name (:data:`COMPRESSORS`), an instance, or None.
 
     None means no compression: values travel in the input's ``dtype`` and the
     dense allreduce uses the backend's own (a Cast named "none"). With
@@ -384,10 +404,7 @@ def _named_compressor(spec: "str | Compressor | None", dtype: torch.dtype) -> Co
         return Cast(dtype, "none")
     if isinstance(spec, Compressor):
         return spec
-    if spec in ("fp16", "bf16"):
-        return Cast(torch.float16 if spec == "fp16" else torch.bfloat16, spec)
-    if spec == "trunc16":
-        return Truncate16()
-    if isinstance(spec, str) and spec.startswith("q") and spec[1:].rstrip("s").isdigit():
-        return Quantize(int(spec[1:].rstrip("s")), stochastic=spec.endswith("s"))
-    raise ValueError(f"unknown compressor {spec!r}; known: {COMPRESSORS}")
+    factory = _FACTORIES.get(spec) if isinstance(spec, str) else None
+    if factory is None:
+        raise ValueError(f"unknown compressor {spec!r}; known: {COMPRESSORS}")
+    return factory()

@@ -24,17 +24,27 @@ gather of the reduced entries) may also register them, so that schedules
 forward: ``split=(first, second)`` where ``first`` takes ``fn``'s arguments
 and returns an opaque object, ``second(that, comm)`` the SparseResult, and
 ``second(first(...), comm)`` is exactly ``fn(...)``.
+
+An algorithm that settles the residual while it encodes (above) must know
+the largest magnitude its result may take without being refused for
+overflow: it declares a keyword argument ``limit`` (in ``fn`` and in the
+first half), and each call passes it (infinite when nothing is refused).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .result import SparseResult
 from .state import State, allow_in_checkpoints
 
-__all__ = ["AlgorithmSpec", "register", "get", "names"]
+__all__ = ["AlgorithmSpec", "Volume", "register", "get", "names", "tree_levels"]
+
+#: ``volume(n, k, P)`` -> (lower, upper) words (4 bytes) received per rank by one call.
+Volume = Callable[[int, int, int], tuple[float, float]]
 
 
 @dataclass(frozen=True)
@@ -44,20 +54,36 @@ class AlgorithmSpec:
     state_class: type[State]
     summary: str
     split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None
+    #: Whether ``fn`` (and ``split[0]``) take ``limit=`` (see the module docstring).
+    takes_limit: bool = False
+    #: Its communication volume by formula (Table 1 of the Ok-Topk paper), or None.
+    volume: Volume | None = None
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
 def register(name: str, state_class: type[State], *,
-             split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None) -> Callable:
-    """Decorator registering an algorithm function under ``name`` (and its two halves, ``split``)."""
+             split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None,
+             volume: Volume | None = None) -> Callable:
+    """Decorator registering an algorithm function under ``name``.
+
+    Args:
+        name: what users pass as ``algorithm=``.
+        state_class: its State (saved in checkpoints, so allowed by ``torch.load``).
+        split: its two halves, if it has them (see the module docstring).
+        volume: words received per rank, (lower, upper), as a function of (n, k, P):
+            what ``sparsecomm study volume`` compares the measured traffic with.
+    """
 
     def deco(fn: Callable[..., SparseResult]) -> Callable[..., SparseResult]:
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} is already registered")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split)
+        takes_limit = "limit" in inspect.signature(fn).parameters
+        if split is not None and takes_limit != ("limit" in inspect.signature(split[0]).parameters):
+            raise ValueError(f"algorithm {name!r}: fn and its first half must both take limit=, or neither")
+        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split, takes_limit, volume)
         state_class.algorithm = name
         allow_in_checkpoints(state_class)
         return fn
@@ -76,3 +102,8 @@ def get(name: str) -> AlgorithmSpec:
 def names() -> list[str]:
     """Registered algorithm names, sorted."""
     return sorted(_REGISTRY)
+
+
+def tree_levels(P: int) -> int:
+    """Levels of a tree over ``P`` ranks, ceil(log2 P) (0 for one rank): volume formulas use it."""
+    return math.ceil(math.log2(P)) if P > 1 else 0

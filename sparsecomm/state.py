@@ -185,13 +185,8 @@ class State:
     #: TopkDSA): with error feedback, :meth:`compensate` then also collects every entry above
     #: ``topk_guide`` and :meth:`exact_topk` finds the top-k among those few candidates.
     guided_topk = False
-    #: The largest |value| the caller can take from this call's result (its dtype and scale),
-    #: set by ``sparsecomm.api`` before each call. An algorithm that can bound its result
-    #: below it knows the call cannot be refused for overflow, so it may settle the residual
-    #: early (:class:`~sparsecomm.result.SparseResult` ``settled``); not saved in checkpoints.
-    result_limit = math.inf
     #: Attributes that live for one call or are buffers: never saved in checkpoints.
-    _TRANSIENT = ("_scratch", "_workspace", "_results", "result_limit", "_maxima", "_scales_wanted")
+    _TRANSIENT = ("_scratch", "_workspace", "_results", "_maxima", "_scales_wanted")
     #: How many result buffers a plain call (no ``out=``) may keep (:meth:`result_buffer`):
     #: two serve ``out = allreduce(g, state=s)``, whose previous result lives through the call.
     RESULT_BUFFERS = 2

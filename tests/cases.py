@@ -125,7 +125,7 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     out["dense/q8/residual"] = st.residual.clone()
     out["dense/q4/avg"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", compressor="q4",
                                                op="avg", comm=comm)
-    for name in ("topka", "topkdsa", "gtopk", "gaussiank", "cltk"):
+    for name in [a for a in sparsecomm.algorithms() if a not in ("dense", "oktopk")]:
         st = sparsecomm.registry.get(name).state_class(0.01, error_feedback=True)
         for step in range(2):
             out[f"{name}/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st, comm=comm)

@@ -27,10 +27,9 @@ import torch
 
 import sparsecomm
 
-from reference import (k_of, ref_cltk, ref_gaussian_selection, ref_gtopk, ref_oktopk, ref_sum_of_selected,
-                       ref_topk)
+from reference import REFERENCES
 
-ALGORITHMS = ["oktopk", "topka", "topkdsa", "gtopk", "gaussiank", "cltk", "dense"]
+ALGORITHMS = sparsecomm.algorithms()
 # Exact on the small integers the cases use: results can be compared bit for bit.
 EXACT_COMPRESSORS = [None, "fp16", "bf16", "trunc16"]
 LOSSY_COMPRESSORS = ["q8", "q4", "q8s"]
@@ -181,19 +180,7 @@ def reference(case: Case) -> torch.Tensor | None:
     if case.op == "avg" and fp16_wire:
         return None  # values travel divided by P: rounded, so ties may order differently
     grads = [gradient(case, r, 0).to(torch.float32) for r in range(case.P)]
-    k = k_of(case.density, case.n)
-    if case.algorithm == "oktopk":
-        out = ref_oktopk(grads, case.density)
-    elif case.algorithm in ("topka", "topkdsa"):
-        out = ref_sum_of_selected(grads, [torch.from_numpy(ref_topk(g.numpy(), k)) for g in grads])
-    elif case.algorithm == "gaussiank":
-        out = ref_sum_of_selected(grads, [ref_gaussian_selection(g, case.density) for g in grads])
-    elif case.algorithm == "gtopk":
-        out = ref_gtopk(grads, case.density)
-    elif case.algorithm == "cltk":
-        out = ref_cltk(grads, case.density, 0)  # a stateless call is its state's first: rank 0 leads
-    else:
-        out = sum(grads)
+    out = REFERENCES[case.algorithm](grads, case.density)
     out = out.to(torch.float64)
     return out / case.P if case.op == "avg" else out
 

@@ -115,3 +115,23 @@ def ref_gtopk(grads, density, value_dtype=torch.float32):
     for j, v in sets[0].items():
         out[j] = v
     return out
+
+
+def _sum_of_local_topk(grads, density):
+    k = k_of(density, grads[0].numel())
+    return ref_sum_of_selected(grads, [torch.from_numpy(ref_topk(g.numpy(), k)) for g in grads])
+
+
+#: The exact result of a stateless call of every registered algorithm, from float32 gradients
+#: whose sums are exact in any order (a new algorithm adds its line here).
+REFERENCES = {
+    "oktopk": ref_oktopk,
+    "topka": _sum_of_local_topk,
+    "topkdsa": _sum_of_local_topk,
+    "gaussiank": lambda grads, density: ref_sum_of_selected(
+        grads, [ref_gaussian_selection(g, density) for g in grads]),
+    "gtopk": ref_gtopk,
+    # A stateless call is its state's first: rank 0 leads.
+    "cltk": lambda grads, density: ref_cltk(grads, density, 0),
+    "dense": lambda grads, density: sum(grads),
+}

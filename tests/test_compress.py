@@ -11,7 +11,7 @@ import torch
 import sparsecomm
 from sparsecomm.compress import Quantize, get_compressor, pack_bits, unpack_bits
 
-ALGORITHMS = ["dense", "oktopk", "topka", "topkdsa", "gtopk", "gaussiank", "cltk"]
+ALGORITHMS = sparsecomm.algorithms()
 
 
 def test_cast_and_truncation_bounds():

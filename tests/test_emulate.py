@@ -113,7 +113,7 @@ def test_tc_failure_is_a_clear_message(tmp_path, capfd, no_leftovers):
 
 
 def test_not_root_is_a_clear_message_and_exit_2(monkeypatch, capfd):
-    monkeypatch.setattr(emulate, "_is_root", lambda: False)
+    monkeypatch.setattr(emulate.netns, "_is_root", lambda: False)
     assert emulate.run(2, "1gbit", ["true"], timeout=5) == 2
     assert "needs root" in capfd.readouterr().err
     parser = argparse.ArgumentParser()
@@ -125,12 +125,12 @@ def test_not_root_is_a_clear_message_and_exit_2(monkeypatch, capfd):
 
 
 def test_bad_input_is_a_clear_message(monkeypatch, capfd):
-    monkeypatch.setattr(emulate, "_is_root", lambda: True)
+    monkeypatch.setattr(emulate.netns, "_is_root", lambda: True)
     monkeypatch.setattr(shutil, "which", lambda tool: None)
     assert emulate.run(2, "1gbit", ["true"], timeout=5) == 2
     assert "needs iproute2" in capfd.readouterr().err
     monkeypatch.undo()
-    monkeypatch.setattr(emulate, "_is_root", lambda: True)
+    monkeypatch.setattr(emulate.netns, "_is_root", lambda: True)
     for P, rate in ((0, "1gbit"), (300, "1gbit"), (2, "fast")):
         with pytest.raises(emulate.EmulateError):
             emulate.preflight(P, rate)

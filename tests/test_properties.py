@@ -23,6 +23,12 @@ EXAMPLES = int(os.environ.get("SPARSECOMM_PROPERTY_EXAMPLES", "150"))
 TIMEOUT = 10.0
 
 
+def test_every_registered_algorithm_has_a_reference():
+    from reference import REFERENCES
+
+    assert sorted(REFERENCES) == sparsecomm.algorithms()
+
+
 def outcome(value):
     if isinstance(value, BaseException):
         return "raised", f"{type(value).__name__}: {value}"

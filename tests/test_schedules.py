@@ -93,10 +93,10 @@ def _scheduled(rank: int, kind: str, cls, algorithm: str, density: float, set_to
 @pytest.mark.parametrize("algorithm,density", [("dense", 1.0), ("oktopk", 0.05), ("topka", 0.1)])
 @pytest.mark.parametrize("P,set_to_none", [(1, True), (3, True), (3, False)])
 def test_schedule_equals_the_synchronous_calls(P, set_to_none, kind, cls, algorithm, density, monkeypatch):
-    from sparsecomm.schedules import wfbp
+    from sparsecomm.schedules import groups
 
     gathered_in_place = []
-    monkeypatch.setattr(wfbp, "grads_in", lambda *a: gathered_in_place.append(grads_in(*a)) or gathered_in_place[-1])
+    monkeypatch.setattr(groups, "grads_in", lambda *a: gathered_in_place.append(grads_in(*a)) or gathered_in_place[-1])
 
     def body(rank: int):
         got, groups, _ = _scheduled(rank, kind, cls, algorithm, density, set_to_none)
@@ -431,20 +431,15 @@ def test_results_go_to_buffers_of_their_own_that_the_fused_pass_zeroes(schedule,
     # group schedules and DeAR keep a result buffer per group), so the fused pass may zero the output
     # on its way (kernels.ef_select's zero_out). The references above hold the values; this
     # holds the path.
-    from sparsecomm.schedules import DeAR, PipeSGD
-
     zeroing = zero_out_calls
-    cls = {"pipesgd": PipeSGD, "wfbp": WFBP, "synceasgd": SyncEASGD, "dear": DeAR}[schedule]
+    cls = sparsecomm.schedules.SCHEDULES[schedule]
 
     def body(rank: int):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         sched = cls(model, opt, algorithm="topka", density=0.05)
         _train(model, opt, sched, rank, 6)
-        if schedule == "pipesgd":
-            sched.flush()
-        if schedule == "dear":
-            sched.synchronize()
+        sched.finish()
         sched.close()
         return True
 
@@ -559,7 +554,7 @@ def test_dear_updates_wait_for_the_next_forward():
 def test_dear_gathers_in_the_next_forward(algorithm, halves, monkeypatch):
     """Algorithms with two halves send their gather in the second phase (queued by step(),
     applied in the next forward); the others send everything in backward's first phase."""
-    from sparsecomm.api import Pending
+    from sparsecomm.pipeline import Pending
     from sparsecomm.schedules import DeAR
 
     finish, seconds = Pending.finish, []

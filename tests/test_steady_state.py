@@ -175,11 +175,11 @@ def test_reused_threshold_follows_drift_without_corrections():
 def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     # A steady-state call reads the gradient once: the fused pass's output settles that it
     # is finite, so the separate check (a whole read of the tensor) must not run.
-    from sparsecomm import api
+    from sparsecomm import check
 
     reads, overflowed = [], []
-    real = api._all_finite
-    monkeypatch.setattr(api, "_all_finite", lambda t: reads.append(t.numel()) or real(t))
+    real = check.all_finite
+    monkeypatch.setattr(check, "all_finite", lambda t: reads.append(t.numel()) or real(t))
     fused_result = sparsecomm.state.Compensated.fused.__func__
 
     def spy(cls, acc, idx, val, count, capacity, out_zeroed=False):

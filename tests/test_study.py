@@ -7,23 +7,23 @@ import math
 
 import pytest
 
+import sparsecomm
+from sparsecomm.network import resolve_network
 from sparsecomm.tools import study
 from sparsecomm.tools.cli import main
-from sparsecomm.network import resolve_network
-
 
 WORLD_SIZES, KINDS = [2, 3, 8, 16], ["gaussian", "skewed"]
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return study.volume_study(WORLD_SIZES, study.ALGORITHMS, KINDS, n=50_000, tau=3)
+    return study.volume_study(WORLD_SIZES, sparsecomm.algorithms(), KINDS, n=50_000, tau=3)
 
 
 def test_one_row_per_algorithm_world_size_and_kind(rows):
     # The checks below filter rows by algorithm: a missing row must not pass them silently.
     got = sorted((r.algorithm, r.P, r.kind) for r in rows)
-    assert got == sorted((a, P, kind) for a in study.ALGORITHMS for P in WORLD_SIZES for kind in KINDS)
+    assert got == sorted((a, P, kind) for a in sparsecomm.algorithms() for P in WORLD_SIZES for kind in KINDS)
 
 
 def test_oktopk_stays_within_its_bound_in_steady_state(rows):
@@ -61,7 +61,7 @@ def test_allgather_volume_grows_with_P_and_oktopk_does_not(rows):
 def test_projection_ranks_oktopk_first_at_scale(rows):
     proj = study.project(rows, "pizdaint", study.BERT_ELEMENTS, kind="gaussian")
     at16 = {d["algorithm"]: d for d in proj if d["P"] == 16}
-    assert set(at16) == set(study.ALGORITHMS)
+    assert set(at16) == set(sparsecomm.algorithms())
     # Among the algorithms that select a global top-k. CLT-k (one leader's indexes, one dense
     # allreduce of k values) models about as fast per call (0.96x at P = 16): its price is in
     # convergence, not volume.
@@ -85,7 +85,7 @@ def test_commands_write_tables_and_plots(tmp_path, capsys):
                  "--kinds", "gaussian", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "volume.png").stat().st_size > 10_000
     data = json.loads((tmp_path / "volume.json").read_text())
-    assert {d["algorithm"] for d in data} == set(study.ALGORITHMS)
+    assert {d["algorithm"] for d in data} == set(sparsecomm.algorithms())
     assert main(["study", "bert", "--ranks", "4,8", "--n", "5000", "--tau", "2",
                  "--networks", "pizdaint,2e-6:1e-10", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -64,7 +64,7 @@ def test_reducer_validation():
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_short_convergence_run(tmp_path):
-    from sparsecomm import train  # needs scikit-learn and matplotlib: the [test] extra has them
+    from sparsecomm.tools import train  # needs scikit-learn and matplotlib: the [test] extra has them
 
     results = train.run(["dense", "oktopk", "dense-q4"], ranks=4, epochs=8)
     acc = {r["config"]: r["accuracy"][-1] for r in results}
@@ -182,3 +182,20 @@ def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(t
     # Dense reaches its own final metric by its last evaluation (earlier if it got there before).
     assert rows[0]["1.00x"]["step"] <= steps - steps % 10 and rows[0]["1.00x"]["1gbe"] > 0
     train.plot(results, str(tmp_path / "train.png"))
+
+
+def test_configuration_names_follow_the_registries():
+    from sparsecomm.compress import COMPRESSORS
+    from sparsecomm.tools import train
+
+    for algorithm in sparsecomm.algorithms():
+        if algorithm != "dense":
+            assert train.config_settings(algorithm) == {"algorithm": algorithm, "density": 0.01}
+            assert train.config_settings(f"{algorithm}-hook")["hook"] is True
+        for compressor in COMPRESSORS:
+            assert train.config_settings(f"{algorithm}-{compressor}")["compressor"] == compressor
+    assert train.config_settings("dense") is None  # DDP's own allreduce
+    for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x"):
+        with pytest.raises(ValueError, match="unknown configuration"):
+            train.config_settings(bad)
+    assert train.parse_config("cltk-q8/pipesgd") == ("cltk-q8", "pipesgd")

@@ -16,7 +16,7 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
-from ..registry import register
+from ..registry import register, tree_levels
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 from .dense import DenseState, dense
@@ -48,7 +48,16 @@ class CltkState(State):
         return inner
 
 
-@register("cltk", CltkState)
+def cltk_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank (not in Table 1): the leader's k int64 indexes (2 words each)
+    go down a binomial tree (the leader sends them ceil(log2 P) times, every other rank
+    receives them once), then a ring allreduce of the k values: at least the ring's, at
+    most the leader's traffic."""
+    f = (P - 1) / P
+    return 2 * k * f, 2 * k * max(tree_levels(P), 1 if P > 1 else 0) + 2 * k * f
+
+
+@register("cltk", CltkState, volume=cltk_volume)
 def cltk(acc: torch.Tensor, k: int, comm: Communicator, state: CltkState,
          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Shared-index top-k (CLT-k) sparse allreduce.

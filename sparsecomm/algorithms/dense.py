@@ -91,13 +91,13 @@ class _Half:
 
 
 def dense_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
-                 codec: Compressor, preselected: Preselection | None = None) -> _Half:
+                 codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> _Half:
     """The reduce-scatter half of :func:`dense` (world size 1, or a cast that is not the
     identity on a backend's own sums: the whole call)."""
     n, P = acc.numel(), comm.size
     if P > 1 and not codec.sums_on_wire:
         return _reduce_scatter(acc, comm, codec, CallStats(algorithm="dense", n=n, k=n, local_selected=n,
-                                                           global_selected=n), state)
+                                                           global_selected=n), state, limit)
     sent = codec.roundtrip(acc) if P > 1 else None
     if P == 1 or sent is not acc:
         return _Half(acc, state, codec, CallStats(algorithm="dense"), done=dense(acc, k, comm, state, codec))
@@ -124,9 +124,15 @@ def dense_gather(h: _Half, comm: Communicator) -> SparseResult:
     return _allgather(h, comm)
 
 
-@register("dense", DenseState, split=(dense_reduce, dense_gather))
+def dense_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: a reduce-scatter and an all-gather of n values, 2n(P-1)/P."""
+    f = (P - 1) / P
+    return 2 * n * f, 2 * n * f
+
+
+@register("dense", DenseState, split=(dense_reduce, dense_gather), volume=dense_volume)
 def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
-          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
+          codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
     """Dense allreduce of every value through the communicator.
 
     1. No compressor: the backend's own allreduce (ring, Rabenseifner) in the
@@ -159,7 +165,7 @@ def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
             else:
                 total = codec.decode(comm.allreduce(codec.encode(acc), "sum"), 1.0, acc.dtype)
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=sent, stats=stats)
-    return dense_gather(_reduce_scatter(acc, comm, codec, stats, state), comm)
+    return dense_gather(_reduce_scatter(acc, comm, codec, stats, state, limit), comm)
 
 
 # Headroom of a bound on decoded values: decoding rounds a value up by at most a float32
@@ -178,13 +184,13 @@ def _decoded_bound(codec: Compressor, scales: list[float]) -> float | None:
 
 
 def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, stats: CallStats,
-                    state: DenseState) -> _Half:
+                    state: DenseState, limit: float) -> _Half:
     """With a compressor: rank j receives chunk j of every rank encoded, and sums it.
 
     With error feedback, each chunk is encoded keeping its error in ``acc``
     (the residual) in the same pass, so the update has nothing left to
     subtract and nothing of size n is decoded for it (``SparseResult.settled``),
-    when the scales bound the result below ``state.result_limit``: such a call
+    when the scales bound the result below ``limit``: such a call
     cannot be refused for overflow, the one case that must put acc back whole.
     Otherwise (no error feedback, a cast, whose scale bounds nothing, a scale
     that is not finite, or a bound above the limit) what was sent is decoded
@@ -205,7 +211,7 @@ def _reduce_scatter(acc: torch.Tensor, comm: Communicator, codec: Compressor, st
         # Every decoded value is within its chunk's scale, so a sum of P within P times it;
         # the scales are agreed, so every rank decides the same.
         bound = _decoded_bound(codec, scales)
-        settle = state.error_feedback and bound is not None and P * bound < state.result_limit
+        settle = state.error_feedback and bound is not None and P * bound < limit
         payloads: list[torch.Tensor | None] = [None] * P
         payloads[me] = codec.pack(chunk[me], scales[me], keep_error=settle)
         width = payloads[me].numel()  # every rank's encoding of chunk ``me`` has this size

@@ -42,7 +42,12 @@ def gaussian_threshold(acc: torch.Tensor, density: float) -> float:
     return abs(mean) + z * std
 
 
-@register("gaussiank", GaussiankState)
+def gaussiank_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: as TopkA, every peer's (about) k entries, 2k(P-1)."""
+    return 2 * k * (P - 1), 2 * k * (P - 1)
+
+
+@register("gaussiank", GaussiankState, volume=gaussiank_volume)
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
               codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Gaussiank sparse allreduce.

@@ -23,7 +23,7 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
-from ..registry import register
+from ..registry import register, tree_levels
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 
@@ -54,7 +54,12 @@ def _merge(a_idx: torch.Tensor, a_val: torch.Tensor, b_idx: torch.Tensor, b_val:
     return uniq.index_select(0, keep), sums.index_select(0, keep)
 
 
-@register("gtopk", GTopkState)
+def gtopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: k entries up and down each of ceil(log2 P) tree levels, 4k log P."""
+    return 4 * k * tree_levels(P), 4 * k * tree_levels(P)
+
+
+@register("gtopk", GTopkState, volume=gtopk_volume)
 def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """gTopk sparse allreduce (tree of top-k merges, then delivery to all).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Sequence
 
 import torch
@@ -22,20 +21,21 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, region_sizes, split_and_reduce
+from .oktopk_local import (
+    LOCAL_BELOW,
+    SPACING_MAX,
+    SPACING_MIN,
+    bracket_too_wide,
+    local_select,
+    masked,
+    nearest_rung,
+)
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
 
 _TAG_BALANCE = 0x5C02
 #: Candidates the fused select keeps, in units of k (the correction needs them all).
 FUSED_CAPACITY = 4
-#: Magnitudes the tail fit of :func:`tail_threshold` looks at, at most.
-_TAIL_SAMPLE = 1 << 16
-#: The local rungs of a reusing call: the reused threshold times exp(spacing * j),
-#: j = -LOCAL_BELOW..LOCAL_ABOVE (see ``_checked_select``).
-LOCAL_BELOW, LOCAL_ABOVE = 2, 8
-#: The local rungs' widest spacing: the lowest rung then lies 18% below the threshold (a
-#: wider one collected more candidates than the fused pass keeps on every call).
-LOCAL_SPACING_MAX = 0.1
 
 
 class OkTopkState(State):
@@ -58,7 +58,7 @@ class OkTopkState(State):
             entries: that is the hard cap on message size. Below the lower
             bound a local selection goes on with fewer entries, and the next
             threshold is measured from this call's accumulator
-            (``kernels.estimate_threshold``, see ``_checked_select``); only
+            (``kernels.estimate_threshold``, see ``checked_select``); only
             when it is (almost) all zero does the next call re-evaluate
             exactly. The global result is held within the bounds on every
             call (see ``_global_select``).
@@ -80,7 +80,7 @@ class OkTopkState(State):
             P up to ~44), radix elsewhere. All three select the same entries.
 
     Internal fields: ``local_threshold``, ``local_spacing`` (the local rungs' spacing,
-    see ``_checked_select``), ``global_threshold``,
+    see ``checked_select``), ``global_threshold``,
     ``global_spacing`` (the global rungs' grid, see ``_global_select``),
     ``boundaries`` (P+1 region starts), ``residual``, ``iteration``,
     ``local_stale`` (no local threshold could be estimated: the next call
@@ -93,7 +93,7 @@ class OkTopkState(State):
     global_select = "auto"
     #: The global rungs' spacing (see ``_global_select``); also the default for older checkpoints.
     global_spacing = 1 / 80
-    #: The local rungs' spacing (see ``_checked_select``); also the default for older checkpoints.
+    #: The local rungs' spacing (see ``checked_select``); also the default for older checkpoints.
     local_spacing = 1 / 80
 
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
@@ -136,7 +136,7 @@ class OkTopkState(State):
 
     def local_floor(self) -> float:
         """The lowest of the reused local threshold's rungs: a reusing call collects every
-        entry above it (see ``_checked_select``)."""
+        entry above it (see ``checked_select``)."""
         return self.local_threshold * math.exp(-LOCAL_BELOW * self.local_spacing)
 
     def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
@@ -192,7 +192,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        local_idx, local_val = _local_select(acc, k, state, t, stats, preselected)
+        local_idx, local_val = local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
@@ -212,7 +212,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
-        red_rel, red_val = _masked(keep, red_rel, red_val)
+        red_rel, red_val = masked(keep, red_rel, red_val)
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
                     index_dtype)
 
@@ -228,13 +228,19 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     stats.global_selected = gidx.numel()
 
     mark = r.state.scratch("mark", acc.numel(), torch.bool, acc.device)
-    contributed, sent = _masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local)
+    contributed, sent = masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local)
     return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=contributed, sent=sent,
                         stats=stats, kept_idx=r.red_rel + starts[comm.rank],
                         kept_val=r.red_val - owned.decoded(acc.dtype))
 
 
-@register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather))
+def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: 2k(P-1)/P (balanced regions, no overlap) to 6k(P-1)/P."""
+    f = (P - 1) / P
+    return 2 * k * f, 6 * k * f
+
+
+@register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather), volume=oktopk_volume)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Ok-Topk sparse allreduce (O(k) volume) on one rank.
@@ -270,272 +276,6 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     return oktopk_gather(oktopk_reduce(acc, k, comm, state, codec, preselected), comm)
 
 
-def _masked(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``t[mask]`` for each tensor, with one ``nonzero`` (on a GPU one sync) for all of them.
-
-    ``index_select`` rather than ``t[pos]``: 4x faster on CPU (0.27 against 1.05 ms for 250k).
-    """
-    pos = kernels.nonzero(mask)
-    return tuple(t.index_select(0, pos) for t in tensors)
-
-
-# ---- step 1: local selection -------------------------------------------------
-def _local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: CallStats,
-                  preselected: Preselection | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted local selection and its values in ``acc``."""
-    if not st.reuse_due(t):
-        st.local_stale = False
-        stats.events["local_recomputed"] = 1
-        if st.local_select == "estimate" and k < acc.numel():
-            # A threshold from a sample and sampled counts, then the same
-            # checks as a reused one (the hard cap included).
-            got = _estimated_select(acc, k, st, stats)
-            if got is not None:
-                return got
-            # Too few (ties, or a sample in step with a periodic layout would
-            # give the same estimate every time): select exactly instead.
-            stats.events["local_estimate_fallback"] = 1
-        return _exact_local(acc, k, st)
-    th = st.local_floor()
-    if preselected is not None:  # selected while accumulating the residual (fused, one pass)
-        idx, count = preselected.indexes, preselected.count
-        if count > idx.numel():  # more candidates than the buffer held (the gradient jumped)
-            # The ladder reached too low: narrow it, and select above a threshold measured
-            # from acc (a sample, a sampled count and one read), not exactly (four passes).
-            stats.events["local_overflowed"] = 1
-            st.local_spacing = max(st.local_spacing / 2, SPACING_MIN)
-            return _reselect(acc, k, st, stats)
-        val = preselected.values if preselected.values is not None else acc[idx]
-    else:
-        idx = kernels.select_above(acc, th, use_abs=True)
-        count = idx.numel()
-        val = acc[idx]
-    if count == 0 and bool((acc != 0).any()):
-        # The threshold overshot (the top entries of the last call left with its residual):
-        # sending nothing would waste the call, so select exactly, as a re-evaluation would.
-        stats.events["local_recomputed"] = 1
-        return _exact_local(acc, k, st)
-    return _checked_select(acc, idx, val, count, th, k, st, stats, rungs=True)
-
-
-def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact local top-k (sorted indexes, values); its k-th largest guides the next threshold."""
-    idx = kernels.topk_indexes(acc, k, use_abs=True)
-    val = acc[idx]
-    _set_local_threshold(st, float(val.abs().min()) if idx.numel() else None)
-    return idx, val
-
-
-def _checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
-                    st: OkTopkState, stats: CallStats, rungs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
-
-    1. A reusing call (``rungs``; ``th`` is the lowest rung, ``OkTopkState.local_floor``)
-       counts its candidates above each rung th * exp(spacing * j), j = 0..LOCAL_BELOW +
-       LOCAL_ABOVE (one bucketing pass over the few candidates), and keeps those above the
-       rung within the bounds whose count is nearest k. Under error feedback the
-       accumulated magnitudes crowd just above the last threshold (an entry is sent soon
-       after it crosses), so a threshold 3% low selected 1.7 k on a repeating gradient:
-       no single reused threshold holds the bounds, a ladder of them does. The spacing
-       doubles (to at most ``LOCAL_SPACING_MAX``) when the chosen rung is an outer one or
-       k lies beyond the ladder, and halves when the counts of two neighbouring rungs
-       bracket k more than ``BRACKET`` apart (or jump over the bounds) and when the fused
-       pass's buffer overflowed.
-    2. Above the upper bound at every rung (or at ``th`` without rungs): keep the exact
-       top-k of these few candidates (``local_corrected``).
-    3. Below the lower bound: the threshold is ``kernels.estimate_threshold`` of ``acc``
-       (a sample and a sampled count, ~6 ms at 25M on one CPU thread), with no trend,
-       for the next call and, in a reusing call, for this one too (one more read of acc,
-       ``local_reselected``; 2 then applies to it); else the call goes on with fewer.
-    4. Otherwise the next threshold is where this call would have selected k (between
-       the two rungs whose counts bracket k, interpolated in log-log; its exact k-th
-       largest without rungs; :func:`tail_threshold` of the magnitudes above ``th`` or
-       the top rung where k lies beyond them), moved on by the trend of those thresholds
-       over the last two calls, so that a count drifting with error feedback stays
-       centred on the ladder.
-    """
-    lo, hi = st.count_bounds
-    mag = val.abs()
-    under = idx.numel() < lo * k
-    est = None
-    if rungs and not under:
-        idx, val, mag, est = _ladder_select(idx, val, mag, count, th, k, st, stats)
-    elif under and k < acc.numel():
-        # Measure rather than extrapolate: error feedback crowds the exceedances just
-        # above th, so a tail fitted to them is too steep and the next count fell
-        # short again (or, after a swing, overflowed the fused buffer).
-        est = kernels.estimate_threshold(acc, k)
-        if not est > torch.finfo(torch.float32).tiny:  # (almost) all zero: select exactly next call
-            est = None
-        elif rungs:
-            # A reusing call's gradient fell below the whole ladder (a real model's gradient
-            # norm moves by half from one step to the next): one more read of acc above the
-            # estimate, rather than a short call.
-            return _reselect(acc, k, st, stats, est)
-    elif k <= idx.numel() == count:  # every exceedance is at hand: this call's exact k-th largest
-        est = kernels.kth_largest(mag, k)  # numpy's introselect on CPU: 8x torch.kthvalue
-    else:  # fewer than k: extrapolate the tail downwards
-        est = tail_threshold(mag, count, th, k)
-    if idx.numel() > hi * k:
-        # Too many: the exact top-k are among these few candidates.
-        keep = kernels.topk_of_candidates(idx, mag, k)
-        idx, val = idx[keep], val[keep]
-        stats.events["local_corrected"] = 1
-    if under:
-        stats.events["local_under"] = 1
-    if est is None:  # nothing above th, or all of it at th: re-evaluate exactly next call
-        st.local_stale = True
-    else:  # never above this call's largest magnitude: the next call selects something
-        _set_local_threshold(st, est, ceiling=float(mag.max()) if mag.numel() else None, trusted=not under)
-    return idx, val
-
-
-def _reselect(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
-              est: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A reusing call whose candidates missed the ladder: select above a threshold measured
-    from ``acc`` (``kernels.estimate_threshold``, unless given), checked like any selection
-    (step 2 of :func:`_checked_select` applies); exactly when that selects too few."""
-    stats.events["local_reselected"] = 1
-    got = _estimated_select(acc, k, st, stats, est)
-    if got is None:
-        stats.events["local_recomputed"] = 1
-        got = _exact_local(acc, k, st)
-    return got
-
-
-def _estimated_select(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
-                      th: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The entries above ``th`` (default: ``kernels.estimate_threshold`` of ``acc``: a sample
-    plus one sampled counting pass), checked by :func:`_checked_select` (the hard cap
-    included); None when they are fewer than the lower bound."""
-    th = kernels.estimate_threshold(acc, k) if th is None else th
-    if not th > torch.finfo(torch.float32).tiny:
-        return None
-    idx = kernels.select_above(acc, th, use_abs=True)
-    if idx.numel() < st.count_bounds[0] * k:
-        return None
-    return _checked_select(acc, idx, acc[idx], idx.numel(), th, k, st, stats)
-
-
-def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, count: int, floor: float, k: int,
-                   st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
-    """Step 1 of :func:`_checked_select`: the candidates above the chosen local rung, and
-    where this call's k-th largest lies (None when nothing could tell)."""
-    lo, hi = st.count_bounds
-    s = st.local_spacing
-    steps = torch.arange(LOCAL_BELOW + LOCAL_ABOVE + 1, dtype=torch.float64)
-    info = torch.finfo(mag.dtype)
-    grid = (floor * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
-    bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
-    above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # above[j]: candidates at or above rung j
-    above[0] = count  # the pass's own count (the float64 floor may lie below grid[0], cast to mag's dtype)
-    est = _kth_from_rungs(mag, above, grid.tolist(), k)
-    j = _nearest_rung(above, k, lo, hi, home=LOCAL_BELOW)
-    if j is None:
-        if above[0] > hi * k and above[-1] < lo * k:
-            st.local_spacing = max(s / 2, SPACING_MIN)
-        else:
-            st.local_spacing = min(2 * s, LOCAL_SPACING_MAX)
-    else:
-        if j in (0, len(above) - 1):
-            st.local_spacing = min(2 * s, LOCAL_SPACING_MAX)
-        elif _bracket_too_wide(above, k):
-            st.local_spacing = max(s / 2, SPACING_MIN)
-        if j:  # above the floor: keep the candidates at or above rung j
-            idx, val, mag = _masked(bucket > j, idx, val, mag)
-        if j != LOCAL_BELOW:  # not the predicted threshold's rung
-            stats.events["local_moved"] = 1
-    return idx, val, mag, est
-
-
-def _kth_from_rungs(mag: torch.Tensor, above: list[int], rungs: list[float], k: int) -> float | None:
-    """Where this call's k-th largest of the candidates ``mag`` lies, from their counts
-    ``above`` at the ascending ``rungs``: between the two rungs that bracket k (log-log
-    interpolation; at a cliff, where their counts differ by more than ``BRACKET``, the exact
-    k-th largest, O(candidates)), else by a tail fit beyond the ladder."""
-    if above[0] < k:  # fewer than k candidates: the tail below the floor
-        return tail_threshold(mag, above[0], rungs[0], k)
-    for i in range(len(above) - 1):
-        if above[i] >= k > above[i + 1]:
-            if above[i] > BRACKET * above[i + 1]:
-                return kernels.kth_largest(mag, k)
-            frac = math.log(above[i] / k) / math.log(above[i] / above[i + 1])
-            return rungs[i] * (rungs[i + 1] / rungs[i]) ** frac
-    return tail_threshold(mag[mag >= rungs[-1]], above[-1], rungs[-1], k)  # k beyond the top rung
-
-
-def _bracket_too_wide(totals: list[int], k: int) -> bool:
-    """Whether the two neighbouring rungs whose totals bracket k differ by more than
-    ``BRACKET`` (then no rung can land near k, and the spacing halves)."""
-    return any(totals[i] >= k > totals[i + 1] and totals[i] > BRACKET * totals[i + 1]
-               for i in range(len(totals) - 1))
-
-
-def _nearest_rung(totals: list[int], k: int, lo: float, hi: float, home: int | None = None,
-                  stay: tuple[float, float] = (1.0, 1.0)) -> int | None:
-    """The rung whose total lies within [lo k, hi k] nearest k (as a ratio), or None.
-
-    ``home`` (the reused threshold's rung) is kept while its total lies within ``stay``
-    (fractions of k), and wins ties. Compared exactly: the ranks must agree on the rung.
-    """
-    fits = [j for j, total in enumerate(totals) if lo * k <= total <= hi * k and total > 0]
-    if not fits:
-        return None
-    if home is not None and home in fits and stay[0] * k <= totals[home] <= stay[1] * k:
-        return home
-    near = 0 if home is None else home
-    return min(fits, key=lambda i: (Fraction(max(totals[i], k), min(totals[i], k)), abs(i - near)))
-
-
-def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None,
-                         trusted: bool = True) -> None:
-    """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated),
-    at most ``ceiling``.
-
-    An estimate extrapolated from too few exceedances (``trusted=False``) takes no part
-    in a trend, neither now nor at the next call: on a shrinking gradient the trend from
-    it to the next call's k-th largest overshot, the next count fell below the bounds
-    again, and so on (every other call selected 0.003-0.08 k; now 0.25-0.48 k at worst).
-    Dropping the trend after a call above the bounds as well did better on that gradient
-    but lengthened error feedback's build-up of corrections on every other one.
-    """
-    prev, st.local_kth = st.local_kth, (kth if trusted else None)
-    if not trusted:
-        prev = None
-    if kth is None or not kth > 0:
-        st.local_threshold = kth
-        return
-    # The k-th largest moves steadily under error feedback (residuals grow on what is not
-    # sent), and its growth slows as it settles: follow half its trend (in log terms)
-    # for one call, at most 25% either way, so a jump is not amplified.
-    trend = 1.0 if prev is None or not prev > 0 else min(1.25, max(0.8, (kth / prev) ** 0.5))
-    st.local_threshold = kth * trend if ceiling is None else min(kth * trend, ceiling)
-
-
-def tail_threshold(mags: torch.Tensor, count: int, th: float, k: int) -> float | None:
-    """Where about k of this call's magnitudes would have been above, from those above ``th``.
-
-    1. Fit a power-law tail to the magnitudes above ``th`` (the Hill estimator,
-       alpha = m / sum(ln(mag / th)), over at most ``_TAIL_SAMPLE`` of the
-       ``count`` magnitudes, strided).
-    2. Return ``th * (count / k) ** (1 / alpha)``: that tail's k-th largest.
-
-    O(m), no selection. None when nothing was above ``th`` or everything sat at it.
-    """
-    if count <= 0 or mags.numel() == 0 or not th > 0:
-        return None
-    sample = mags[::max(1, mags.numel() // _TAIL_SAMPLE)]  # plenty for one exponent
-    # float64: a ratio to th past float32's range (1e10 over 1e-30) must not make alpha 0
-    logs = float(torch.log(sample.to(torch.float64) / th).clamp_(min=0).sum())
-    if not 0 < logs < math.inf:
-        return None
-    alpha = sample.numel() / logs
-    estimate = th * (count / k) ** (1.0 / alpha)
-    return estimate if 0 < estimate < math.inf else None
-
-
-# ---- step 2: region boundaries ---------------------------------------------------
-#: Histogram bins per region for the boundaries: a cut lands within one bin's count.
 _BINS_PER_REGION = 16
 
 
@@ -581,13 +321,6 @@ GRID_HALF = 8
 #: more leaves less for the next), staying anywhere within the bounds let the mean settle
 #: at 0.88 k on the drifting gradient.
 HOME_BAND = (0.95, 1.05)
-#: Neighbouring rungs whose totals bracket k and differ by more than this ratio halve the
-#: spacing: the reduced magnitudes crowd so that 1.25% in the threshold moved the global
-#: total from 1.6 k to 0.85 k, and the mean settled at 0.89 k.
-BRACKET = 1.5
-#: Range of the grid's spacing (a log-ratio): it halves when the count jumps over the
-#: bounds between two rungs and doubles when k lies beyond the grid.
-SPACING_MIN, SPACING_MAX = 2.0 ** -9, 0.5
 
 
 def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
@@ -644,9 +377,9 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         local = torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32)
         per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).to(torch.int64)
         *totals, available = per_rank.sum(0).tolist()
-        j = _nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
+        j = nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
         if j is not None:
-            if _bracket_too_wide(totals, k):
+            if bracket_too_wide(totals, k):
                 st.global_spacing = max(s / 2, SPACING_MIN)
             if j != GRID_HALF:
                 # The next call's threshold goes on by half this move: under error feedback

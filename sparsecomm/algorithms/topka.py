@@ -27,7 +27,12 @@ class TopkAState(State):
         super().__init__(density, error_feedback)
 
 
-@register("topka", TopkAState)
+def topka_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: every peer's k entries (2 words each), 2k(P-1)."""
+    return 2 * k * (P - 1), 2 * k * (P - 1)
+
+
+@register("topka", TopkAState, volume=topka_volume)
 def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkA sparse allreduce (allgather of local top-k).

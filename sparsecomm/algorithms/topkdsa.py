@@ -119,7 +119,14 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
                         kept_idx=rel + starts[me], kept_val=val - owned.decoded(acc.dtype))
 
 
-@register("topkdsa", TopkDSAState, split=(topkdsa_reduce, topkdsa_gather))
+def topkdsa_volume(n: int, k: int, P: int) -> tuple[float, float]:
+    """Words received per rank: 4k(P-1)/P when the reduced entries stay sparse, up to
+    2k(P-1)/P + n(P-1)/P when they fill their regions (sent dense)."""
+    f = (P - 1) / P
+    return 4 * k * f, 2 * k * f + n * f
+
+
+@register("topkdsa", TopkDSAState, split=(topkdsa_reduce, topkdsa_gather), volume=topkdsa_volume)
 def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
             codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).

@@ -225,7 +225,7 @@ class DeAR(Schedule):
         self._group_scale = [self._scale.value] * len(self.groups)  # the loss scale of each residual
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
         # Per group: the gathered gradients, and the result in a buffer of its own, which the
-        # first half's fused pass zeroes on its way (as the group schedules do, see wfbp.py).
+        # first half's fused pass zeroes on its way (as the group schedules do, see groups.py).
         self._buffers: list[torch.Tensor | None] = [None] * len(self.groups)
         self._results: list[torch.Tensor | None] = [None] * len(self.groups)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.params for p in ps]

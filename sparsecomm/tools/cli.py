@@ -83,7 +83,7 @@ def _study(args: argparse.Namespace) -> int:
     volume = args.what == "volume"
     sizes = args.ranks or ([2, 4, 8, 16, 32, 64, 128, 256] if volume else [32, 64, 128, 256])
     kinds = args.kinds or (["gaussian", "student_t", "skewed"] if volume else ["model"])
-    algs = args.algorithms or study.ALGORITHMS
+    algs = args.algorithms or algorithms()
     print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
           f"P={sizes} kinds={kinds}", flush=True)
     done: list = []
@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--kinds", type=_names(KINDS, "gradient kind"), default=None,
                     help=f"gradient kinds, comma-separated, from {', '.join(KINDS)} "
                          "(default: volume gaussian,student_t,skewed; bert model)")
-    st.add_argument("--algorithms", type=_names(study.ALGORITHMS, "algorithm"), default=None,
-                    help=f"comma-separated, from {', '.join(study.ALGORITHMS)} (default: all)")
+    st.add_argument("--algorithms", type=_names(algorithms(), "algorithm"), default=None,
+                    help=f"comma-separated, from {', '.join(algorithms())} (default: all)")
     st.add_argument("--networks", type=at.comma_list(network), default="pizdaint,10gbe,56gbib,100gbib",
                     help="profiles (or alpha:beta) for the projection")
     st.add_argument("--target-n", type=at.positive_int, default=133_547_324)
@@ -277,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="digits: scikit-learn's digits, an MLP; lm: a byte-level transformer language model "
                          "on the Python standard library's sources")
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
-                    default=list(train.CONFIGS),
-                    help=f"comma-separated, from {', '.join(train.CONFIGS)}; each may name its schedule, "
-                         "e.g. oktopk/pipesgd")
+                    default=list(train.DEFAULT_CONFIGS),
+                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook], e.g. "
+                         f"oktopk, topka-q8, dense-q8, oktopk-hook (default: {','.join(train.DEFAULT_CONFIGS)}); "
+                         "each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=at.positive_int, default=4)
     tr.add_argument("--epochs", type=at.positive_int, default=30,
                     help="digits: passes over the data; lm: 50-step periods")

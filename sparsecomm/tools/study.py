@@ -46,33 +46,27 @@ from .output import pyplot
 from .synthetic import gradient
 
 __all__ = ["VolumeRow", "formula_words", "volume_study", "project", "write_csv",
-           "plot_volume", "plot_projection", "ALGORITHMS", "BERT_ELEMENTS"]
+           "plot_volume", "plot_projection", "BERT_ELEMENTS"]
 
-ALGORITHMS = ["dense", "topka", "gaussiank", "topkdsa", "gtopk", "oktopk", "cltk"]
 # Distinct markers and dashes: TopkA and Gaussiank often coincide and must both show.
-_STYLE = {"dense": ("o", "-"), "topka": ("s", "-"), "gaussiank": ("x", "--"), "topkdsa": ("^", "-"),
-          "gtopk": ("v", "-"), "oktopk": ("D", "-"), "cltk": ("P", ":")}
+_MARKERS = "oDsx^vP*<>"
+_DASHES = ("-", "--", ":", "-.")
+
+
+def _style(algorithm: str) -> tuple[str, str]:
+    """(marker, dash) of an algorithm in the plots: by its place in the registry."""
+    names = registry.names()
+    i = names.index(algorithm) if algorithm in names else len(names)
+    return _MARKERS[i % len(_MARKERS)], _DASHES[i % len(_DASHES)]
 BERT_ELEMENTS = 133_547_324
 WORD = 4
 
 
 def formula_words(algorithm: str, n: int, k: int, P: int) -> tuple[float, float]:
-    """(lower, upper) words received per rank by Table 1 of the Ok-Topk paper."""
-    lg = math.ceil(math.log2(P)) if P > 1 else 0  # a tree over P ranks has ceil(log2 P) levels
-    f = (P - 1) / P
-    table = {
-        "dense": (2 * n * f, 2 * n * f),
-        "topka": (2 * k * (P - 1), 2 * k * (P - 1)),
-        "gaussiank": (2 * k * (P - 1), 2 * k * (P - 1)),
-        "topkdsa": (4 * k * f, 2 * k * f + n * f),
-        "gtopk": (4 * k * lg, 4 * k * lg),
-        "oktopk": (2 * k * f, 6 * k * f),
-        # Not in the table: the leader's k int64 indexes (2 words each) go down a binomial tree
-        # (the leader sends them ceil(log2 P) times, every other rank receives them once), then
-        # a ring allreduce of the k values: at least the ring's, at most the leader's traffic.
-        "cltk": (2 * k * f, 2 * k * max(lg, 1 if P > 1 else 0) + 2 * k * f),
-    }
-    return table[algorithm]
+    """(lower, upper) words received per rank by the algorithm's registered volume formula
+    (Table 1 of the Ok-Topk paper); NaN for an algorithm registered without one."""
+    volume = registry.get(algorithm).volume
+    return volume(n, k, P) if volume is not None else (math.nan, math.nan)
 
 
 @dataclass
@@ -128,7 +122,7 @@ def _measure(P: int, algorithm: str, n: int, density: float, kind: str, tau: int
 
 
 def volume_study(world_sizes: Iterable[int] = (2, 4, 8, 16, 32, 64, 128, 256),
-                 algorithms: Iterable[str] = ALGORITHMS, kinds: Iterable[str] = ("gaussian", "student_t", "skewed"),
+                 algorithms: Iterable[str] | None = None, kinds: Iterable[str] = ("gaussian", "student_t", "skewed"),
                  n: int = 1 << 20, density: float = 0.01, tau: int = 4, warmup: int | None = None,
                  error_feedback: bool = False, progress=None) -> list[VolumeRow]:
     """Bytes and messages per rank of every algorithm at every P, in steady state.
@@ -142,7 +136,10 @@ def volume_study(world_sizes: Iterable[int] = (2, 4, 8, 16, 32, 64, 128, 256),
     2. Measure the next ``tau`` calls: one full threshold period, i.e. one exact
        re-evaluation and tau-1 reuses, which is what training pays on average.
     3. Report mean and max over ranks, and the busiest rank over its Table 1 formula.
+
+    ``algorithms``: default every registered one.
     """
+    algorithms = registry.names() if algorithms is None else list(algorithms)
     warmup = tau if warmup is None else warmup
     rows = []
     k = topk_count(density, n)
@@ -194,10 +191,10 @@ def write_csv(rows: list, path: str) -> None:
 
 def _lines(ax, points: dict[str, list[tuple[float, float]]], ylabel: str) -> None:
     """One line per algorithm (fixed markers and dashes) on log-log axes over P."""
-    for alg in ALGORITHMS:
-        pts = sorted(points.get(alg, []))
+    for alg in sorted(points):
+        pts = sorted(points[alg])
         if pts:
-            marker, dash = _STYLE[alg]
+            marker, dash = _style(alg)
             ax.plot(*zip(*pts), marker=marker, linestyle=dash, label=alg)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -213,7 +210,7 @@ def plot_volume(rows: list[VolumeRow], path: str) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.5), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         sub = [r for r in rows if r.kind == kind]
-        _lines(ax, {alg: [(r.P, r.bytes_max) for r in sub if r.algorithm == alg] for alg in ALGORITHMS},
+        _lines(ax, {alg: [(r.P, r.bytes_max) for r in sub if r.algorithm == alg] for alg in {r.algorithm for r in sub}},
                "bytes per rank per call (busiest rank)")
         Ps = sorted({r.P for r in sub})
         k = sub[0].k
@@ -231,7 +228,7 @@ def plot_projection(proj: list[dict], path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     _lines(ax, {alg: [(d["P"], d["time_s"] * 1e3) for d in proj if d["algorithm"] == alg]
-                for alg in ALGORITHMS}, "modelled communication time per call (ms)")
+                for alg in {d["algorithm"] for d in proj}}, "modelled communication time per call (ms)")
     d0 = proj[0]
     ax.set_title(f"{d0['target_n']:,} elements, density 1%, {d0['network']} ({d0['kind']})")
     ax.legend(fontsize=8)

@@ -97,7 +97,8 @@ def digits_gradients(ranks: int, steps: int, batches: int = 8, batch: int = 16, 
     the last; the model steps with SGD (momentum 0.9) on the ranks' average gradient, as
     dense data parallelism would. Returns ``[rank][step]`` gradients.
     """
-    from sklearn.datasets import load_digits  # optional: only this gradient kind needs it
+    # optional: only this gradient kind needs it
+    from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0

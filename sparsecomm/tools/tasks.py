@@ -69,7 +69,8 @@ class DigitsTask(Task):
     name, metric, higher_is_better, lr = "digits", "accuracy", True, 0.05
 
     def __init__(self, seed: int = 0) -> None:
-        from sklearn.datasets import load_digits  # optional: only the digits task needs it
+        # optional: only the digits task needs it
+        from sklearn.datasets import load_digits
 
         d = load_digits()
         x = torch.tensor(d.data, dtype=torch.float32) / 16.0

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import registry, schedules
 from ..api import allreduce
 from ..comm.sim import single_rank
+from ..compress import COMPRESSORS
 from ..hooks import SparseHookState, sparse_allreduce_hook
 from ..network import PROFILES, resolve_network
 from ..optim import SparseAdamW, local_gradient_hook
@@ -43,7 +44,8 @@ from . import output
 from .launch import spawn
 from .tasks import get_task
 
-__all__ = ["CONFIGS", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup", "train_rank", "run",
+__all__ = ["DEFAULT_CONFIGS", "config_settings", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
+           "train_rank", "run",
            "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
            "format_results", "plot"]
 
@@ -53,31 +55,47 @@ CURVE_PROFILES = ("1gbe", "10gbe", "pizdaint")
 #: ``--schedule`` choices.
 SCHEDULES = ("none", *REGISTERED_SCHEDULES)
 
-#: name -> hook settings (None: DDP's own dense allreduce).
-CONFIGS: dict[str, dict | None] = {
-    "dense": None,
-    "oktopk": {"algorithm": "oktopk", "density": 0.01},
-    # The DDP hook in front of the task's own optimizer even under AdamW (error feedback on
-    # the gradient, then torch's AdamW): the naive path SparseAdamW replaces.
-    "oktopk-hook": {"algorithm": "oktopk", "density": 0.01, "hook": True},
-    "topka": {"algorithm": "topka", "density": 0.01},
-    "gtopk": {"algorithm": "gtopk", "density": 0.01},
-    "gaussiank": {"algorithm": "gaussiank", "density": 0.01},
-    "cltk": {"algorithm": "cltk", "density": 0.01},
-    "cltk-hook": {"algorithm": "cltk", "density": 0.01, "hook": True},
-    "dense-q4": {"algorithm": "dense", "compressor": "q4"},
-    "dense-q8": {"algorithm": "dense", "compressor": "q8"},
-    "dense-fp16": {"algorithm": "dense", "compressor": "fp16"},
-    "oktopk-q8": {"algorithm": "oktopk", "density": 0.01, "compressor": "q8"},
-}
+#: What ``sparsecomm train`` runs without ``--configs``: DDP's own allreduce, every registered
+#: sparse algorithm at 1%, the naive hook under AdamW, and 8-bit dense.
+DEFAULT_CONFIGS = ("dense", *(a for a in registry.names() if a != "dense"), "oktopk-hook", "dense-q8")
+DENSITY = 0.01
+
+
+def config_settings(config: str) -> dict | None:
+    """The hook settings a configuration name stands for (None: DDP's own dense allreduce).
+
+    "dense", or ALGORITHM[-COMPRESSOR][-hook] for any registered algorithm and compressor:
+    a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense with a compressor
+    (``dense-q8``); ``-hook`` keeps the DDP hook in front of the task's own optimizer even
+    under AdamW (error feedback on the gradient, then torch's AdamW: the naive path that
+    SparseAdamW replaces). ValueError for anything else.
+    """
+    if config == "dense":
+        return None
+    name, hook = (config[:-len("-hook")], True) if config.endswith("-hook") else (config, False)
+    algorithm, dash, compressor = name.partition("-")
+    known = (algorithm in registry.names() and (not dash or compressor in COMPRESSORS)
+             and not (algorithm == "dense" and (hook or not compressor)))
+    if not known:
+        raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook] with an "
+                         f"algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
+                         "(dense takes a compressor and no -hook)")
+    settings: dict = {"algorithm": algorithm}
+    if algorithm != "dense":
+        settings["density"] = DENSITY
+    if compressor:
+        settings["compressor"] = compressor
+    if hook:
+        settings["hook"] = True
+    return settings
 
 
 def parse_config(name: str) -> tuple[str, str | None]:
     """(configuration, schedule or None) of ``"oktopk"`` or ``"oktopk/pipesgd"``; ValueError if unknown."""
     config, _, schedule = name.partition("/")
-    if config not in CONFIGS or (schedule and schedule not in SCHEDULES):
-        raise ValueError(f"unknown configuration {name!r}; known: {list(CONFIGS)}, each optionally "
-                         f"followed by /schedule, one of {SCHEDULES}")
+    if schedule and schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule in {name!r}: /schedule is one of {SCHEDULES}")
+    config_settings(config)
     return config, schedule or None
 
 
@@ -125,7 +143,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     net = resolve_network(network)
     ethernet = {"modelled_1gbe": PROFILES["1gbe"], "modelled_10gbe": PROFILES["10gbe"]}
     job = get_task(task, seed)
-    settings = CONFIGS[config]
+    settings = config_settings(config)
     kind = optimizer or job.default_optimizer
     sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none"
                     and not settings.get("hook") and settings["algorithm"] != "dense")
@@ -275,7 +293,7 @@ def measure_local_cost(config: str, n: int, calls: int = 10, seed: int = 0) -> f
     """Seconds of one call of the configuration's allreduce on one rank (error feedback,
     selection, packing; every collective returns at once): the local cost a step adds.
     0 for DDP's dense allreduce."""
-    settings = CONFIGS[config]
+    settings = config_settings(config)
     if settings is None:
         return 0.0
 

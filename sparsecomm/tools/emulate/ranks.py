@@ -1,267 +1,29 @@
-"""An emulated slow-link cluster on one machine: ``sparsecomm emulate``.
-
-``run(P, "1gbit", ["python", "my_rank.py"], timeout=600)`` makes P network
-namespaces ``sc0 .. sc{P-1}``, each with one veth port ``scv{r}`` (address
-``10.77.0.{r+1}/24``) to a bridge that lives in its own namespace ``scsw``,
-shapes both directions of every port to the rate with ``tbf`` (a rank's
-injection and ejection bandwidth, as behind a non-blocking switch), starts one
-process per rank inside its namespace with the usual torch.distributed
-variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), waits for them and
-always removes the namespaces again. It needs root and iproute2; no latency is
-added (``netem`` is not available everywhere ``tbf`` is). With ``mpi=True``
-(``--mpi``) the ranks are instead one MPICH ``mpiexec`` job whose rank r runs
-in namespace r and talks TCP over its shaped port.
-
-From the command line (wired in ``sparsecomm.tools.cli``)::
-
-    sparsecomm emulate --ranks 4 --rate 1gbit -- python -m pytest benchmarks/test_allreduce.py
-
-Every rank sees ``SPARSECOMM_LAUNCHER=emulate`` and
-``SPARSECOMM_NETWORK="emulated 1gbit tbf, P=4"``, which the benchmarks record
-in their JSON so a result says which network it was measured on.
-"""
+"""Ranks of a command inside the emulated cluster: gloo processes, or one MPICH job."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO, Sequence
 
-from .argtypes import checked_by, int_in, positive_float, positive_int
+from .netns import (
+    EXIT_PRECONDITION,
+    EXIT_TIMEOUT,
+    SUBNET,
+    EmulateError,
+    cluster,
+    network_label,
+    preflight,
+)
 
-__all__ = ["EmulateError", "preflight", "tc_rate", "up", "down", "cluster", "run", "network_label",
-           "add_arguments", "main", "MAX_RANKS", "SUBNET"]
-
-#: The ranks' addresses are ``SUBNET.{r+1}``, visible only inside the namespaces.
-SUBNET = "10.77.0"
-#: A /24 has 253 usable host addresses after the network and broadcast ones.
-MAX_RANKS = 253
-#: Exit status of precondition failures (as argparse uses for usage errors).
-EXIT_PRECONDITION = 2
-#: Exit status when the timeout killed the ranks (as coreutils ``timeout`` does).
-EXIT_TIMEOUT = 124
-
-_ROOT_MESSAGE = ("sparsecomm emulate needs root (network namespaces); run it as root or use "
-                 "--launcher spawn")
-# tbf's burst must hold at least one rate/HZ worth of bytes; 512 kB does up to tens of Gbit/s,
-# and 50 ms of queue keeps TCP from seeing drops at the emulated rates.
-_TBF = ("burst", "512kb", "latency", "50ms")
-
-
-class EmulateError(RuntimeError):
-    """A precondition of the emulated cluster failed (not root, no iproute2, no tbf, bad input).
-
-    ``exit_code`` is what the command returns for it (2), so callers can print
-    the message and exit without a traceback.
-    """
-
-    exit_code = EXIT_PRECONDITION
-
-
-def _is_root() -> bool:
-    # A function of its own so tests can take the not-root path without dropping privileges.
-    return os.geteuid() == 0
-
-
-def network_label(P: int, rate: str) -> str:
-    """The ``SPARSECOMM_NETWORK`` label of an emulated cluster, e.g. ``"emulated 1gbit tbf, P=4"``."""
-    return f"emulated {rate} tbf, P={P}"
-
-
-def preflight(P: int, rate: str | None = None) -> None:
-    """Check what the emulated cluster needs before touching anything.
-
-    1. Root (creating network namespaces needs ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``).
-    2. iproute2's ``ip`` and ``tc`` on ``PATH``.
-    3. ``1 <= P <= MAX_RANKS`` (one address of the /24 per rank) and a rate
-       that looks like a tc rate (``1gbit``, ``100mbit``, ``125mbps``); tc
-       itself has the last word in :func:`up`.
-
-    Args:
-        P: number of ranks (namespaces).
-        rate: the tbf rate, or None to skip that check.
-
-    Raises:
-        EmulateError: with a message meant for the user, if anything is missing.
-    """
-    if not _is_root():
-        raise EmulateError(_ROOT_MESSAGE)
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        raise EmulateError(f"sparsecomm emulate needs iproute2 ({' and '.join(missing)} not found on PATH)")
-    if not 1 <= P <= MAX_RANKS:
-        raise EmulateError(f"sparsecomm emulate: --ranks must be between 1 and {MAX_RANKS}, got {P}")
-    if rate is not None:
-        try:
-            tc_rate(rate)
-        except ValueError as exc:
-            raise EmulateError(f"sparsecomm emulate: {exc}") from None
-
-
-def tc_rate(rate: str) -> str:
-    """``rate`` if it looks like a tc rate (``1gbit``, ``100mbit``, ``125mbps``), else ValueError."""
-    if not re.fullmatch(r"\d+(\.\d+)?([kmgt]?(bit|bps)|[kmgt]?)", rate.lower()):
-        raise ValueError(f"{rate!r} is not a tc rate (e.g. 1gbit, 100mbit, 125mbps)")
-    return rate
-
-
-def _switch(prefix: str) -> tuple[str, str]:
-    # Rank namespaces are f"{prefix}{r}"; the switch namespace is f"{prefix}sw" and its bridge f"{prefix}br0".
-    return f"{prefix}sw", f"{prefix}br0"
-
-
-def _ip(*args: str) -> None:
-    """Run one ``ip``/``tc`` command; raise EmulateError with its stderr if it fails."""
-    proc = subprocess.run(list(args), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise EmulateError(f"sparsecomm emulate: `{' '.join(args)}` failed: {proc.stderr.strip()}")
-
-
-def _namespaces() -> list[str]:
-    """Names of the existing network namespaces (``ip netns list`` prints ``NAME [(id: N)]``)."""
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
-def up(P: int, rate: str, prefix: str = "sc", hosts: bool = True) -> None:
-    """Create the emulated cluster: P rank namespaces joined by a bridge, every port shaped to ``rate``.
-
-    1. Check the preconditions (:func:`preflight`).
-    2. Make the switch namespace ``{prefix}sw`` with the bridge ``{prefix}br0``.
-    3. For every rank r: make namespace ``{prefix}{r}`` and a veth pair created
-       directly in its two namespaces (``{prefix}v{r}`` in the rank's,
-       ``{prefix}p{r}`` on the bridge), so no half-made port is ever left in the
-       caller's namespace; give it ``10.77.0.{r+1}/24`` and bring up ``lo`` too.
-    4. Shape both directions with tbf: the rank's egress (its injection
-       bandwidth) and the switch port's egress (its ejection bandwidth).
-    5. With ``hosts``, write ``/etc/netns/{prefix}{r}/hosts`` naming every rank
-       (``ip netns exec`` bind-mounts it over ``/etc/hosts``): MPI's launcher
-       resolves ``{prefix}{q}``, gloo's reverse look-ups of peers succeed
-       instead of timing out, and the machine's host name resolves to the
-       rank's own address, which is reachable from the other ranks.
-
-    On failure the caller is expected to call :func:`down` (``cluster`` does).
-
-    Args:
-        P: number of ranks.
-        rate: tbf rate of every port, in tc syntax (``1gbit``, ``10gbit``).
-        prefix: name prefix of namespaces and interfaces (keep it short:
-            interface names have at most 15 characters).
-        hosts: write the per-namespace hosts files.
-
-    Raises:
-        EmulateError: a precondition failed or an ``ip``/``tc`` command did;
-            a failing tc says whether tbf is unavailable or the rate invalid.
-    """
-    preflight(P, rate)
-    switch, bridge = _switch(prefix)
-    _ip("ip", "netns", "add", switch)
-    _ip("ip", "-n", switch, "link", "add", bridge, "type", "bridge")
-    _ip("ip", "-n", switch, "link", "set", bridge, "up")
-    for r in range(P):
-        ns, port, peer = f"{prefix}{r}", f"{prefix}v{r}", f"{prefix}p{r}"
-        _ip("ip", "netns", "add", ns)
-        _ip("ip", "link", "add", port, "netns", ns, "type", "veth", "peer", "name", peer, "netns", switch)
-        _ip("ip", "-n", switch, "link", "set", peer, "master", bridge)
-        _ip("ip", "-n", switch, "link", "set", peer, "up")
-        _ip("ip", "-n", ns, "addr", "add", f"{SUBNET}.{r + 1}/24", "dev", port)
-        _ip("ip", "-n", ns, "link", "set", port, "up")
-        _ip("ip", "-n", ns, "link", "set", "lo", "up")
-        for where, dev in ((ns, port), (switch, peer)):
-            tc = subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, *_TBF],
-                                capture_output=True, text=True)
-            if tc.returncode != 0:
-                # The usual causes: no sch_tbf in this kernel (e.g. a container without the
-                # module), or a rate tc does not accept. Say so, with tc's own words.
-                raise EmulateError(f"sparsecomm emulate: tc could not shape {dev} with tbf at rate {rate!r} "
-                                   f"(tbf unavailable in this kernel, or a rate tc rejects): "
-                                   f"{tc.stderr.strip().splitlines()[0] if tc.stderr.strip() else tc.returncode}")
-    if hosts:
-        lines = "".join(f"{SUBNET}.{q + 1}\t{prefix}{q}\n" for q in range(P))
-        for r in range(P):
-            d = Path("/etc/netns") / f"{prefix}{r}"
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{SUBNET}.{r + 1}\t{socket.gethostname()}\n"
-                                         f"{lines}")
-            except OSError as e:
-                raise EmulateError(f"sparsecomm emulate: cannot write {d / 'hosts'}: {e}") from None
-
-
-def down(P: int | None = None, prefix: str = "sc") -> None:
-    """Remove the emulated cluster; idempotent, ignores what does not exist.
-
-    1. Delete the rank namespaces ``{prefix}0 .. {prefix}{P-1}`` (with
-       ``P=None``: every existing namespace named ``{prefix}<number>``, i.e.
-       leftovers of any earlier size) and the switch namespace. Deleting a
-       namespace destroys its veth ends, and so the pairs.
-    2. Remove the hosts files :func:`up` may have written under ``/etc/netns``.
-
-    Processes still running inside a namespace keep it alive after its name is
-    gone, so stop the ranks first.
-
-    Args:
-        P: number of ranks to remove, or None for all leftovers with this prefix.
-        prefix: the prefix given to :func:`up`.
-    """
-    switch, _ = _switch(prefix)
-    if P is None:
-        pattern = re.compile(re.escape(prefix) + r"\d+")
-        ranks = [name for name in _namespaces() if pattern.fullmatch(name)]
-    else:
-        ranks = [f"{prefix}{r}" for r in range(P)]
-    for name in [*ranks, switch]:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-
-
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    # SystemExit unwinds through every finally (and cluster's teardown) as Ctrl-C does.
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def cluster(P: int, rate: str, prefix: str = "sc", hosts: bool = True) -> Iterator[None]:
-    """Bring the emulated cluster up for the ``with`` block and always tear it down.
-
-    1. Remove leftovers with this prefix (of a crashed run, or of another size).
-    2. :func:`up`; install a SIGTERM handler that raises ``SystemExit`` (in the
-       main thread only: Python allows no handlers elsewhere), so a ``kill``
-       still tears down.
-    3. Yield; finally :func:`down` and restore the previous SIGTERM handler,
-       also after an exception, Ctrl-C or SIGTERM.
-
-    Args:
-        P: number of ranks.
-        rate: tbf rate of every port.
-        prefix: namespace and interface name prefix.
-        hosts: write the per-namespace hosts files (see :func:`up`).
-
-    Raises:
-        EmulateError: a precondition failed (nothing is left behind).
-    """
-    preflight(P, rate)
-    down(None, prefix)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if main_thread else None
-    try:
-        up(P, rate, prefix, hosts=hosts)
-        yield
-    finally:
-        down(None, prefix)
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+__all__ = ["run", "say"]
 
 
 def _common_env(P: int, rate: str, port: int, threads: int) -> dict[str, str]:
@@ -333,7 +95,7 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"sparsecomm emulate: {message}", file=sys.stderr, flush=True)
 
 
@@ -473,10 +235,10 @@ class _MPIRanks:
         try:
             rc = self.procs[0].wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _say("every rank finished but mpiexec did not exit; killing it")
+            say("every rank finished but mpiexec did not exit; killing it")
             return EXIT_TIMEOUT
         if rc != 0:
-            _say(f"every rank succeeded but mpiexec exited with status {_exit_status(rc)}")
+            say(f"every rank succeeded but mpiexec exited with status {_exit_status(rc)}")
         return _exit_status(rc)
 
 
@@ -522,7 +284,7 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
         signal N); 124 on timeout; 2 when a precondition failed.
     """
     if not command:
-        _say("no command given (usage: sparsecomm emulate --ranks P --rate RATE -- COMMAND...)")
+        say("no command given (usage: sparsecomm emulate --ranks P --rate RATE -- COMMAND...)")
         return EXIT_PRECONDITION
     try:
         preflight(P, rate)
@@ -546,7 +308,7 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
         if own_logs and status == 0:
             shutil.rmtree(logdir, ignore_errors=True)
     if status != 0 and any(logdir.glob("rank*.log")):
-        _say(f"logs of ranks 1..{P - 1} are in {logdir}")
+        say(f"logs of ranks 1..{P - 1} are in {logdir}")
     return status
 
 
@@ -569,7 +331,7 @@ def _launch_and_wait(P: int, rate: str, command: list[str], timeout: float, thre
             running = sorted(r for r, c in codes.items() if c is None)
             if failed:
                 r = failed[0]
-                _say(f"rank {r} failed with exit status {_exit_status(codes[r] or 0)}"
+                say(f"rank {r} failed with exit status {_exit_status(codes[r] or 0)}"
                      + (f"; stopping ranks {', '.join(map(str, running))}" if running else ""))
                 _stop(ranks.procs, namespaces, signals=ranks.signals)
                 if r > 0:
@@ -585,12 +347,12 @@ def _launch_and_wait(P: int, rate: str, command: list[str], timeout: float, thre
                 return ranks.finish(deadline)
             gone = ranks.launcher_exit()
             if gone is not None:
-                _say(f"{ranks.launcher} exited with status {_exit_status(gone)} while ranks "
+                say(f"{ranks.launcher} exited with status {_exit_status(gone)} while ranks "
                      f"{', '.join(map(str, running))} had not finished")
                 _stop(ranks.procs, namespaces, signals=ranks.signals)
                 return _exit_status(gone) or 1
             if time.monotonic() > deadline:
-                _say(f"timed out after {timeout:g} s; killing ranks still running: "
+                say(f"timed out after {timeout:g} s; killing ranks still running: "
                      f"{', '.join(map(str, running))}")
                 _stop(ranks.procs, namespaces, signals=ranks.signals)
                 return EXIT_TIMEOUT
@@ -602,37 +364,3 @@ def _launch_and_wait(P: int, rate: str, command: list[str], timeout: float, thre
               signals=ranks.signals if ranks is not None else _GlooRanks.signals)
         for f in files:
             f.close()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``sparsecomm emulate`` to ``parser`` (the command is the REMAINDER after ``--``)."""
-    parser.add_argument("--ranks", "-n", type=int_in(1, MAX_RANKS), required=True, metavar="P",
-                        help=f"number of ranks, 1 to {MAX_RANKS} (one network namespace each)")
-    parser.add_argument("--rate", type=checked_by(tc_rate, "rate"), default="1gbit",
-                        help="tbf rate of every port, both directions, in tc syntax (default: 1gbit)")
-    parser.add_argument("--timeout", type=positive_float, default=3600.0, metavar="S",
-                        help="kill every rank after S seconds (default: 3600)")
-    parser.add_argument("--threads", type=positive_int, default=1, metavar="T",
-                        help="OMP_NUM_THREADS of each rank (default: 1)")
-    parser.add_argument("--port", type=int_in(1, 65535), default=29600, help="MASTER_PORT (default: 29600)")
-    parser.add_argument("--mpi", action="store_true",
-                        help="run the ranks under MPICH's mpiexec (MPI over TCP) instead of as "
-                             "torch.distributed ranks (RANK, WORLD_SIZE, MASTER_ADDR)")
-    parser.add_argument("--logs", metavar="DIR", default=None,
-                        help="folder for the logs of ranks 1..P-1 (default: a temporary folder)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
-                        help="the program run on every rank")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``sparsecomm emulate`` with parsed ``args``; return the exit status (see :func:`run`)."""
-    command = list(args.command)
-    if command and command[0] == "--":  # argparse keeps the separator in a REMAINDER
-        command = command[1:]
-    try:
-        return run(args.ranks, args.rate, command, args.timeout, threads=args.threads,
-                   logs=args.logs, port=args.port, mpi=args.mpi)
-    except KeyboardInterrupt:
-        # run() has stopped the ranks and removed the cluster on the way out; no traceback.
-        _say("interrupted; ranks stopped and the emulated cluster removed")
-        return 130
