@@ -1,10 +1,12 @@
 """Local (single-rank) kernels: top-k selection by magnitude, fused select, COO and payload helpers.
 
-This folder sits at the top of the repository but is installed *inside* the
-package as ``sparsecomm.kernels`` (``package-dir`` in pyproject.toml): import
-it as ``sparsecomm.kernels``; modules inside it import each other relatively.
-A checkout that is not installed cannot import it (``import sparsecomm``
-says so). Every operation with fast paths
+How it is imported: this folder sits at the top of the repository but is
+installed *inside* the package as ``sparsecomm.kernels`` (``package-dir`` in
+pyproject.toml maps the name to this folder in wheels and editable installs),
+and the symbolic link ``sparsecomm/kernels -> ../kernels`` shows the same
+mapping to type checkers, editors and a checkout on ``sys.path``. Import it as
+``sparsecomm.kernels``; modules inside it import each other relatively, and
+the package as ``..``. Every operation with fast paths
 (``kth_largest``, ``select_above``, ``ef_select``, ``ef_accumulate``, ``count_above``, ``bucketize``,
 ``scatter_add``, ``topk_of_candidates``, ``pack_records``/``unpack_records``,
 ``pack_message``/``unpack_message``, ``isin_sorted``,
@@ -28,7 +30,8 @@ Layout, one concern per module:
   operation's signature (what the tables name); ``_<library>_jit`` holds the
   kernel bodies the library compiles just in time (numba ``@njit`` loops,
   ``@triton.jit`` kernels, CUDA C source for CuPy's NVRTC):
-  ``numba_backend`` + ``_numba_jit`` (the ``cpu`` backend),
+  ``numba_backend`` + ``_numba_jit`` (the ``cpu`` backend; a package, one
+  module per operation),
   ``triton_backend`` + ``_triton_jit``, ``cupy_backend`` + ``_cupy_jit``.
 
 Imports run one way: backend modules may use the operation modules' helpers,

@@ -8,13 +8,14 @@ Entry points::
     sparsecomm.simulate(P, fn)                         # P virtual ranks in one process
 """
 
-try:  # kernels/ and baselines/ live at the top of the checkout; installing maps them in
+try:  # kernels/ and baselines/ live at the top of the checkout; installing (or a link) maps them in
     from . import kernels as _kernels  # noqa: F401
-except ModuleNotFoundError as exc:  # pragma: no cover - a bare checkout on sys.path
+except ModuleNotFoundError as exc:  # pragma: no cover - a checkout without symbolic links, not installed
     raise ImportError(
         "sparsecomm.kernels is missing: sparsecomm is imported from a checkout that is not "
-        "installed. Install it (pip install -e . in the repository root): kernels/ and "
-        "baselines/ are installed as sparsecomm.kernels and sparsecomm.baselines") from exc
+        "installed and has no sparsecomm/kernels link. Install it (pip install -e . in the "
+        "repository root): kernels/ and baselines/ are installed as sparsecomm.kernels and "
+        "sparsecomm.baselines") from exc
 from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms)
 from . import baselines  # noqa: F401  (sparsecomm.baselines.DenseOverlap)
 from .algorithms import (

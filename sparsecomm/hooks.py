@@ -54,7 +54,6 @@ again without communicating.
 # No "from __future__ import annotations" here: DDP checks the hook's annotations
 # against the real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
 import time
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -64,6 +63,7 @@ from . import registry
 from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
+from .hook_checkpoints import HookCheckpoints
 from .schedules.engine import Engine
 from .state import State, check_density
 
@@ -102,7 +102,7 @@ class _Step:
         self.reported = False
 
 
-class SparseHookState:
+class SparseHookState(HookCheckpoints):
     """State of :func:`sparse_allreduce_hook` for one DDP model.
 
     Args:
@@ -262,99 +262,6 @@ class SparseHookState:
             for r in list(self._pending.values()) + list(self._carried.values()):
                 r.mul_(factor)
         self._scale = scale
-
-    # ---- checkpoints ------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """What a checkpoint needs (take it between steps): step, per-parameter residuals and carried
-        results, per-layout algorithm states, the layouts and the last step's orders, the scale."""
-        algo = {}
-        for key, st in self.buckets.items():
-            copy = st.__class__.__new__(st.__class__)
-            copy.__dict__ = {**st.__dict__, "residual": None}
-            algo[key] = copy
-        return {"step": self.step, "residuals": self.residuals(), "algorithm_states": algo,
-                "totals": dict(self.totals), "layouts": list(self._layouts), "carried": self.carried(),
-                "staged": list(self._staged_last),
-                "orders": None if self._orders_last is None else list(self._orders_last), "scale": self._scale}
-
-    def load_state_dict(self, d: dict) -> None:
-        """Restore a :meth:`state_dict`: the step, every parameter's residual, the layouts and their states.
-
-        1. A checkpoint of another model (a residual, carried result or layout naming
-           a parameter this model lacks, or one of another size) raises ValueError
-           here, not at the first bucket.
-        2. This hook's settings (algorithm, density, options, error feedback) win, as the
-           user just gave them: a saved state made with other settings is dropped (with a
-           warning naming both); its residuals carry over to the states this hook makes,
-           so the gradient memory goes on while thresholds and boundaries start afresh.
-           With the same settings the run resumes bit for bit.
-        3. The next step takes its layout decisions from the orders of the step before
-           the checkpoint; DDP's initial buckets are staged into them.
-        """
-        self._check_checkpoint(d)
-        mine = self._settings(self.spec.state_class(self.density, **self._state_kwargs()))
-        kept = {key: st for key, st in d["algorithm_states"].items() if self._settings(st) == mine}
-        if len(kept) < len(d["algorithm_states"]):
-            other = next(st for st in d["algorithm_states"].values() if self._settings(st) != mine)
-            warnings.warn(f"SparseHookState.load_state_dict: the checkpoint's bucket states were made with "
-                          f"{self._settings(other)}, this hook makes {mine}: their residuals carry over, their "
-                          "thresholds and boundaries start afresh", stacklevel=2)
-        self.step = d["step"]
-        self.totals = {"refused_steps": 0, **d["totals"]}
-        self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
-        self._layouts, self._holder = {}, {}
-        for key in d.get("layouts", list(d["algorithm_states"])):  # checkpoints before layouts: the states'
-            self._hold(tuple(key))
-        self.buckets = {}
-        for key, st in kept.items():
-            st.residual = None
-            if tuple(key) in self._layouts:
-                self.buckets[tuple(key)] = st
-        saved = d["residuals"]
-        for key, st in self.buckets.items():  # re-attach residuals to the saved layouts
-            here = [saved[i] for i in key if i in saved]
-            if self.error_feedback and here:
-                st.residual = torch.cat([saved[i] if i in saved else here[0].new_zeros(self._numel[i]) for i in key])
-        placed = {i for key in self.buckets for i in key}
-        self._pending = {i: r.clone() for i, r in saved.items() if i not in placed}
-        self._carried = {i: c.clone() for i, c in d.get("carried", {}).items()}
-        self._staged_last = [tuple(o) for o in d.get("staged", [])]
-        orders = d.get("orders")
-        self._orders_last = None if orders is None else [tuple(o) for o in orders]
-        self._scale = d.get("scale")
-        self._resumed = True
-
-    @staticmethod
-    def _settings(state: State) -> tuple:
-        """What makes two per-layout states interchangeable: the class and its settings."""
-        settings = state.settings()
-        settings.pop("iteration", None)
-        return (type(state).__name__, tuple(sorted(settings.items())))
-
-    def _check_checkpoint(self, d: dict) -> None:
-        """Refuse a checkpoint of another model (see :meth:`load_state_dict`)."""
-        n = len(self._numel)
-        for what, tensors in (("residual", d["residuals"]), ("carried result", d.get("carried", {}))):
-            for i, r in tensors.items():
-                if not (isinstance(i, int) and 0 <= i < n):
-                    raise ValueError(f"SparseHookState.load_state_dict: the checkpoint holds a {what} for "
-                                     f"parameter {i!r}; this model has {n} parameters (a checkpoint of another "
-                                     "model?)")
-                if r.numel() != self._numel[i]:
-                    raise ValueError(f"SparseHookState.load_state_dict: the checkpoint's {what} for parameter "
-                                     f"{i} has {r.numel()} elements; this model's has {self._numel[i]} (a "
-                                     "checkpoint of another model?)")
-        seen: set = set()
-        for key in list(d["algorithm_states"]) + list(d.get("layouts", [])) + list(d.get("orders") or []):
-            bad = [i for i in key if not (isinstance(i, int) and 0 <= i < n)]
-            if bad:
-                raise ValueError(f"SparseHookState.load_state_dict: a saved bucket holds parameter(s) {bad}; "
-                                 f"this model has {n} parameters (a checkpoint of another model?)")
-        for key in d.get("layouts", []):
-            if seen & set(key):
-                raise ValueError(f"SparseHookState.load_state_dict: the saved layouts share parameter(s) "
-                                 f"{sorted(seen & set(key))} (not a checkpoint of SparseHookState.state_dict?)")
-            seen |= set(key)
 
     def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
         d = dict(self.__dict__)

@@ -10,6 +10,29 @@ import engines
 os.environ.setdefault("SPARSECOMM_TIMEOUT", "60")
 torch.set_num_threads(1)
 
+
+def _import_triton_for_its_interpreter() -> None:
+    """Without a GPU the kernel tests run Triton's interpreter, which can run only Triton's own
+    library functions (``tl.sum`` ...) that were defined interpreted, i.e. imported under
+    TRITON_INTERPRET=1. Whichever test imports triton first would decide that (an SGD step
+    imports it through torch's dynamo), so it is imported here, once, that way."""
+    if torch.cuda.is_available() or "triton" in __import__("sys").modules:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401  (optional: the tests skip Triton without it)
+    except ImportError:
+        pass
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()
+
 @pytest.fixture(autouse=True)
 def _starts_processes_only_when_marked(request, monkeypatch):
     """``-m "not slow"`` must stay in-process: a test that starts gloo ranks or

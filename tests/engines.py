@@ -33,7 +33,9 @@ def run_mpi(size: int, case: str, timeout: float = 240) -> list:
     exe = mpiexec()
     with tempfile.TemporaryDirectory() as outdir:
         cmd = [exe, "-n", str(size), sys.executable, str(HERE / "mpi_worker.py"), case, outdir]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        # The worker imports test modules by name: tests/ and its folders (as pytest's sys.path has them).
+        folders = [HERE, *sorted(d for d in HERE.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -8,7 +8,7 @@ import torch
 
 import cases
 import loop_cases
-import test_gpu
+import test_gpu_equals_cpu
 import test_properties
 import test_schedules
 
@@ -30,7 +30,7 @@ def main() -> None:
         "bad_input": lambda: cases.bad_input_cases(rank, size),
         "resolve": lambda: sparsecomm.resolve().name,
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
-        "matrix_cuda": lambda: test_gpu.matrix(rank, size, "cuda"),
+        "matrix_cuda": lambda: test_gpu_equals_cpu.matrix(rank, size, "cuda"),
         "engine": lambda: cases.engine_cases(rank, size),
         "schedules": lambda: test_schedules.schedule_cases(rank, size),
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),

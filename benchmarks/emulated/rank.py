@@ -1,12 +1,12 @@
-"""Issue 11's per-call workload on the emulated cluster: sparse vs dense, a drifting gradient.
+"""The per-call workload on the emulated cluster: sparse vs dense, a drifting gradient.
 
     sparsecomm emulate --ranks 2 --rate 1gbit -- python benchmarks/emulated/rank.py
 
-Kept for comparing with issue 11's earlier numbers (its gradient drifts as
-``x = 0.9 x + 0.1 randn``; the allreduce suite's synthetic gradient differs).
+Its gradient drifts as ``x = 0.9 x + 0.1 randn`` (the allreduce suite's synthetic
+gradient differs); docs/results.md section 4 is its table.
 The suites under ``benchmarks/`` (``sparsecomm emulate ... -- python -m pytest
 benchmarks/test_allreduce.py``, ``test_ddp.py``, ``test_schedules.py``) are the
-benchmarks; the DDP and schedule scripts that lived here are now those suites.
+benchmarks of the DDP step and of the schedules.
 
 Each configuration gets 20 untimed warm-up calls (thresholds and residuals
 settle), then ``ROUNDS`` timed calls, each after a barrier; the slowest rank's

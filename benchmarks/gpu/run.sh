@@ -6,8 +6,8 @@
 #   install    the project, editable, into the current Python without touching its torch
 #              (no index: works on a machine cut off from the network); wheels found in
 #              .whl/ (e.g. mpich, for mpiexec) are installed first
-#   tests      the whole test suite with the GPU visible (the CUDA paths of tests/test_gpu.py,
-#              compiled Triton and CuPy kernels in tests/test_kernels*.py), 4 workers
+#   tests      the whole test suite with the GPU visible (the CUDA paths of tests/promises/test_gpu_equals_cpu.py,
+#              compiled Triton and CuPy kernels in tests/kernels/), 4 workers
 #   tune       benchmarks/gpu/tune_select.py: tile sizes of the Triton selects, against CuPy and torch
 #   kernels    benchmarks/test_kernels.py: float32 and bfloat16, Triton vs CuPy vs torch,
 #              sizes SPARSECOMM_BENCH_SIZES (default 25M,100M,1B)

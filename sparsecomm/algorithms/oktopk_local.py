@@ -10,17 +10,30 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .. import kernels
 from ..state import CallStats, Preselection
 
-if TYPE_CHECKING:  # the state's module imports this one
-    from .oktopk import OkTopkState
 
-__all__ = ["local_select", "checked_select", "masked", "bracket_too_wide", "nearest_rung", "tail_threshold",
+
+class LocalState(Protocol):
+    """What the local selection reads and moves in its state (an ``OkTopkState``)."""
+
+    count_bounds: tuple[float, float]
+    local_select: str
+    local_threshold: float | None
+    local_spacing: float
+    local_kth: float | None
+    local_stale: bool
+
+    def reuse_due(self, t: int) -> bool: ...
+
+    def local_floor(self) -> float: ...
+
+__all__ = ["LocalState", "local_select", "checked_select", "masked", "bracket_too_wide", "nearest_rung", "tail_threshold",
            "LOCAL_BELOW", "LOCAL_ABOVE", "LOCAL_SPACING_MAX", "BRACKET", "SPACING_MIN", "SPACING_MAX"]
 
 #: Magnitudes the tail fit of :func:`tail_threshold` looks at, at most.
@@ -50,7 +63,7 @@ def masked(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ..
 
 
 # ---- step 1: local selection -------------------------------------------------
-def local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: CallStats,
+def local_select(acc: torch.Tensor, k: int, st: LocalState, t: int, stats: CallStats,
                   preselected: Preselection | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sorted local selection and its values in ``acc``."""
     if not st.reuse_due(t):
@@ -88,7 +101,7 @@ def local_select(acc: torch.Tensor, k: int, st: OkTopkState, t: int, stats: Call
     return checked_select(acc, idx, val, count, th, k, st, stats, rungs=True)
 
 
-def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tensor, torch.Tensor]:
+def _exact_local(acc: torch.Tensor, k: int, st: LocalState) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact local top-k (sorted indexes, values); its k-th largest guides the next threshold."""
     idx = kernels.topk_indexes(acc, k, use_abs=True)
     val = acc[idx]
@@ -97,7 +110,7 @@ def _exact_local(acc: torch.Tensor, k: int, st: OkTopkState) -> tuple[torch.Tens
 
 
 def checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
-                    st: OkTopkState, stats: CallStats, rungs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    st: LocalState, stats: CallStats, rungs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
 
     1. A reusing call (``rungs``; ``th`` is the lowest rung, ``OkTopkState.local_floor``)
@@ -160,7 +173,7 @@ def checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, coun
     return idx, val
 
 
-def _reselect(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
+def _reselect(acc: torch.Tensor, k: int, st: LocalState, stats: CallStats,
               est: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A reusing call whose candidates missed the ladder: select above a threshold measured
     from ``acc`` (``kernels.estimate_threshold``, unless given), checked like any selection
@@ -173,7 +186,7 @@ def _reselect(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
     return got
 
 
-def _estimated_select(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallStats,
+def _estimated_select(acc: torch.Tensor, k: int, st: LocalState, stats: CallStats,
                       th: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The entries above ``th`` (default: ``kernels.estimate_threshold`` of ``acc``: a sample
     plus one sampled counting pass), checked by :func:`checked_select` (the hard cap
@@ -188,7 +201,7 @@ def _estimated_select(acc: torch.Tensor, k: int, st: OkTopkState, stats: CallSta
 
 
 def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, count: int, floor: float, k: int,
-                   st: OkTopkState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+                   st: LocalState, stats: CallStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
     """Step 1 of :func:`checked_select`: the candidates above the chosen local rung, and
     where this call's k-th largest lies (None when nothing could tell)."""
     lo, hi = st.count_bounds
@@ -257,7 +270,7 @@ def nearest_rung(totals: list[int], k: int, lo: float, hi: float, home: int | No
     return min(fits, key=lambda i: (Fraction(max(totals[i], k), min(totals[i], k)), abs(i - near)))
 
 
-def _set_local_threshold(st: OkTopkState, kth: float | None, ceiling: float | None = None,
+def _set_local_threshold(st: LocalState, kth: float | None, ceiling: float | None = None,
                          trusted: bool = True) -> None:
     """Next call's threshold from this call's k-th largest magnitude ``kth`` (exact or estimated),
     at most ``ceiling``.

@@ -18,7 +18,7 @@ the last allreduce ends.
   times and sizes, 2-12 layers) it ends later than the optimum in 8% of
   them (up to 4% later) when start-ups are below a tenth of a layer's
   transfer, and in about half (up to 35%) when they reach a whole one
-  (``tests/test_planner.py``).
+  (``tests/schedules/test_planner.py``).
 * :func:`plan_time` evaluates any plan under the model; :func:`fit_linear`
   fits a and b from measured (size, time) pairs.
 """
