@@ -101,7 +101,8 @@ class SparseAdamW(torch.optim.Optimizer):
     3. Each step, p = g / denom on every rank, and ``compress="momentum"``
        (default; DGC's momentum correction, 1-bit Adam's momentum compression):
        each rank keeps its own momentum u = beta1 u + (1 - beta1) p; r = sparse
-       allreduce (average, error feedback) of u; w -= lr (r / (1 - beta1^t) +
+       allreduce (average, error feedback) of u; u = 0 where this rank contributed
+       (``momentum_masking``, on by default); w -= lr (r / (1 - beta1^t) +
        weight_decay w): the same on every rank. ``"preconditioned"``: r = sparse
        allreduce of p, then the shared momentum m = beta1 m + (1 - beta1) r and w -=
        lr (m / (1 - beta1^t) + weight_decay w). ``"gradient"`` (frozen only): as
@@ -122,8 +123,10 @@ class SparseAdamW(torch.optim.Optimizer):
         compress: one of :data:`COMPRESS_MODES`.
         variance: one of :data:`VARIANCE_MODES`.
         variance_interval: frozen variance only: 0 (never refreshed) or N.
-        momentum_masking: with compress="momentum", zero this rank's momentum where it
-            just contributed (DGC's momentum factor masking: a sent entry stops pushing).
+        momentum_masking: zero this rank's momentum where it just contributed (DGC's
+            momentum factor masking: a sent entry stops pushing); default (None): on with
+            compress="momentum", the only mode it applies to. Over 800 LM steps it took the
+            loss from 1.39x dense's to 1.31x (docs/results.md).
         density_warmup, start_density: the first ``density_warmup`` sparse steps select
             more, from ``start_density`` down to ``density`` in four geometric stages (DGC).
         residual_dtype: torch.float32 or torch.bfloat16 (kept between steps).
@@ -146,7 +149,7 @@ class SparseAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, density: float = 0.01,
                  algorithm: str = "oktopk", warmup_steps: int = 10, compress: str = "momentum",
                  variance: str = "local", variance_interval: int = 0, density_warmup: int = 0,
-                 start_density: float = 0.25, momentum_masking: bool = False,
+                 start_density: float = 0.25, momentum_masking: bool | None = None,
                  residual_dtype: torch.dtype = torch.float32, compressor: Any = None,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None) -> None:
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
@@ -178,6 +181,8 @@ class SparseAdamW(torch.optim.Optimizer):
         self.variance_interval, self.residual_dtype = variance_interval, residual_dtype
         self.compressor, self.group, self.comm, self.algorithm = compressor, group, comm, algorithm
         self.density, self.density_warmup = check_density(density), density_warmup
+        if momentum_masking is None:
+            momentum_masking = compress == "momentum"
         if not isinstance(momentum_masking, bool) or (momentum_masking and compress != "momentum"):
             raise ValueError(f"momentum_masking must be True or False, and True needs compress='momentum', "
                              f"got {momentum_masking!r}")

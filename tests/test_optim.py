@@ -453,3 +453,10 @@ def test_the_density_warmup_selects_more_first_and_loses_nothing():
         assert torch.equal(o[0], out[0][0])
     fed = sum(o[1] for o in out)
     torch.testing.assert_close(out[0][2] * P + sum(o[3] for o in out), fed, rtol=1e-5, atol=1e-5)
+
+
+def test_momentum_masking_is_on_by_default_where_it_applies():
+    params = copy.deepcopy(_MODEL).parameters
+    assert SparseAdamW(params()).momentum_masking is True  # compress="momentum", the default
+    assert SparseAdamW(params(), compress="preconditioned").momentum_masking is False
+    assert SparseAdamW(params(), momentum_masking=False).momentum_masking is False
