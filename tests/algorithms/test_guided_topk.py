@@ -16,7 +16,8 @@ import torch
 
 import sparsecomm
 
-GUIDED = ["topka", "gtopk", "topkdsa"]
+#: The algorithms whose states select the exact local top-k with a guide.
+GUIDED = [a for a in sparsecomm.algorithms() if sparsecomm.registry.get(a).state_class.guided_topk]
 N = 3001
 
 
