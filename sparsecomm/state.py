@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import kernels
+from .buffers import BufferPool
 from .comm.base import CommStats
 
 __all__ = ["State", "CallStats", "PhaseStats", "Compensated", "Preselection", "check_density", "topk_count",
@@ -156,14 +156,6 @@ class Compensated:
         return None if self.nonfinite is None else self.nonfinite == 0
 
 
-def _storage_users(buf: torch.Tensor) -> tuple[int, int]:
-    """(the use count of ``buf``'s storage, the references to its Python storage object):
-    what tensors and storage objects elsewhere in this process hold it. Host-side
-    bookkeeping only: no device read."""
-    storage = buf.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
-
-
 @functools.lru_cache(maxsize=None)
 def _setting_names(cls: type) -> tuple[str, ...]:
     """The ``__init__`` arguments of a State class (``inspect.signature``: ~0.5 ms, once per class)."""
@@ -186,7 +178,7 @@ class State:
     #: ``topk_guide`` and :meth:`exact_topk` finds the top-k among those few candidates.
     guided_topk = False
     #: Attributes that live for one call or are buffers: never saved in checkpoints.
-    _TRANSIENT = ("_scratch", "_workspace", "_results", "_maxima", "_scales_wanted")
+    _TRANSIENT = ("_pool", "_maxima", "_scales_wanted")
     #: How many result buffers a plain call (no ``out=``) may keep (:meth:`result_buffer`):
     #: two serve ``out = allreduce(g, state=s)``, whose previous result lives through the call.
     RESULT_BUFFERS = 2
@@ -384,78 +376,33 @@ class State:
             residual[result.kept_at:result.kept_at + result.kept_val.numel()] += result.kept_val.to(acc.dtype)
         self.residual = residual
 
-    def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A persistent all-zero buffer; whoever uses it leaves it all zero again (O(k) resets).
+    # ---- buffers the state keeps (never saved in checkpoints) -------------------
+    @property
+    def pool(self) -> BufferPool:
+        """This state's persistent buffers (made on first use; a loaded state makes its own)."""
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            pool = self.__dict__["_pool"] = BufferPool(self.RESULT_BUFFERS)
+        return pool
 
-        Steady-state calls then allocate nothing of size n: a fresh 100 MB
-        ``torch.zeros`` costs ~56 ms of page faults at 25M elements, five
-        times the add the call is measured against. Not saved in checkpoints.
-        """
-        bufs = self.__dict__.setdefault("_scratch", {})
-        buf = bufs.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = bufs[name] = torch.zeros(numel, dtype=dtype, device=device)
-        return buf
+    def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """:meth:`BufferPool.scratch`: an all-zero buffer its users leave all zero."""
+        return self.pool.scratch(name, numel, dtype, device)
+
+    def workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """:meth:`BufferPool.workspace`: a buffer whose contents are undefined between uses."""
+        return self.pool.workspace(name, numel, dtype, device)
 
     def result_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
-        """A tensor shaped like ``like`` for a plain call's result, on a buffer the state keeps.
-
-        A fresh n-element result costs n/1024 minor page faults a call on CPU (the
-        allocator maps large blocks anew each time: ~3x the rest of a steady Ok-Topk
-        call at 25M), and CUDA graphs want fixed addresses. So the state keeps up to
-        ``RESULT_BUFFERS`` flat buffers and hands out a *view* of one that nobody else
-        uses:
-
-        1. A buffer is free when its storage has no user besides the state's own
-           tensor: every tensor the caller can hold that reads it (the returned view,
-           views of it, ``.grad`` set to it, a tensor autograd saved, a NumPy array
-           or DLPack capsule of it) is a tensor of its own on the same storage and
-           counts in the storage's use count, and a storage object taken from it
-           counts in that object's references. A returned result is therefore never
-           overwritten while anything in this process can still read it.
-        2. A buffer moved to shared memory (sent to another process) leaves the set:
-           the other process's reads count nowhere here.
-        3. Else, below the limit, a new buffer joins the set (its pages are faulted
-           in once); else None, and the caller allocates a fresh tensor, as without
-           a state. Under ``torch.inference_mode()`` always None (an inference
-           tensor would then come back from later ordinary calls).
-
-        Buffers are dropped when the tensor's size, dtype or device changes, and are
-        never saved in checkpoints. They cost up to two n-element tensors per state
-        for the state's life. On CUDA the set knows nothing of
-        ``Tensor.record_stream``: hold the result until other streams are done with it.
-        """
-        if (not hasattr(torch._C, "_storage_Use_Count") or torch.is_inference_mode_enabled()
-                or like.layout != torch.strided
-                or like.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
-            return None
-        n = like.numel()
-        if self.n is not None and self.n != n:
+        """:meth:`BufferPool.result_buffer`: where a plain call's result goes, or None."""
+        if self.n is not None and self.n != like.numel():
             return None  # the call is refused (one state per tensor): keep the buffers
-        pool = self.__dict__.setdefault("_results", [])
-        if pool and (pool[0][0].numel() != n or pool[0][0].dtype != like.dtype or pool[0][0].device != like.device):
-            pool.clear()
-        pool[:] = [(buf, idle) for buf, idle in pool if not buf.is_shared()]
-        for buf, idle in pool:
-            if _storage_users(buf) == idle:
-                return buf.view(like.shape)
-        if len(pool) >= self.RESULT_BUFFERS:
-            return None
-        buf = torch.empty(n, dtype=like.dtype, device=like.device)
-        pool.append((buf, _storage_users(buf)))  # the counts with no other user, as this torch reports them
-        return buf.view(like.shape)
+        return self.pool.result_buffer(like)
 
     def buffers(self) -> list[torch.Tensor]:
         """The persistent buffers (scratch and workspace) this state holds."""
-        return [*self.__dict__.get("_scratch", {}).values(), *self.__dict__.get("_workspace", {}).values()]
-
-    def workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A persistent buffer whose contents are undefined between uses (not saved in checkpoints)."""
-        bufs = self.__dict__.setdefault("_workspace", {})
-        buf = bufs.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = bufs[name] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
+        pool = self.__dict__.get("_pool")
+        return pool.buffers() if pool is not None else []
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import cases
 import loop_cases
+import schedule_cases
 import test_gpu_equals_cpu
 import test_properties
-import test_schedules
+import torch
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
         "matrix_cuda": lambda: test_gpu_equals_cpu.matrix(rank, size, "cuda"),
         "engine": lambda: cases.engine_cases(rank, size),
-        "schedules": lambda: test_schedules.schedule_cases(rank, size),
+        "schedules": lambda: schedule_cases.schedule_cases(rank, size),
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),
         "loops": lambda: {name: loop_cases.property_case(rank, size, name, "oktopk", 200)
                           for name in sorted(loop_cases.SCHEDULES)},

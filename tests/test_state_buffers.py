@@ -95,7 +95,7 @@ def test_scratch_buffers_are_left_all_zero_and_stay_out_of_checkpoints(algorithm
         st = sparsecomm.registry.get(algorithm).state_class(0.05)
         for step in range(3):
             sparsecomm.allreduce(grad(rank, step), state=st)
-        scratch = dict(st.__dict__.get("_scratch", {}))
+        scratch = dict(st.pool.scratch_buffers)
         buf = io.BytesIO()
         torch.save(st, buf)
         buf.seek(0)
@@ -103,7 +103,7 @@ def test_scratch_buffers_are_left_all_zero_and_stay_out_of_checkpoints(algorithm
         # The restored state makes its own scratch and continues identically.
         a = sparsecomm.allreduce(grad(rank, 9), state=st)
         b = sparsecomm.allreduce(grad(rank, 9), state=loaded)
-        return scratch, "_scratch" in loaded.__dict__, torch.equal(a, b)
+        return scratch, "_pool" in loaded.__dict__, torch.equal(a, b)
 
     # Above MERGE_MAX_P ranks a region's parts go through the region-sized scratch accumulator.
     from sparsecomm.algorithms.exchange import MERGE_MAX_P
@@ -297,7 +297,7 @@ def test_plain_call_buffer_is_free_again_once_every_view_is_gone():
     # Buffers are transient: a checkpoint carries none of them.
     buf = io.BytesIO()
     torch.save(state, buf)
-    assert "_results" not in torch.load(io.BytesIO(buf.getvalue()), weights_only=True).__dict__
+    assert "_pool" not in torch.load(io.BytesIO(buf.getvalue()), weights_only=True).__dict__
 
 
 def test_plain_split_call_holds_its_buffer_until_finished():
