@@ -167,11 +167,15 @@ def test_a_loss_scaler_skips_an_overflowing_step_on_every_rank(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_moving_loss_scale_changes_nothing(name):
+def test_a_moving_loss_scale_changes_nothing(name, monkeypatch):
     # Residuals, parked residuals, carried results and results in flight are in the scaler's
     # units: a scale that doubles every step (powers of two: exact in float64) must give the
     # bits of one that never moves, through freezing, thawing, a refusal, an aborted batch, a
     # restart and finish(). (TopkA: Ok-Topk's reused thresholds do not follow the scale.)
+    # MG-WFBP plans from measured times, so the two runs could group the layers differently
+    # (other selections, other bits): here its plan is fixed, one group (no trial to time).
+    monkeypatch.setattr(sparsecomm.schedules.mgwfbp, "plan_merge",
+                        lambda times, sizes, a, b, method: [list(range(len(sizes)))])
     events = ["plain", "plain", "freeze", "plain", "refuse 1 3", "thaw", "plain", "abort", "plain", "restart",
               "plain", "plain"]
     runs = [run(2, name, "topka", events, scaler_scale=2.0 ** 8, growth_interval=g) for g in (1, 10 ** 6)]
