@@ -21,15 +21,7 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, region_sizes, split_and_reduce
-from .oktopk_local import (
-    LOCAL_BELOW,
-    SPACING_MAX,
-    SPACING_MIN,
-    bracket_too_wide,
-    local_select,
-    masked,
-    nearest_rung,
-)
+from .oktopk_local import (LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung)
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
 

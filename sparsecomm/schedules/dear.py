@@ -80,30 +80,10 @@ import torch
 from .. import registry
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (
-    Carry,
-    LossScale,
-    Schedule,
-    active_scaler,
-    adopt_states,
-    check_layers,
-    check_optimizer,
-    join_residuals,
-    layer_settings,
-    refused_job,
-    snapshot,
-    split_residual,
-)
-from .engine import (
-    Engine,
-    Job,
-    at_backward_end,
-    flat_dtype,
-    grad_versions,
-    grads_changed,
-    second_backward,
-    write_grads,
-)
+from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
+                   join_residuals, layer_settings, refused_job, snapshot, split_residual)
+from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward,
+                     write_grads)
 from .dear_tuner import FusionTuner
 
 __all__ = ["DeAR"]

@@ -52,33 +52,10 @@ import torch
 
 from .. import registry
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (
-    Carry,
-    LossScale,
-    Schedule,
-    active_scaler,
-    adopt_states,
-    check_layers,
-    check_optimizer,
-    join_residuals,
-    layer_settings,
-    optimizer_size,
-    refused_job,
-    snapshot,
-    split_residual,
-)
-from .engine import (
-    Engine,
-    Job,
-    at_backward_end,
-    flat_dtype,
-    grad_versions,
-    grads_changed,
-    grads_in,
-    point_grads,
-    second_backward,
-    write_grads,
-)
+from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
+                   join_residuals, layer_settings, optimizer_size, refused_job, snapshot, split_residual)
+from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
+                     second_backward, write_grads)
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD"]
 

@@ -56,20 +56,8 @@ import torch
 
 from .. import registry
 from ..errors import InputError, NonFiniteError
-from .base import (
-    LossScale,
-    Schedule,
-    active_scaler,
-    adopt_states,
-    check_layers,
-    check_optimizer,
-    join_residuals,
-    layer_settings,
-    optimizer_size,
-    refused_job,
-    snapshot,
-    split_residual,
-)
+from .base import (LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer, join_residuals,
+                   layer_settings, optimizer_size, refused_job, snapshot, split_residual)
 from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conservation import assert_conserved
-from reference import (
-    k_of,
-    ref_cltk,
-    ref_gaussian_selection,
-    ref_gtopk,
-    ref_sum_of_selected,
-    ref_topk,
-)
+from reference import (k_of, ref_cltk, ref_gaussian_selection, ref_gtopk, ref_sum_of_selected, ref_topk)
 
 import sparsecomm
 

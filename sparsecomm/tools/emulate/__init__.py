@@ -22,19 +22,8 @@ in their JSON so a result says which network it was measured on.
 """
 
 from .command import add_arguments, main
-from .netns import (
-           EXIT_PRECONDITION,
-           EXIT_TIMEOUT,
-           MAX_RANKS,
-           SUBNET,
-           EmulateError,
-           cluster,
-           down,
-           network_label,
-           preflight,
-           tc_rate,
-           up,
-)
+from .netns import (EXIT_PRECONDITION, EXIT_TIMEOUT, MAX_RANKS, SUBNET, EmulateError, cluster, down, network_label,
+                    preflight, tc_rate, up)
 from .ranks import run
 
 __all__ = ["EmulateError", "preflight", "tc_rate", "up", "down", "cluster", "run", "network_label",

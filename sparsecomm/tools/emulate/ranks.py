@@ -13,15 +13,7 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
-from .netns import (
-    EXIT_PRECONDITION,
-    EXIT_TIMEOUT,
-    SUBNET,
-    EmulateError,
-    cluster,
-    network_label,
-    preflight,
-)
+from .netns import (EXIT_PRECONDITION, EXIT_TIMEOUT, SUBNET, EmulateError, cluster, network_label, preflight)
 
 __all__ = ["run", "say"]
 
