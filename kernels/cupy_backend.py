@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ._cupy_jit import CUDA_SOURCE, GRAD_TYPES, RES_TYPES, SELECT_ITEMS, SELECT_THREADS
+from . import dispatch
 from .coo import record_buffers, record_fields, sort_by_index
 from .payload import decode_buffers, encode_buffers
 from .radix import radix_select
@@ -92,7 +93,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     if zero_out is not None:
         zero_out.zero_()
     _launch(name, tiles, SELECT_THREADS, args, dev)
-    return int(status[tiles - 1]) >> 2
+    return dispatch.to_host(status[tiles - 1]) >> 2
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
@@ -149,7 +150,7 @@ def count_above(x: torch.Tensor, thresholds, every: int = 1) -> np.ndarray:
     blocks = max(1, min(HIST_BLOCKS, -(-n // HIST_THREADS)))
     _launch(name, blocks, HIST_THREADS, (_ptr(flat), np.int64(n), _ptr(th), np.int32(nt), _ptr(counts)),
             x.device)
-    return counts.cpu().numpy()
+    return np.asarray(dispatch.to_host(counts), dtype=np.int64)
 
 
 def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,

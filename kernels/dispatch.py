@@ -35,20 +35,63 @@ so it is silent even for an explicit ``backend=``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
 __all__ = ["BACKENDS", "BackendUnavailable", "KernelOp", "OPS", "choose", "available", "install_hint",
-           "import_numba"]
+           "import_numba", "checks_values", "gpu_path", "host_side", "on_host", "to_host"]
 
 _ENV = "SPARSECOMM_KERNELS"
 _ALIASES = {"numba": "cpu"}
+_THREAD = threading.local()
+
+
+def checks_values(tensor: torch.Tensor) -> bool:
+    """Whether argument checks that read ``tensor``'s values on the host run: off GPUs only
+    (on a GPU each would stall the stream), and not inside :func:`gpu_path`."""
+    return tensor.device.type != "cuda" and not getattr(_THREAD, "gpu_path", False)
+
+
+@contextlib.contextmanager
+def gpu_path():
+    """Take the branches a CUDA run takes, on any device, in this thread (the audit's view of a GPU call)."""
+    before, _THREAD.gpu_path = getattr(_THREAD, "gpu_path", False), True
+    try:
+        yield
+    finally:
+        _THREAD.gpu_path = before
+
+
+@contextlib.contextmanager
+def host_side():
+    """Mark tensor work that runs on the host by design (a grid of a few rungs built from Python
+    floats, or a value already read): it launches nothing on a GPU, and the audit counts none of it."""
+    before, _THREAD.host = getattr(_THREAD, "host", False), True
+    try:
+        yield
+    finally:
+        _THREAD.host = before
+
+
+def on_host() -> bool:
+    """Whether this thread is inside :func:`host_side`."""
+    return getattr(_THREAD, "host", False)
+
+
+def to_host(tensor: torch.Tensor) -> Any:
+    """``tensor``'s values as Python numbers: the one way the Triton and CuPy wrappers read the
+    device (one ``.cpu()``, which the audit counts as one synchronisation)."""
+    host = tensor.cpu()
+    with host_side():
+        return host.tolist()
 
 
 class BackendUnavailable(RuntimeError):

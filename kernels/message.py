@@ -86,7 +86,7 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
                       device=values.device)
     if not count:
         return out
-    if rel_idx.device.type != "cuda" and int(rel_idx.reshape(-1)[-1]) >= span:  # the paths check order, blocks
+    if dispatch.checks_values(rel_idx) and int(rel_idx.reshape(-1)[-1]) >= span:  # the paths check order, blocks
         raise ValueError(f"pack_message: index {int(rel_idx.reshape(-1)[-1])} is outside the span of {span}")
     if not blocked(count, span, index_dtype):
         _PACK_RECORDS(rel_idx, values, index_dtype, value_dtype, out.view(count, -1), backend=backend)
@@ -112,7 +112,7 @@ def _pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torc
                   header: torch.Tensor, rows: torch.Tensor, records: str) -> None:
     """The header by ``searchsorted``, the 2-byte records by ``pack_records``'s ``records`` path."""
     idx = rel_idx.to(torch.int64)
-    if idx.device.type != "cuda" and idx.numel() and (
+    if dispatch.checks_values(idx) and idx.numel() and (
             int(idx[0]) < 0 or int(idx[-1]) >= header.numel() * INDEX_BLOCK or bool((idx[1:] < idx[:-1]).any())):
         raise ValueError(f"pack_message: the {idx.numel()} indexes do not ascend within the span's "
                          f"{header.numel()} blocks")
@@ -201,7 +201,7 @@ def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch
                     idx: torch.Tensor, vals: torch.Tensor, records: str) -> None:
     """The 2-byte records by ``unpack_records``'s ``records`` path, their blocks by expanding the header."""
     count = rows.shape[0]
-    if header.device.type != "cuda" and (int(header.sum()) != count or bool((header < 0).any())):
+    if dispatch.checks_values(header) and (int(header.sum()) != count or bool((header < 0).any())):
         raise ValueError(f"unpack_message: the header counts {int(header.sum())} entries, the message has {count}")
     off, v = _UNPACK_RECORDS.run(records, rows, _OFFSET_DTYPE, value_dtype)
     starts = torch.arange(header.numel(), dtype=torch.int64, device=rows.device).mul_(INDEX_BLOCK).add_(base)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import dispatch
+
 __all__ = ["key_layout", "choose_digit", "key_to_float", "radix_kth_largest_torch"]
 
 
@@ -62,13 +64,14 @@ def radix_select(x: torch.Tensor, k: int, histogram) -> float:
         prefix32.copy_(prefix.reshape(1))
         histogram(x, x.numel(), prefix32, hist, bits, shift, i == 0)
         choose_digit(hist, krem, prefix)
-    return key_to_float(int(prefix), x.dtype)
+    return key_to_float(dispatch.to_host(prefix), x.dtype)
 
 
 def key_to_float(key: int, dtype: torch.dtype) -> float:
     """The float whose (sign-less) bit pattern is ``key``."""
     bits, _, idt = key_layout(dtype)
-    return float(torch.tensor([key], dtype=torch.int64).to(idt).view(dtype)[0])
+    with dispatch.host_side():  # a reinterpretation of a host integer
+        return float(torch.tensor([key], dtype=torch.int64).to(idt).view(dtype)[0])
 
 
 def radix_kth_largest_torch(x: torch.Tensor, k: int) -> float:
@@ -88,4 +91,4 @@ def radix_kth_largest_torch(x: torch.Tensor, k: int) -> float:
         match = keys if i == 0 else keys[(keys >> (shift + 8)) == prefix]
         hist = torch.bincount((match >> shift) & 255, minlength=256)
         choose_digit(hist, krem, prefix)
-    return key_to_float(int(prefix), x.dtype)
+    return key_to_float(dispatch.to_host(prefix), x.dtype)

@@ -17,6 +17,7 @@ import importlib
 import numpy as np
 import torch
 
+from . import dispatch
 from .coo import record_buffers, record_fields, sort_by_index
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .radix import radix_select
@@ -88,7 +89,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
                                     threshold if threshold > 0 else 0.0, capacity,
                                     ZERO=zero_selected, BLOCK=SELECT_BLOCK,
                                     FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
-    return int(status[tiles - 1]) >> 2
+    return dispatch.to_host(status[tiles - 1]) >> 2
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
@@ -102,7 +103,7 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima
     _jit().ef_accumulate_kernel[(-(-n // size),)](
         grad, residual, maxima if block else residual, bad, n, FMAX=torch.finfo(residual.dtype).max,  # (unused)
         BLOCK=size, MAXIMA=bool(block), num_warps=accumulate_warps(size))
-    return int(bad)
+    return dispatch.to_host(bad[0])
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
@@ -158,7 +159,7 @@ def count_above(x: torch.Tensor, thresholds, every: int = 1) -> np.ndarray:
     grid = (max(1, min(HIST_PROGRAMS, -(-n // COUNT_BLOCK))),)
     _jit().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
                                      num_warps=COUNT_WARPS)
-    return counts[:nt].cpu().numpy()
+    return np.asarray(dispatch.to_host(counts[:nt]), dtype=np.int64)
 
 
 def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,

@@ -21,7 +21,8 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, region_sizes, split_and_reduce
-from .oktopk_local import (LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung)
+from .oktopk_local import (LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
+                           rung_grid)
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
 
@@ -352,11 +353,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
             return mag != 0, per_rank.tolist()
     elif not periodic:
         s = st.global_spacing
-        steps = torch.arange(-GRID_HALF, GRID_HALF + 1, dtype=torch.float64)
-        # Ascending (a cast to a narrow dtype may merge neighbours, which keeps it sorted), on
-        # the host (the chosen rung is read without a device sync), positive and finite.
-        info = torch.finfo(mag.dtype)
-        grid = (st.global_threshold * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
+        grid, rungs = rung_grid(st.global_threshold, s, -GRID_HALF, GRID_HALF, mag.dtype)
         edges = grid.to(mag.device)
         # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
@@ -377,7 +374,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                 # The next call's threshold goes on by half this move: under error feedback
                 # the reduced magnitudes grow call after call while the residuals build up,
                 # and a threshold that only followed fell below its whole grid.
-                st.global_threshold = float(grid[j]) * math.exp(s * (j - GRID_HALF) / 2)
+                st.global_threshold = rungs[j] * math.exp(s * (j - GRID_HALF) / 2)
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)

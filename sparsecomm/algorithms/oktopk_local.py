@@ -34,6 +34,7 @@ class LocalState(Protocol):
     def local_floor(self) -> float: ...
 
 __all__ = ["LocalState", "local_select", "checked_select", "masked", "bracket_too_wide", "nearest_rung", "tail_threshold",
+           "rung_grid",
            "LOCAL_BELOW", "LOCAL_ABOVE", "LOCAL_SPACING_MAX", "BRACKET", "SPACING_MIN", "SPACING_MAX"]
 
 #: Magnitudes the tail fit of :func:`tail_threshold` looks at, at most.
@@ -206,13 +207,11 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
     where this call's k-th largest lies (None when nothing could tell)."""
     lo, hi = st.count_bounds
     s = st.local_spacing
-    steps = torch.arange(LOCAL_BELOW + LOCAL_ABOVE + 1, dtype=torch.float64)
-    info = torch.finfo(mag.dtype)
-    grid = (floor * torch.exp(s * steps)).clamp_(info.tiny, info.max).to(mag.dtype)
+    grid, rungs = rung_grid(floor, s, 0, LOCAL_BELOW + LOCAL_ABOVE, mag.dtype)
     bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
     above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # above[j]: candidates at or above rung j
     above[0] = count  # the pass's own count (the float64 floor may lie below grid[0], cast to mag's dtype)
-    est = _kth_from_rungs(mag, above, grid.tolist(), k)
+    est = _kth_from_rungs(mag, above, rungs, k)
     j = nearest_rung(above, k, lo, hi, home=LOCAL_BELOW)
     if j is None:
         if above[0] > hi * k and above[-1] < lo * k:
@@ -245,6 +244,22 @@ def _kth_from_rungs(mag: torch.Tensor, above: list[int], rungs: list[float], k: 
             frac = math.log(above[i] / k) / math.log(above[i] / above[i + 1])
             return rungs[i] * (rungs[i + 1] / rungs[i]) ** frac
     return tail_threshold(mag[mag >= rungs[-1]], above[-1], rungs[-1], k)  # k beyond the top rung
+
+
+def rung_grid(base: float, spacing: float, first: int, last: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, list[float]]:
+    """The rungs ``base * exp(spacing * j)``, j = first..last, in ``dtype``, on the host: as a
+    tensor (to upload) and as floats.
+
+    Ascending (a cast to a narrow dtype may merge neighbours, which keeps them sorted),
+    positive and finite. Host work by design (``kernels.dispatch.host_side``): reading
+    them costs no synchronisation on a GPU.
+    """
+    with kernels.dispatch.host_side():
+        steps = torch.arange(first, last + 1, dtype=torch.float64)
+        info = torch.finfo(dtype)
+        grid = (base * torch.exp(spacing * steps)).clamp_(info.tiny, info.max).to(dtype)
+        return grid, grid.tolist()
 
 
 def bracket_too_wide(totals: list[int], k: int) -> bool:
