@@ -24,14 +24,16 @@ __all__ = ["split_by_boundaries", "index_dtype_for", "record_bytes", "pack_recor
            "scatter_dense_torch", "sum_sorted_runs", "sum_sorted_runs_torch"]
 
 
-def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor) -> list[int]:
+def split_by_boundaries(idx: torch.Tensor, bounds: torch.Tensor, on_device: bool = False) -> list[int] | torch.Tensor:
     """Offsets cutting sorted ``idx`` into regions ``[bounds[j], bounds[j+1])``.
 
     ``bounds`` has P+1 non-decreasing entries starting at 0 and ending at n.
-    Returns P+1 offsets: region j's entries are ``idx[off[j]:off[j+1]]``.
+    Returns P+1 offsets: region j's entries are ``idx[off[j]:off[j+1]]``; with
+    ``on_device`` as an int64 tensor on ``idx``'s device (no read: the caller
+    reads them with whatever else it needs).
     """
     off = torch.searchsorted(idx, bounds.to(idx.dtype))
-    return off.tolist()
+    return off if on_device else off.tolist()
 
 
 def index_dtype_for(span: int) -> torch.dtype:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = ["BACKENDS", "BackendUnavailable", "KernelOp", "OPS", "choose", "available", "install_hint",
-           "import_numba", "checks_values", "gpu_path", "host_side", "on_host", "to_host"]
+           "import_numba", "checks_values", "in_host_memory", "gpu_path", "host_side", "on_host", "to_host"]
 
 _ENV = "SPARSECOMM_KERNELS"
 _ALIASES = {"numba": "cpu"}
@@ -58,6 +58,11 @@ def checks_values(tensor: torch.Tensor) -> bool:
     """Whether argument checks that read ``tensor``'s values on the host run: off GPUs only
     (on a GPU each would stall the stream), and not inside :func:`gpu_path`."""
     return tensor.device.type != "cuda" and not getattr(_THREAD, "gpu_path", False)
+
+
+def in_host_memory(tensor: torch.Tensor) -> bool:
+    """Whether a reference may hand ``tensor`` to numpy (a CPU tensor, outside :func:`gpu_path`)."""
+    return tensor.device.type == "cpu" and not getattr(_THREAD, "gpu_path", False)
 
 
 @contextlib.contextmanager

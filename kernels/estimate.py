@@ -56,7 +56,9 @@ def count_above_torch(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -
     mag = x.reshape(-1).abs().to(asc.dtype)
     # bucket b = number of thresholds <= |x_i|; count(>= asc[j]) = #{b > j}.
     b = torch.bucketize(mag, asc, right=True)
-    hist = torch.bincount(b, minlength=asc.numel() + 1).cpu().numpy()
+    # One read (bincount would read the largest bucket first to size its output).
+    hist = torch.zeros(asc.numel() + 1, dtype=torch.int64, device=x.device).index_add_(0, b, torch.ones_like(b))
+    hist = hist.cpu().numpy()
     ge_asc = np.cumsum(hist[::-1])[::-1][1:]  # ge_asc[j] = #{b >= j + 1}
     return ge_asc[::-1].astype(np.int64)
 
@@ -159,7 +161,10 @@ def bucketize(x: torch.Tensor, edges: torch.Tensor, backend: str | None = None) 
 def bucketize_torch(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`bucketize`."""
     bucket = torch.bucketize(x, edges, right=True)
-    return bucket, torch.bincount(bucket, minlength=edges.numel() + 1)
+    # A scatter-add into edges + 1 counters: bincount sizes its output by the largest bucket,
+    # a read of the device on a GPU.
+    hist = torch.zeros(edges.numel() + 1, dtype=torch.int64, device=x.device)
+    return bucket, hist.index_add_(0, bucket, torch.ones_like(bucket))
 
 
 _BUCKETIZE = dispatch.KernelOp("bucketize", bucketize_torch, cpu="numba_backend:bucketize",

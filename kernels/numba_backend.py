@@ -541,9 +541,12 @@ def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.
                          f"the message has {rows.shape[0]}")
 
 
-def nonzero(mask: torch.Tensor) -> torch.Tensor:
+def nonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """cpu ``kernels.nonzero``: numpy's ``flatnonzero`` (no numba needed)."""
-    return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    pos = torch.from_numpy(np.flatnonzero(mask.numpy()))
+    if count is not None and pos.numel() != count:
+        raise ValueError(f"nonzero: the mask holds {pos.numel()} True entries, not {count}")
+    return pos
 
 
 def sum_sorted_runs(idx: torch.Tensor, values: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

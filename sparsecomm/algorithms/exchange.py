@@ -64,7 +64,12 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     wire, codec, scale = values.wire, values.codec, values.scale
     if P == 1:  # one region, one contributor: nothing to add
         return local_idx, codec.decode(wire, scale, work_dtype)
-    off = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device))
+    # One read gives the host this rank's cuts and what every peer sends it: the cuts' sizes
+    # go out from the device (the control device, where that differs) and come back with them.
+    cuts = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device), on_device=True)
+    sent = torch.cat([cuts, torch.diff(cuts)]).to(comm.control_device)
+    received = comm.alltoall(sent[P + 1:].reshape(P, 1)).flatten()
+    off, recv_counts = _split(torch.cat([sent[:P + 1], received]).tolist(), P + 1)
     # A few parts (small worlds) are merged, summing in step order; more are added into a
     # dense accumulator of the region. The sums are the same bit for bit either way.
     merge = merges(P, wire.device)
@@ -80,9 +85,6 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     decoded = [codec.decode(own_wire, scale, work_dtype)]
     if not merge:
         kernels.scatter_add(region, own_idx, decoded.pop())
-    send_counts = torch.tensor([off[j + 1] - off[j] for j in range(P)], dtype=torch.int64,
-                               device=comm.control_device)
-    recv_counts = comm.alltoall(send_counts.reshape(P, 1)).flatten().tolist()
     span = region_sizes(starts)
 
     def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor, int]]]:
@@ -124,3 +126,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     rel = kernels.union_sorted_runs(torch.cat(touched), runs)
     sums = kernels.take_and_zero(region, rel)  # O(k): the buffer is all zero again for the next call
     return rel, sums
+
+
+def _split(values: list[int], at: int) -> tuple[list[int], list[int]]:
+    return values[:at], values[at:]

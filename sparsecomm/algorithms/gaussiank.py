@@ -36,8 +36,10 @@ class GaussiankState(State):
 
 def gaussian_threshold(acc: torch.Tensor, density: float) -> float:
     """|mean| + z * std, with z the normal quantile leaving ``density`` in the two tails."""
-    mean = float(acc.mean())
-    std = float(acc.std()) if acc.numel() > 1 else 0.0
+    if acc.numel() > 1:  # one read for both
+        mean, std = torch.stack([acc.mean(), acc.std()]).tolist()
+    else:
+        mean, std = float(acc.mean()), 0.0
     z = NormalDist().inv_cdf(1 - density / 2) if density < 1 else 0.0
     return abs(mean) + z * std
 

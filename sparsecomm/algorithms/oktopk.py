@@ -123,6 +123,17 @@ class OkTopkState(State):
         self.local_spacing = OkTopkState.local_spacing
         self.local_kth: float | None = None  # last call's k-th largest |acc| (exact or estimated)
 
+    #: Transient: the boundaries as host integers, with the tensor they were read from.
+    _TRANSIENT = (*State._TRANSIENT, "_starts")
+
+    def region_starts(self) -> list[int]:
+        """``boundaries`` as host integers, read once per new boundaries tensor (on a GPU
+        every read is a synchronisation, and steady calls reuse the boundaries)."""
+        cached = self.__dict__.get("_starts")
+        if cached is None or cached[0] is not self.boundaries:
+            cached = self._starts = (self.boundaries, self.boundaries.tolist())
+        return cached[1]
+
     def reuse_due(self, t: int) -> bool:
         """Whether call ``t`` (1-based) reuses the local threshold rather than re-evaluating it."""
         return not (self.local_threshold is None or (t - 1) % self.tau == 0 or self.local_stale)
@@ -193,7 +204,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
             state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
                                 else equal_boundaries(n, P, acc.device))
             stats.events["repartitioned"] = 1
-    starts = state.boundaries.tolist()
+    starts = state.region_starts()
     index_dtype = kernels.index_dtype_for(max(region_sizes(starts)))
 
     with rec.phase("split_reduce"):
@@ -205,7 +216,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
 
     with rec.phase("global_select"):
         keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
-        red_rel, red_val = masked(keep, red_rel, red_val)
+        red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
                     index_dtype)
 
@@ -221,7 +232,9 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     stats.global_selected = gidx.numel()
 
     mark = r.state.scratch("mark", acc.numel(), torch.bool, acc.device)
-    contributed, sent = masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local)
+    # One rank: the result is a part of its own selection, every entry of it contributed.
+    contributed, sent = masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local,
+                               count=gidx.numel() if comm.size == 1 else None)
     return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=contributed, sent=sent,
                         stats=stats, kept_idx=r.red_rel + starts[comm.rank],
                         kept_val=r.red_val - owned.decoded(acc.dtype))
@@ -347,10 +360,10 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     lo, hi = st.count_bounds
     periodic = (t - 1) % st.tau == 0 or st.global_stale
     if not periodic and st.global_threshold is None:  # the last call took every entry
-        per_rank = comm.allgather(torch.count_nonzero(mag).reshape(1, 1).to(torch.int64)).reshape(-1)
-        if int(per_rank.sum()) <= hi * k:
+        per_rank = comm.allgather(torch.count_nonzero(mag).reshape(1, 1).to(torch.int64)).reshape(-1).tolist()
+        if sum(per_rank) <= hi * k:
             stats.events["global_all"] = 1
-            return mag != 0, per_rank.tolist()
+            return mag != 0, per_rank
     elif not periodic:
         s = st.global_spacing
         grid, rungs = rung_grid(st.global_threshold, s, -GRID_HALF, GRID_HALF, mag.dtype)
@@ -364,8 +377,9 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
         local = torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32)
-        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).to(torch.int64)
-        *totals, available = per_rank.sum(0).tolist()
+        # One read of the whole table: the totals, and the counts of the rung chosen from them.
+        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).tolist()
+        *totals, available = [sum(column) for column in zip(*per_rank)]
         j = nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
         if j is not None:
             if bracket_too_wide(totals, k):
@@ -378,7 +392,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)
-            return bucket > j, per_rank[:, j].tolist()
+            return bucket > j, [row[j] for row in per_rank]
         # No rung fits: the grid is too coarse if the total jumps over the bounds between
         # two rungs (it is non-increasing along the grid), else too narrow, unless too few
         # reduced entries are nonzero for any threshold to fit.
@@ -390,7 +404,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
             # Every nonzero reduced entry fits under the cap (at P = 1 the local selection
             # always does): take them all, as an exact selection would below k, with none.
             stats.events["global_all"] = 1
-            return mag != 0, per_rank[:, -1].tolist()
+            return mag != 0, [row[-1] for row in per_rank]
         enough = [j for j, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
             j = enough[-1]

@@ -343,6 +343,20 @@ def test_nonzero_matches_reference(backend, monkeypatch, n, p):
     assert got.dtype == torch.int64 and torch.equal(got, torch.nonzero(mask).flatten())
 
 
+@pytest.mark.parametrize("backend", backend_params("nonzero"))
+@pytest.mark.parametrize("n,p", [(0, 0.5), (1, 1.0), (70_001, 0.01), (70_001, 0.0)])
+def test_nonzero_with_a_known_count_needs_no_read_and_checks_it_off_gpus(backend, monkeypatch, n, p):
+    # With the count the torch path sizes its output without reading the device (nonzero_static);
+    # off GPUs a count that is not the mask's is refused rather than padded or cut.
+    run = runner(backend, monkeypatch)
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < p
+    count = int(mask.sum())
+    assert torch.equal(run("nonzero", mask, count), torch.nonzero(mask).flatten())
+    if backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match="True entries"):
+            run("nonzero", mask, count + 1)
+
+
 @pytest.mark.parametrize("backend", backend_params("sum_sorted_runs"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("runs", [0, 1, 2, 5, 9])
