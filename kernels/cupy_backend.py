@@ -18,9 +18,10 @@ import functools
 import numpy as np
 import torch
 
-from ._cupy_jit import CUDA_SOURCE, GRAD_TYPES, RES_TYPES, SELECT_ITEMS, SELECT_THREADS
 from . import dispatch
+from ._cupy_jit import CUDA_SOURCE, GRAD_TYPES, RES_TYPES, SELECT_ITEMS, SELECT_THREADS
 from .coo import record_buffers, record_fields, sort_by_index
+from .efselect import count_nonfinite_kept
 from .payload import decode_buffers, encode_buffers
 from .radix import radix_select
 
@@ -66,7 +67,8 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
-              out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
+              out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
+              nonfinite: bool = False) -> "int | tuple[int, int | None]":
     """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
 
     ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
@@ -79,7 +81,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     """
     n = residual.numel()
     if n == 0:
-        return 0
+        return (0, 0) if nonfinite else 0
     tile = SELECT_THREADS * SELECT_ITEMS
     tiles = -(-n // tile)
     dev = residual.device
@@ -93,7 +95,12 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     if zero_out is not None:
         zero_out.zero_()
     _launch(name, tiles, SELECT_THREADS, args, dev)
-    return dispatch.to_host(status[tiles - 1]) >> 2
+    if not nonfinite:
+        return dispatch.to_host(status[tiles - 1]) >> 2
+    # The non-finite sums among the kept candidates, counted on the device and read with the count.
+    total = status[tiles - 1] >> 2
+    word, bad = dispatch.to_host(torch.stack([total, count_nonfinite_kept(out_val, total, capacity)]))
+    return word, (bad if word <= capacity else None)
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

@@ -61,7 +61,8 @@ def checks_values(tensor: torch.Tensor) -> bool:
 
 
 def in_host_memory(tensor: torch.Tensor) -> bool:
-    """Whether a reference may hand ``tensor`` to numpy (a CPU tensor, outside :func:`gpu_path`)."""
+    """Whether a reference may treat ``tensor`` as host memory (hand it to numpy, take a CPU-only
+    path): a CPU tensor, outside :func:`gpu_path`."""
     return tensor.device.type == "cpu" and not getattr(_THREAD, "gpu_path", False)
 
 

@@ -44,29 +44,38 @@ def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
 
 def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
-                    out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
-    """The reference: the unfused torch chain with the same contract as :func:`ef_select`."""
+                    out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
+                    nonfinite: bool = False) -> "int | tuple[int, int | None]":
+    """The reference: the unfused torch chain with the same contract as :func:`ef_select`
+    (one read of the device: the count, with the non-finite count when asked)."""
     if zero_out is not None:
         zero_out.zero_()
     acc = residual.add(grad.to(residual.dtype), alpha=scale)
     finite = torch.isfinite(acc)
     mask = ~finite | ((acc.abs() >= threshold) & (acc != 0))
     residual.copy_(torch.where(finite, acc, residual))
-    idx = torch.nonzero(mask).flatten()
-    count = idx.numel()
+    count, bad = torch.stack([mask.sum(), finite.numel() - finite.sum()]).tolist()
+    idx = torch.nonzero_static(mask, size=count).flatten()
     w = min(count, capacity)
     out_idx[:w] = idx[:w]
     out_val[:w] = acc[idx[:w]]
     if zero_selected and w:
         residual.index_fill_(0, idx[:w][finite[idx[:w]]], 0)
-    return count
+    return (count, bad if count <= capacity else None) if nonfinite else count
+
+
+def count_nonfinite_kept(out_val: torch.Tensor, count: "int | torch.Tensor", capacity: int) -> torch.Tensor:
+    """How many of the first min(count, capacity) values are not finite, as a device scalar
+    (``count`` may be a device scalar too: nothing is read)."""
+    valid = torch.arange(capacity, device=out_val.device) < count
+    return (valid & ~torch.isfinite(out_val[:capacity])).sum()
 
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float = 1.0, zero_selected: bool = True, *,
               out_idx: torch.Tensor | None = None, out_val: torch.Tensor | None = None,
-              zero_out: torch.Tensor | None = None,
-              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+              zero_out: torch.Tensor | None = None, nonfinite: bool = False,
+              backend: str | None = None) -> tuple:
     """Error-feedback accumulate and select in one pass over memory.
 
     1. acc = residual + scale * grad, computed in the residual's dtype and
@@ -103,12 +112,16 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         out_idx, out_val: preallocated buffers (allocated when None).
         zero_out: a contiguous tensor of ``residual.numel()`` floats on the
             same device, sharing no memory with grad or residual.
+        nonfinite: also return how many sums were not finite (None when the
+            buffers overflowed), read from the device with the count: on a GPU
+            one synchronisation for both.
         backend: ``torch``/``triton``/``cupy``/``cpu``/``auto`` (see
             ``kernels.dispatch``); default: ``SPARSECOMM_KERNELS`` or auto.
 
     Returns:
         ``(out_idx, out_val, count)``: the buffers and the TRUE number of
         selected entries; the first ``min(count, capacity)`` are valid.
+        With ``nonfinite``: ``(out_idx, out_val, count, nonfinite)``.
 
     Example::
 
@@ -118,9 +131,9 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
     if zero_out is not None:
         _check_zero_out(zero_out, grad, residual)
-    count = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
-                       out_idx, out_val, zero_out, backend=backend)
-    return out_idx, out_val, count
+    got = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
+                     out_idx, out_val, zero_out, bool(nonfinite), backend=backend)
+    return (out_idx, out_val, *got) if nonfinite else (out_idx, out_val, got)
 
 
 def _check_zero_out(zero_out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor) -> None:

@@ -135,7 +135,8 @@ def _map(fn, spans: list) -> list:
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
-              out_val: torch.Tensor, zero_out: torch.Tensor | None = None) -> int:
+              out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
+              nonfinite: bool = False) -> "int | tuple[int, int | None]":
     """numba fused error-feedback select; same contract as ``kernels.ef_select``.
 
     Only for a threshold that is positive in the residual's dtype:
@@ -197,7 +198,9 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         if zero_selected and fit < w:
             r[src_i[fit:]] = src_v[fit:]
         off += counts[c]
-    return int(off)
+    if not nonfinite:
+        return int(off)
+    return int(off), (int((~np.isfinite(ov[:off])).sum()) if off <= capacity else None)
 
 
 def select_above(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:

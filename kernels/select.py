@@ -78,15 +78,18 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, backend: st
 
 
 def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Reference of :func:`topk_of_candidates`."""
-    positive = mag > 0
-    if int(positive.sum()) <= k:
-        return nonzero(positive)
-    th = kth_largest(mag, k)
-    above = mag > th
-    need = k - int(above.sum())
-    ties = mag == th
-    keep = above | (ties & (torch.cumsum(ties, 0) <= need))
+    """Reference of :func:`topk_of_candidates`: one read of the device.
+
+    1. A stable descending sort of the magnitudes (NaN as 0: never kept): ties keep
+       the candidates' order, which is ascending ``idx``.
+    2. Mark the first k of them that are positive, and return the marked positions.
+    """
+    if k < 1:
+        raise ValueError(f"topk_of_candidates: k must be >= 1, got {k}")
+    m = torch.nan_to_num(mag, nan=0.0)
+    order = torch.sort(m, descending=True, stable=True).indices[:k]
+    keep = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
+    keep.index_put_((order,), m.index_select(0, order) > 0)
     return nonzero(keep)
 
 

@@ -201,6 +201,8 @@ def finish(started: Started) -> SparseResult:
     # scatter into the residual (O(k) random writes, ~3 ms at k = 250k on CPU) is skipped.
     state.update(acc, result, keep_errors=not codec.exact_for(acc.dtype))
     state.record(result.stats)
+    if started.private:
+        result.compact()  # the user's result says exactly which entries reached it
     return result
 
 

@@ -42,6 +42,11 @@ class SparseResult:
         bound: no |value| exceeds this, known without reading the values (from
             the scales they were decoded with): the overflow check then skips
             its pass over n values. None: unknown.
+        reached: when given, ``contributed`` is a superset (this rank's whole
+            selection) and ``reached`` marks the entries of it that reached the
+            result; ``sent`` is zero elsewhere, so the residual update needs no
+            compaction (on a GPU, no read of its size). :meth:`compact` makes
+            ``contributed`` exact.
     """
 
     n: int
@@ -55,6 +60,15 @@ class SparseResult:
     kept_at: int | None = None
     settled: bool = False
     bound: float | None = None
+    reached: torch.Tensor | None = None
+
+    def compact(self) -> "SparseResult":
+        """Cut ``contributed`` and ``sent`` to the entries that reached the result (see ``reached``)."""
+        if self.reached is not None:
+            pos = kernels.nonzero(self.reached)
+            self.contributed, self.sent = self.contributed.index_select(0, pos), self.sent.index_select(0, pos)
+            self.reached = None
+        return self
 
     def _scaled(self, scale: float, vals: torch.Tensor | None = None) -> torch.Tensor:
         """``vals`` (default: the values) times ``scale``, in at least float32."""

@@ -13,6 +13,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -131,13 +132,16 @@ class Compensated:
 
     @classmethod
     def fused(cls, acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int,
-              capacity: int, out_zeroed: bool = False) -> "Compensated":
-        """What ``kernels.ef_select`` returned (buffers, true count) as a compensation."""
+              capacity: int, out_zeroed: bool = False, nonfinite: "int | None | EllipsisType" = ...
+              ) -> "Compensated":
+        """What ``kernels.ef_select`` returned (buffers, true count, and the non-finite count
+        when it was asked for it: read with the count) as a compensation."""
         kept = min(count, capacity)
         val = val[:kept]
-        nonfinite = None  # the buffer overflowed: the pass cannot tell
-        if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
-            nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
+        if nonfinite is ...:
+            nonfinite = None  # the buffer overflowed: the pass cannot tell
+            if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
+                nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
         return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite, out_zeroed=out_zeroed)
 
     acc: torch.Tensor
@@ -246,9 +250,9 @@ class State:
         if self.guided_topk and self.topk_guide is not None:
             # One pass: residual += flat, and every entry above the guide collected.
             capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
-            idx, val, count = kernels.ef_select(flat, residual, self.topk_guide, capacity,
-                                                zero_selected=False, zero_out=zero_out)
-            return Compensated.fused(residual, idx, val, count, capacity, zero_out is not None)
+            idx, val, count, nonfinite = kernels.ef_select(flat, residual, self.topk_guide, capacity,
+                                                           zero_selected=False, zero_out=zero_out, nonfinite=True)
+            return Compensated.fused(residual, idx, val, count, capacity, zero_out is not None, nonfinite)
         return self._accumulate(flat, residual)
 
     def _accumulate(self, flat: torch.Tensor, residual: torch.Tensor, block: int | None = None) -> Compensated:
@@ -358,8 +362,10 @@ class State:
         with ``keep_errors=False``, when the caller knows them to be zero).
 
         ``result.contributed`` None means every entry was contributed
-        (``result.sent`` then holds all n values); ``result.settled``: the
-        algorithm already left acc minus what it sent in acc.
+        (``result.sent`` then holds all n values); with ``result.reached`` it
+        may hold more than contributed, with zeros sent there (r + -0 is r, bit
+        for bit); ``result.settled``: the algorithm already left acc minus what
+        it sent in acc.
         """
         if not self.error_feedback:
             return

@@ -179,9 +179,9 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     monkeypatch.setattr(check, "all_finite", lambda t: reads.append(t.numel()) or real(t))
     fused_result = sparsecomm.state.Compensated.fused.__func__
 
-    def spy(cls, acc, idx, val, count, capacity, out_zeroed=False):
+    def spy(cls, acc, idx, val, count, capacity, out_zeroed=False, nonfinite=...):
         overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
-        return fused_result(cls, acc, idx, val, count, capacity, out_zeroed)
+        return fused_result(cls, acc, idx, val, count, capacity, out_zeroed, nonfinite)
 
     monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
 

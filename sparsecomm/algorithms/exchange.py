@@ -31,8 +31,9 @@ MERGE_MAX_P = 8
 
 def merges(P: int, device: torch.device) -> bool:
     """Whether P ranks' sorted parts are summed by merging (``kernels.sum_sorted_runs``) rather
-    than in a dense accumulator: few ranks, on CPU (the GPU paths keep their scatter kernels)."""
-    return P <= MERGE_MAX_P and device.type == "cpu"
+    than in a dense accumulator: few ranks, on CPU (the GPU paths keep their scatter kernels,
+    and so does the audit of a GPU call, ``kernels.dispatch.gpu_path``)."""
+    return P <= MERGE_MAX_P and kernels.dispatch.in_host_memory(torch.empty(0, device=device))
 
 
 def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
@@ -48,9 +49,13 @@ def region_sizes(starts: Sequence[int]) -> list[int]:
 
 def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
                      comm: Communicator, index_dtype: torch.dtype, work_dtype: torch.dtype,
-                     bucket: int, region: Callable[[], torch.Tensor] | None = None
+                     bucket: int, region: Callable[[], torch.Tensor] | None = None, padded: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
+
+    ``padded``: the dense accumulator's result may hold an index more than once, each
+    repeat with a zero sum (the union's size is data: on a GPU a read of the device). For
+    callers that drop zero sums anyway, as Ok-Topk's global selection does.
 
     ``values`` holds the encoded values of ``local_idx`` (with a scale every rank shares).
     Parts are decoded and added into a dense accumulator of the region as they
@@ -123,6 +128,14 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
         runs.append(runs[-1] + part_idx.numel())
     if merge:
         return kernels.sum_sorted_runs(torch.cat(touched), torch.cat(decoded), runs)
+    if padded:  # every touched index, sorted; the sum at its first place, zeros at its repeats
+        rel = torch.sort(torch.cat(touched)).values
+        first = torch.ones_like(rel, dtype=torch.bool)
+        torch.ne(rel[1:], rel[:-1], out=first[1:])
+        sums = torch.where(first, region.index_select(0, rel), torch.zeros((), dtype=region.dtype,
+                                                                            device=region.device))
+        region.index_fill_(0, rel, 0)  # all zero again for the next call
+        return rel, sums
     rel = kernels.union_sorted_runs(torch.cat(touched), runs)
     sums = kernels.take_and_zero(region, rel)  # O(k): the buffer is all zero again for the next call
     return rel, sums

@@ -17,6 +17,7 @@ survived all merges above.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -123,8 +124,8 @@ class _Layout:
 
     def unpack(self, buf: torch.Tensor, mask_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indexes, decoded values, mask) of a received buffer."""
-        count = int(buf[:8].clone().view(torch.int64))
-        scale = float(buf[8:16].clone().view(torch.float64))
+        # One read of the header (count, then scale), reinterpreted on the host.
+        count, scale = struct.unpack("=qd", bytes(buf[:_HEADER].tolist()))
         idx, wire = kernels.unpack_records(buf[_HEADER:_HEADER + count * self.rb].reshape(-1, self.rb),
                                            self.index_dtype, self.codec.wire_dtype)
         mask = buf[self.mask_at:self.mask_at + mask_len].bool()

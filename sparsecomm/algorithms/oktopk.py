@@ -8,6 +8,7 @@ k largest-magnitude nonzero entries, ties broken by lower index
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -157,9 +158,9 @@ class OkTopkState(State):
         self.n = flat.numel()
         self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
-        idx, val, count = kernels.ef_select(flat, self.residual, self.local_floor(), capacity,
-                                            zero_selected=False, zero_out=zero_out)
-        return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None)
+        idx, val, count, nonfinite = kernels.ef_select(flat, self.residual, self.local_floor(), capacity,
+                                                       zero_selected=False, zero_out=zero_out, nonfinite=True)
+        return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None, nonfinite)
 
     def fuses_next(self) -> bool:
         return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next()
@@ -186,6 +187,8 @@ class _Reduced:
     counts: list[int]
     starts: list[int]
     index_dtype: torch.dtype
+    #: The largest reduced magnitude on any rank, when the global selection read it.
+    peak: float | None = None
 
 
 def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
@@ -212,13 +215,13 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
         sent_local = local.decoded(acc.dtype)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
         red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
-                                             acc.dtype, state.bucket, region)
+                                             acc.dtype, state.bucket, region, padded=True)
 
     with rec.phase("global_select"):
-        keep, counts = _global_select(red_val.abs(), k, state, t, comm, stats)
+        keep, counts, peak = _global_select(red_val.abs(), k, state, t, comm, stats)
         red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
-                    index_dtype)
+                    index_dtype, peak)
 
 
 def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
@@ -232,12 +235,17 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     stats.global_selected = gidx.numel()
 
     mark = r.state.scratch("mark", acc.numel(), torch.bool, acc.device)
-    # One rank: the result is a part of its own selection, every entry of it contributed.
-    contributed, sent = masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local,
-                               count=gidx.numel() if comm.size == 1 else None)
+    hit = kernels.isin_sorted(r.local_idx, gidx, mark=mark)
+    if comm.size == 1:  # the result is a part of this rank's selection: all of it contributed
+        contributed, sent = masked(hit, r.local_idx, r.sent_local, count=gidx.numel())
+        hit = None
+    else:  # the whole selection, marked, with nothing sent where it missed (no read of its size)
+        contributed, sent = r.local_idx, torch.where(hit, r.sent_local, torch.zeros((), dtype=r.sent_local.dtype))
+    # Values that travel as they are bound the result by the largest reduced magnitude.
+    bound = r.peak if codec.exact_for(acc.dtype) else None
     return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=contributed, sent=sent,
                         stats=stats, kept_idx=r.red_rel + starts[comm.rank],
-                        kept_val=r.red_val - owned.decoded(acc.dtype))
+                        kept_val=r.red_val - owned.decoded(acc.dtype), bound=bound, reached=hit)
 
 
 def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
@@ -330,8 +338,9 @@ HOME_BAND = (0.95, 1.05)
 
 
 def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
-                   stats: CallStats) -> tuple[torch.Tensor, list[int]]:
-    """Mask of this rank's reduced entries in the global result, and every rank's count.
+                   stats: CallStats) -> tuple[torch.Tensor, list[int], float | None]:
+    """Mask of this rank's reduced entries in the global result, every rank's count, and the
+    largest reduced magnitude on any rank when a reusing call's read brought it (else None).
 
     1. Every ``tau`` calls (and the first): the exact global top-k (``global_topk_mask``).
     2. In between, one allgather of every rank's counts at each rung of a geometric grid
@@ -356,14 +365,21 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
        local thresholds (an entry is sent soon after it crosses), so the total can fall
        from 2k to 0.01k within 10% of the threshold, and that cluster moves every call
        while the residuals build up.
+
+    The largest magnitude travels with the counts (float32 bits, whose order as integers
+    is that of non-negative floats): it bounds the result, so its overflow check reads
+    nothing more.
     """
     lo, hi = st.count_bounds
+    peak = None
     periodic = (t - 1) % st.tau == 0 or st.global_stale
     if not periodic and st.global_threshold is None:  # the last call took every entry
-        per_rank = comm.allgather(torch.count_nonzero(mag).reshape(1, 1).to(torch.int64)).reshape(-1).tolist()
+        local = torch.cat([torch.count_nonzero(mag).reshape(1).to(torch.int64), _peak_bits(mag).to(torch.int64)])
+        rows = comm.allgather(local.reshape(1, 2)).reshape(comm.size, 2).tolist()
+        per_rank, peak = [row[0] for row in rows], _peak(rows, mag.dtype)
         if sum(per_rank) <= hi * k:
             stats.events["global_all"] = 1
-            return mag != 0, per_rank
+            return mag != 0, per_rank, peak
     elif not periodic:
         s = st.global_spacing
         grid, rungs = rung_grid(st.global_threshold, s, -GRID_HALF, GRID_HALF, mag.dtype)
@@ -376,9 +392,10 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         nonzero = torch.count_nonzero(mag).reshape(1).to(above.dtype)
         # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
-        local = torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32)
-        # One read of the whole table: the totals, and the counts of the rung chosen from them.
-        per_rank = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).tolist()
+        local = torch.cat([torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32), _peak_bits(mag)])
+        # One read of the whole table: the totals, the counts of the rung chosen from them, the peak.
+        rows = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).tolist()
+        per_rank, peak = [row[:-1] for row in rows], _peak(rows, mag.dtype)
         *totals, available = [sum(column) for column in zip(*per_rank)]
         j = nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
         if j is not None:
@@ -392,7 +409,7 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)
-            return bucket > j, [row[j] for row in per_rank]
+            return bucket > j, [row[j] for row in per_rank], peak
         # No rung fits: the grid is too coarse if the total jumps over the bounds between
         # two rungs (it is non-increasing along the grid), else too narrow, unless too few
         # reduced entries are nonzero for any threshold to fit.
@@ -404,19 +421,36 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
             # Every nonzero reduced entry fits under the cap (at P = 1 the local selection
             # always does): take them all, as an exact selection would below k, with none.
             stats.events["global_all"] = 1
-            return mag != 0, [row[-1] for row in per_rank]
+            return mag != 0, [row[-1] for row in per_rank], peak
         enough = [j for j, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
             j = enough[-1]
             masked = torch.where(bucket > j, mag, torch.zeros_like(mag))
             mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[j])
             stats.events["global_corrected"] = 1
-            return mask, counts
+            return mask, counts, peak
         stats.events["global_under"] = 1
     mask, counts, st.global_threshold = global_topk_mask(mag, k, comm, st.global_select, _cap(st, k, comm.size))
     st.global_stale = False
     stats.events["global_recomputed"] = 1
-    return mask, counts
+    return mask, counts, peak
+
+
+def _peak_bits(mag: torch.Tensor) -> torch.Tensor:
+    """The largest of the non-negative ``mag`` as its float32 bits in one int32 (0 when empty;
+    -1, no bound, for other dtypes)."""
+    if mag.dtype != torch.float32:
+        return torch.full((1,), -1, dtype=torch.int32, device=mag.device)
+    top = mag.max().reshape(1) if mag.numel() else mag.new_zeros(1)
+    return top.view(torch.int32)
+
+
+def _peak(rows: list[list[int]], dtype: torch.dtype) -> float | None:
+    """The largest magnitude on any rank, from the last column of the gathered table."""
+    bits = max(row[-1] for row in rows)
+    if dtype != torch.float32 or bits < 0:
+        return None
+    return struct.unpack("=f", struct.pack("=i", bits))[0]
 
 
 def _cap(st: OkTopkState, k: int, P: int) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -107,7 +108,8 @@ class Audit:
 
 def _caller() -> tuple[str, bool]:
     """The innermost source line outside torch and this module, and whether a communicator is on the stack."""
-    frame, site, in_comm = sys._getframe(2), "", False
+    frame: types.FrameType | None = sys._getframe(2)
+    site, in_comm = "", False
     while frame is not None:
         path = frame.f_code.co_filename
         if not site and not path.startswith(_TORCH) and os.path.abspath(path) != _HERE:

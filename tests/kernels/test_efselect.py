@@ -62,6 +62,25 @@ def test_ef_select_matches_reference(backend, monkeypatch, case, zero):
 
 
 @pytest.mark.parametrize("backend", backend_params("ef_select"))
+@pytest.mark.parametrize("cap", [2_000, 40])
+def test_ef_select_reads_the_nonfinite_count_with_the_count(backend, monkeypatch, cap):
+    # Asked for, every path returns how many sums were not finite with the count (one read
+    # on a GPU), and None when the buffers overflowed (it cannot tell then).
+    run = runner(backend, monkeypatch)
+    n = 9_000
+    gen = torch.Generator().manual_seed(3)
+    g, r = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    g[[5, 700, 8_999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    r[4_000] = g[4_000] = 3e38  # a sum that overflows float32
+    idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
+    count, bad = run("ef_select", g, r.clone(), 2.5, cap, 1.0, False, idx, val, None, True)
+    want = ef_select_torch(g, r.clone(), 2.5, cap, 1.0, False, torch.empty(cap, dtype=torch.int64),
+                           torch.empty(cap))
+    assert count == want and (count <= cap) == (cap == 2_000)
+    assert bad == (4 if cap == 2_000 else None)
+
+
+@pytest.mark.parametrize("backend", backend_params("ef_select"))
 @pytest.mark.parametrize("rdtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("zero", [True, False])
 @pytest.mark.parametrize("overflowed", [False, True])
