@@ -50,7 +50,7 @@ def table(data: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 8])
-    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--out", default=None, help="folder for audit.json and audit.md")
     args = parser.parse_args()

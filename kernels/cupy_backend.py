@@ -68,7 +68,7 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              nonfinite: bool = False) -> "int | tuple[int, int | None]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
     """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
 
     ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
@@ -81,7 +81,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     """
     n = residual.numel()
     if n == 0:
-        return (0, 0) if nonfinite else 0
+        return (torch.zeros((), dtype=torch.int64, device=residual.device),) * 2 if device_counts else 0
     tile = SELECT_THREADS * SELECT_ITEMS
     tiles = -(-n // tile)
     dev = residual.device
@@ -95,12 +95,11 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     if zero_out is not None:
         zero_out.zero_()
     _launch(name, tiles, SELECT_THREADS, args, dev)
-    if not nonfinite:
+    if not device_counts:
         return dispatch.to_host(status[tiles - 1]) >> 2
-    # The non-finite sums among the kept candidates, counted on the device and read with the count.
+    # No read: the count and the non-finite sums among the kept candidates, on the device.
     total = status[tiles - 1] >> 2
-    word, bad = dispatch.to_host(torch.stack([total, count_nonfinite_kept(out_val, total, capacity)]))
-    return word, (bad if word <= capacity else None)
+    return total, count_nonfinite_kept(out_val, total, capacity)
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

@@ -9,12 +9,16 @@ entries. :func:`ef_select_torch` is that chain, kept as the reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from . import dispatch
+from .estimate import bucketize
 
-__all__ = ["ef_select", "ef_select_torch", "ef_accumulate", "ef_accumulate_torch", "shares_memory"]
+__all__ = ["ef_select", "ef_select_torch", "ef_select_counted", "Selected", "count_nonfinite_kept", "ef_accumulate",
+           "ef_accumulate_torch", "shares_memory"]
 
 
 def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
@@ -45,23 +49,45 @@ def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
 def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
                     out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-                    nonfinite: bool = False) -> "int | tuple[int, int | None]":
-    """The reference: the unfused torch chain with the same contract as :func:`ef_select`
-    (one read of the device: the count, with the non-finite count when asked)."""
+                    device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
+    """The reference: the unfused torch chain with the same contract as :func:`ef_select`.
+
+    ``device_counts``: read nothing; return the count and the non-finite count as device
+    scalars (the backends' common form for :func:`ef_select_counted`).
+    """
     if zero_out is not None:
         zero_out.zero_()
     acc = residual.add(grad.to(residual.dtype), alpha=scale)
     finite = torch.isfinite(acc)
     mask = ~finite | ((acc.abs() >= threshold) & (acc != 0))
     residual.copy_(torch.where(finite, acc, residual))
-    count, bad = torch.stack([mask.sum(), finite.numel() - finite.sum()]).tolist()
-    idx = torch.nonzero_static(mask, size=count).flatten()
+    if device_counts:
+        return _select_on_device(acc, finite, mask, capacity, zero_selected, residual, out_idx, out_val)
+    idx = torch.nonzero(mask).flatten()
+    count = idx.numel()
     w = min(count, capacity)
     out_idx[:w] = idx[:w]
     out_val[:w] = acc[idx[:w]]
     if zero_selected and w:
         residual.index_fill_(0, idx[:w][finite[idx[:w]]], 0)
-    return (count, bad if count <= capacity else None) if nonfinite else count
+    return count
+
+
+def _select_on_device(acc: torch.Tensor, finite: torch.Tensor, mask: torch.Tensor, capacity: int,
+                      zero_selected: bool, residual: torch.Tensor, out_idx: torch.Tensor,
+                      out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's outputs with no read: the first ``capacity`` selected positions
+    (``nonzero_static``, padded past the count), and the counts as device scalars."""
+    n = acc.numel()
+    if capacity:
+        pos = torch.nonzero_static(mask, size=capacity, fill_value=n).flatten()
+        valid = pos < n
+        out_idx[:capacity] = pos
+        out_val[:capacity] = torch.where(valid, acc.index_select(0, pos.clamp(max=max(n - 1, 0))),
+                                         torch.zeros((), dtype=acc.dtype, device=acc.device))
+    if zero_selected:  # the written finite entries (a scatter of the positions would repeat the padding's)
+        residual.masked_fill_(mask & finite & (torch.cumsum(mask, 0) <= capacity), 0)
+    return mask.sum(), finite.numel() - finite.sum()
 
 
 def count_nonfinite_kept(out_val: torch.Tensor, count: "int | torch.Tensor", capacity: int) -> torch.Tensor:
@@ -131,9 +157,76 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
     if zero_out is not None:
         _check_zero_out(zero_out, grad, residual)
-    got = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
-                     out_idx, out_val, zero_out, bool(nonfinite), backend=backend)
-    return (out_idx, out_val, *got) if nonfinite else (out_idx, out_val, got)
+    if nonfinite:
+        got = _counted(grad, residual, threshold, capacity, scale, zero_selected, out_idx, out_val, zero_out,
+                       None, backend)
+        return out_idx, out_val, got.count, got.nonfinite
+    count = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
+                       out_idx, out_val, zero_out, False, backend=backend)
+    return out_idx, out_val, count
+
+
+@dataclass
+class Selected:
+    """What :func:`ef_select_counted` gives the host, from one read of the device.
+
+    ``indexes``/``values``: the buffers (the first ``min(count, capacity)`` valid);
+    ``count``: the true number selected; ``nonfinite``: sums that were not finite (None
+    when the buffers overflowed). With ``rungs``: ``above[j]``, the kept candidates at or
+    above rung j; ``top``, the largest kept magnitude; ``bucket``, per buffer entry the
+    number of rungs at or below its magnitude (``kernels.bucketize``), on the device.
+    """
+
+    indexes: torch.Tensor
+    values: torch.Tensor
+    count: int
+    nonfinite: int | None
+    above: list[int] | None = None
+    top: float | None = None
+    bucket: torch.Tensor | None = None
+
+
+def ef_select_counted(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
+                      scale: float = 1.0, zero_selected: bool = True, *, rungs: torch.Tensor | None = None,
+                      out_idx: torch.Tensor | None = None, out_val: torch.Tensor | None = None,
+                      zero_out: torch.Tensor | None = None, backend: str | None = None) -> Selected:
+    """:func:`ef_select` with one read of the device for everything the host needs next.
+
+    1. The fused pass (every backend), its count and non-finite count left on the device.
+    2. With ``rungs`` (ascending magnitudes, the candidates' dtype, on their device): each
+       kept candidate's bucket, the counts at or above each rung and the largest kept
+       magnitude, on the device (O(capacity)).
+    3. One read of all of them (on a GPU, the call's one synchronisation so far).
+    """
+    grad, out_idx, out_val = _check(grad, residual, capacity, out_idx, out_val)
+    if zero_out is not None:
+        _check_zero_out(zero_out, grad, residual)
+    return _counted(grad, residual, threshold, capacity, scale, zero_selected, out_idx, out_val, zero_out, rungs,
+                    backend)
+
+
+def _counted(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int, scale: float,
+             zero_selected: bool, out_idx: torch.Tensor, out_val: torch.Tensor, zero_out: torch.Tensor | None,
+             rungs: torch.Tensor | None, backend: str | None) -> Selected:
+    count, bad = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
+                            out_idx, out_val, zero_out, True, backend=backend)
+    parts = [count.reshape(1).to(torch.float64), bad.reshape(1).to(torch.float64)]
+    bucket = None
+    if rungs is not None:
+        dev = out_val.device
+        valid = torch.arange(capacity, device=dev) < count
+        mag = out_val[:capacity].abs()
+        bucket, _ = bucketize(mag, rungs)
+        hist = torch.zeros(rungs.numel() + 1, dtype=torch.int64, device=dev).index_add_(0, bucket, valid.long())
+        top = torch.where(valid, mag, torch.zeros((), dtype=mag.dtype, device=dev)).amax(0, keepdim=True) \
+            if capacity else torch.zeros(1, dtype=mag.dtype, device=dev)
+        parts += [hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64), top.to(torch.float64)]
+    got = dispatch.to_host(torch.cat(parts))  # one read: float64 holds the counts and the magnitude exactly
+    n, nonfinite = int(got[0]), int(got[1])
+    selected = Selected(out_idx, out_val, n, nonfinite if n <= capacity else None)
+    if rungs is not None:
+        selected.above, selected.top, selected.bucket = [int(a) for a in got[2:-1]], got[-1], bucket
+    return selected
 
 
 def _check_zero_out(zero_out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor) -> None:

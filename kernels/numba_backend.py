@@ -136,7 +136,7 @@ def _map(fn, spans: list) -> list:
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              nonfinite: bool = False) -> "int | tuple[int, int | None]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
     """numba fused error-feedback select; same contract as ``kernels.ef_select``.
 
     Only for a threshold that is positive in the residual's dtype:
@@ -198,9 +198,10 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         if zero_selected and fit < w:
             r[src_i[fit:]] = src_v[fit:]
         off += counts[c]
-    if not nonfinite:
+    if not device_counts:
         return int(off)
-    return int(off), (int((~np.isfinite(ov[:off])).sum()) if off <= capacity else None)
+    bad = int((~np.isfinite(ov[:min(off, capacity)])).sum())  # host memory: no read to save
+    return torch.tensor(int(off)), torch.tensor(bad)
 
 
 def select_above(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:

@@ -67,7 +67,7 @@ def _jit():
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              nonfinite: bool = False) -> "int | tuple[int, int | None]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
     """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
 
     ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
@@ -80,7 +80,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     impl = _jit()
     n = residual.numel()
     if n == 0:
-        return (0, 0) if nonfinite else 0
+        return (torch.zeros((), dtype=torch.int64, device=residual.device),) * 2 if device_counts else 0
     tiles = -(-n // SELECT_BLOCK)
     dev = residual.device
     status = torch.zeros(tiles, dtype=torch.int64, device=dev)
@@ -91,12 +91,11 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
                                     threshold if threshold > 0 else 0.0, capacity,
                                     ZERO=zero_selected, BLOCK=SELECT_BLOCK,
                                     FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
-    if not nonfinite:
+    if not device_counts:
         return dispatch.to_host(status[tiles - 1]) >> 2
-    # The non-finite sums among the kept candidates, counted on the device and read with the count.
+    # No read: the count and the non-finite sums among the kept candidates, on the device.
     total = status[tiles - 1] >> 2
-    word, bad = dispatch.to_host(torch.stack([total, count_nonfinite_kept(out_val, total, capacity)]))
-    return word, (bad if word <= capacity else None)
+    return total, count_nonfinite_kept(out_val, total, capacity)
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:

@@ -118,6 +118,13 @@ class Preselection:
     indexes: torch.Tensor
     count: int
     values: torch.Tensor | None = None
+    #: When the pass also counted the candidates at a ladder of ``rungs`` (host floats):
+    #: ``above[j]`` at or above rung j, ``top`` the largest magnitude, ``bucket`` each
+    #: candidate's rung (``kernels.ef_select_counted``), read with the count.
+    rungs: list[float] | None = None
+    above: list[int] | None = None
+    top: float | None = None
+    bucket: torch.Tensor | None = None
 
 
 @dataclass
@@ -143,6 +150,15 @@ class Compensated:
             if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
                 nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
         return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite, out_zeroed=out_zeroed)
+
+    @classmethod
+    def counted(cls, acc: torch.Tensor, sel: "kernels.Selected", capacity: int, out_zeroed: bool = False,
+                rungs: list[float] | None = None) -> "Compensated":
+        """What ``kernels.ef_select_counted`` read (counts, and the ladder's when ``rungs``) as a compensation."""
+        kept = min(sel.count, capacity)
+        pre = Preselection(sel.indexes[:kept], sel.count, sel.values[:kept], rungs=rungs, above=sel.above,
+                           top=sel.top, bucket=None if sel.bucket is None else sel.bucket[:kept])
+        return cls(acc, pre, nonfinite=sel.nonfinite, out_zeroed=out_zeroed)
 
     acc: torch.Tensor
     preselected: Preselection | None = None
@@ -339,7 +355,7 @@ class State:
             if cand is not None and cand.numel() >= rank:
                 guide = kernels.kth_largest(cand, rank)
             elif cand is not None:  # fewer: extend the line through ranks k and count to 2k
-                kth, low = float(val.abs().min()), float(cand.min())
+                kth, low = torch.stack([val.abs().min(), cand.min()]).tolist()  # one read
                 slope = (kth - low) / max(1, cand.numel() - k)
                 guide = max(0.5 * low, low - slope * (rank - cand.numel()))
             else:  # after a full selection (a miss, or the first call): one more pass over n

@@ -55,16 +55,21 @@ def _starts_processes_only_when_marked(request, monkeypatch):
 
 @pytest.fixture
 def zero_out_calls(monkeypatch):
-    """For each ``kernels.ef_select`` call the test makes, whether it was given a ``zero_out``
-    (the call itself goes through unchanged)."""
+    """For each ``kernels.ef_select`` or ``kernels.ef_select_counted`` call the test makes,
+    whether it was given a ``zero_out`` (the call itself goes through unchanged)."""
     import sparsecomm
 
     seen = []
-    fused = sparsecomm.kernels.ef_select
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("zero_out") is not None)
-        return fused(*args, **kwargs)
+    def spy_on(name):
+        fused = getattr(sparsecomm.kernels, name)
 
-    monkeypatch.setattr(sparsecomm.kernels, "ef_select", spy)
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("zero_out") is not None)
+            return fused(*args, **kwargs)
+
+        monkeypatch.setattr(sparsecomm.kernels, name, spy)
+
+    spy_on("ef_select")
+    spy_on("ef_select_counted")
     return seen

@@ -178,12 +178,18 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     real = check.all_finite
     monkeypatch.setattr(check, "all_finite", lambda t: reads.append(t.numel()) or real(t))
     fused_result = sparsecomm.state.Compensated.fused.__func__
+    counted_result = sparsecomm.state.Compensated.counted.__func__
 
     def spy(cls, acc, idx, val, count, capacity, out_zeroed=False, nonfinite=...):
         overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
         return fused_result(cls, acc, idx, val, count, capacity, out_zeroed, nonfinite)
 
+    def spy_counted(cls, acc, sel, capacity, out_zeroed=False, rungs=None):
+        overflowed.append(sel.count > capacity)
+        return counted_result(cls, acc, sel, capacity, out_zeroed, rungs)
+
     monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
+    monkeypatch.setattr(sparsecomm.state.Compensated, "counted", classmethod(spy_counted))
 
     def body(rank):
         st = sparsecomm.registry.get(algorithm).state_class(0.05, error_feedback=True)

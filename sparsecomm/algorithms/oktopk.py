@@ -22,7 +22,7 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
 from .exchange import equal_boundaries, region_sizes, split_and_reduce
-from .oktopk_local import (LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
+from .oktopk_local import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
                            rung_grid)
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]
@@ -158,9 +158,12 @@ class OkTopkState(State):
         self.n = flat.numel()
         self.residual_on(flat)
         capacity = FUSED_CAPACITY * topk_count(self.density, self.n)
-        idx, val, count, nonfinite = kernels.ef_select(flat, self.residual, self.local_floor(), capacity,
-                                                       zero_selected=False, zero_out=zero_out, nonfinite=True)
-        return Compensated.fused(self.residual, idx, val, count, capacity, zero_out is not None, nonfinite)
+        # The ladder's counts come back with the pass's count: one read for the local selection.
+        floor = self.local_floor()
+        grid, rungs = rung_grid(floor, self.local_spacing, 0, LOCAL_BELOW + LOCAL_ABOVE, self.residual.dtype)
+        sel = kernels.ef_select_counted(flat, self.residual, floor, capacity, zero_selected=False,
+                                        zero_out=zero_out, rungs=grid.to(self.residual.device))
+        return Compensated.counted(self.residual, sel, capacity, zero_out is not None, rungs)
 
     def fuses_next(self) -> bool:
         return (self.error_feedback and self.reuse_due(self.iteration + 1)) or super().fuses_next()
@@ -199,7 +202,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     with rec.phase("local_select"):
-        local_idx, local_val = local_select(acc, k, state, t, stats, preselected)
+        local_idx, local_val, local_peak = local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
@@ -218,7 +221,11 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
                                              acc.dtype, state.bucket, region, padded=True)
 
     with rec.phase("global_select"):
-        keep, counts, peak = _global_select(red_val.abs(), k, state, t, comm, stats)
+        # One rank sending values as they are: the host knows its reduced entries' count (every
+        # selected value is nonzero) and their peak already.
+        known = ((local_idx.numel(), local_peak) if P == 1 and local_peak is not None
+                 and codec.exact_for(acc.dtype) else None)
+        keep, counts, peak = _global_select(red_val.abs(), k, state, t, comm, stats, known)
         red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
                     index_dtype, peak)
@@ -338,7 +345,8 @@ HOME_BAND = (0.95, 1.05)
 
 
 def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
-                   stats: CallStats) -> tuple[torch.Tensor, list[int], float | None]:
+                   stats: CallStats, known: tuple[int, float] | None = None
+                   ) -> tuple[torch.Tensor, list[int], float | None]:
     """Mask of this rank's reduced entries in the global result, every rank's count, and the
     largest reduced magnitude on any rank when a reusing call's read brought it (else None).
 
@@ -368,15 +376,19 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
 
     The largest magnitude travels with the counts (float32 bits, whose order as integers
     is that of non-negative floats): it bounds the result, so its overflow check reads
-    nothing more.
+    nothing more. ``known``: this rank's count of nonzero magnitudes and their largest, when
+    the host holds them (one rank): then the call that takes every entry reads nothing.
     """
     lo, hi = st.count_bounds
     peak = None
     periodic = (t - 1) % st.tau == 0 or st.global_stale
     if not periodic and st.global_threshold is None:  # the last call took every entry
-        local = torch.cat([torch.count_nonzero(mag).reshape(1).to(torch.int64), _peak_bits(mag).to(torch.int64)])
-        rows = comm.allgather(local.reshape(1, 2)).reshape(comm.size, 2).tolist()
-        per_rank, peak = [row[0] for row in rows], _peak(rows, mag.dtype)
+        if known is not None and comm.size == 1:
+            per_rank, peak = [known[0]], known[1]
+        else:
+            local = torch.cat([torch.count_nonzero(mag).reshape(1).to(torch.int64), _peak_bits(mag).to(torch.int64)])
+            rows = comm.allgather(local.reshape(1, 2)).reshape(comm.size, 2).tolist()
+            per_rank, peak = [row[0] for row in rows], _peak(rows, mag.dtype)
         if sum(per_rank) <= hi * k:
             stats.events["global_all"] = 1
             return mag != 0, per_rank, peak

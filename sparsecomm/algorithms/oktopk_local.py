@@ -66,8 +66,9 @@ def masked(mask: torch.Tensor, *tensors: torch.Tensor, count: int | None = None)
 
 # ---- step 1: local selection -------------------------------------------------
 def local_select(acc: torch.Tensor, k: int, st: LocalState, t: int, stats: CallStats,
-                  preselected: Preselection | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted local selection and its values in ``acc``."""
+                  preselected: Preselection | None) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """The sorted local selection, its values in ``acc``, and their largest magnitude when the
+    host holds it already (else None)."""
     if not st.reuse_due(t):
         st.local_stale = False
         stats.events["local_recomputed"] = 1
@@ -100,20 +101,24 @@ def local_select(acc: torch.Tensor, k: int, st: LocalState, t: int, stats: CallS
         # sending nothing would waste the call, so select exactly, as a re-evaluation would.
         stats.events["local_recomputed"] = 1
         return _exact_local(acc, k, st)
-    return checked_select(acc, idx, val, count, th, k, st, stats, rungs=True)
+    ladder = preselected if preselected is not None and preselected.above is not None else None
+    return checked_select(acc, idx, val, count, th, k, st, stats, rungs=True, ladder=ladder)
 
 
-def _exact_local(acc: torch.Tensor, k: int, st: LocalState) -> tuple[torch.Tensor, torch.Tensor]:
+def _exact_local(acc: torch.Tensor, k: int, st: LocalState) -> tuple[torch.Tensor, torch.Tensor, None]:
     """The exact local top-k (sorted indexes, values); its k-th largest guides the next threshold."""
     idx = kernels.topk_indexes(acc, k, use_abs=True)
     val = acc[idx]
     _set_local_threshold(st, float(val.abs().min()) if idx.numel() else None)
-    return idx, val
+    return idx, val, None
 
 
 def checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int, th: float, k: int,
-                    st: LocalState, stats: CallStats, rungs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    st: LocalState, stats: CallStats, rungs: bool = False,
+                    ladder: Preselection | None = None) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """Apply the count bounds to the selection ``idx`` above ``th``, and re-estimate the threshold.
+
+    ``ladder``: the fused pass's counts at the rungs of step 1, read with its count.
 
     1. A reusing call (``rungs``; ``th`` is the lowest rung, ``OkTopkState.local_floor``)
        counts its candidates above each rung th * exp(spacing * j), j = 0..LOCAL_BELOW +
@@ -145,7 +150,7 @@ def checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, coun
     est = top = None
     if rungs and not under:
         # (the largest candidate survives the rung's cut and the correction: it is the ceiling)
-        idx, val, mag, est, top = _ladder_select(idx, val, mag, count, th, k, st, stats)
+        idx, val, mag, est, top = _ladder_select(idx, val, mag, count, th, k, st, stats, ladder)
     elif under and k < acc.numel():
         # Measure rather than extrapolate: error feedback crowds the exceedances just
         # above th, so a tail fitted to them is too steep and the next count fell
@@ -175,11 +180,11 @@ def checked_select(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, coun
         if top is None and mag.numel():
             top = float(mag.max())
         _set_local_threshold(st, est, ceiling=top if mag.numel() else None, trusted=not under)
-    return idx, val
+    return idx, val, top
 
 
 def _reselect(acc: torch.Tensor, k: int, st: LocalState, stats: CallStats,
-              est: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              est: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """A reusing call whose candidates missed the ladder: select above a threshold measured
     from ``acc`` (``kernels.estimate_threshold``, unless given), checked like any selection
     (step 2 of :func:`checked_select` applies); exactly when that selects too few."""
@@ -192,7 +197,7 @@ def _reselect(acc: torch.Tensor, k: int, st: LocalState, stats: CallStats,
 
 
 def _estimated_select(acc: torch.Tensor, k: int, st: LocalState, stats: CallStats,
-                      th: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      th: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
     """The entries above ``th`` (default: ``kernels.estimate_threshold`` of ``acc``: a sample
     plus one sampled counting pass), checked by :func:`checked_select` (the hard cap
     included); None when they are fewer than the lower bound."""
@@ -206,19 +211,23 @@ def _estimated_select(acc: torch.Tensor, k: int, st: LocalState, stats: CallStat
 
 
 def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, count: int, floor: float, k: int,
-                   st: LocalState, stats: CallStats
+                   st: LocalState, stats: CallStats, ladder: Preselection | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None, float]:
     """Step 1 of :func:`checked_select`: the candidates above the chosen local rung, where
     this call's k-th largest lies (None when nothing could tell), and the largest candidate."""
     lo, hi = st.count_bounds
     s = st.local_spacing
-    grid, rungs = rung_grid(floor, s, 0, LOCAL_BELOW + LOCAL_ABOVE, mag.dtype)
-    bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
-    # One read for the counts (above[j]: candidates at or above rung j) and the largest
-    # candidate (the ceiling of the next threshold): float64 holds both exactly.
-    *above, top = torch.cat([hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64),
-                             (mag.max().reshape(1) if mag.numel() else mag.new_zeros(1)).to(torch.float64)]).tolist()
-    above = [int(a) for a in above]
+    if ladder is not None:  # counted by the fused pass, at these same rungs
+        rungs, above, top, bucket = ladder.rungs, list(ladder.above), ladder.top, ladder.bucket
+    else:
+        grid, rungs = rung_grid(floor, s, 0, LOCAL_BELOW + LOCAL_ABOVE, mag.dtype)
+        bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
+        # One read for the counts (above[j]: candidates at or above rung j) and the largest
+        # candidate (the ceiling of the next threshold): float64 holds both exactly.
+        *above, top = torch.cat([hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64),
+                                 (mag.max().reshape(1) if mag.numel() else mag.new_zeros(1)).to(torch.float64)
+                                 ]).tolist()
+        above = [int(a) for a in above]
     above[0] = count  # the pass's own count (the float64 floor may lie below grid[0], cast to mag's dtype)
     est = _kth_from_rungs(mag, above, rungs, k)
     j = nearest_rung(above, k, lo, hi, home=LOCAL_BELOW)

@@ -66,6 +66,9 @@ _HERE = os.path.abspath(__file__)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE))
 _COMM = os.path.join(_PACKAGE, "comm") + os.sep
+#: Frames a site is never attributed to: this module, and the kernels' dispatcher (its
+#: ``to_host`` is every GPU wrapper's read; the caller's line says which).
+_PLUMBING = (_HERE, os.path.abspath(dispatch.__file__))
 
 
 @dataclass
@@ -112,7 +115,7 @@ def _caller() -> tuple[str, bool]:
     site, in_comm = "", False
     while frame is not None:
         path = frame.f_code.co_filename
-        if not site and not path.startswith(_TORCH) and os.path.abspath(path) != _HERE:
+        if not site and not path.startswith(_TORCH) and os.path.abspath(path) not in _PLUMBING:
             site = f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
         if path.startswith(_COMM) and isinstance(frame.f_locals.get("self"), Communicator):
             in_comm = True
@@ -250,15 +253,17 @@ def cuda_crosscheck(fn: Callable[[], Any]) -> dict[str, Any]:
             "sync_sites": dict(sites)}
 
 
-def audit_steady(algorithm: str, world_size: int = 1, n: int = 100_000, density: float = 0.01,
-                 warmup: int = 6, calls: int = 2, compressor: str | None = None, out: bool = False,
+def audit_steady(algorithm: str, world_size: int = 1, n: int = 20_000, density: float = 0.01,
+                 warmup: int = 120, calls: int = 2, compressor: str | None = None, out: bool = False,
                  device: str = "cpu", kernels: str | None = "torch") -> list[list[Audit]]:
     """Audit steady-state calls of ``algorithm`` with error feedback in the simulated world.
 
     1. Every rank makes a drifting gradient (g <- 0.9 g + 0.1 noise, its own seed).
-    2. ``warmup`` calls with a state (so the next ones reuse thresholds and
-       boundaries; with Ok-Topk's default tau = 32 no exact re-evaluation
-       falls among them).
+    2. ``warmup`` calls with a state: error feedback builds its residuals up
+       over about 1 / density calls (until then TopkA's guide, say, misses
+       every call), and the next ones reuse thresholds and boundaries (with
+       Ok-Topk's default tau = 32 the audited calls 121 and 122 re-evaluate
+       nothing).
     3. ``calls`` calls, each in its own :func:`audit` block.
 
     Args:

@@ -7,6 +7,8 @@ small CPU inputs, CuPy only where ``cupy.cuda.is_available()``.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -63,21 +65,45 @@ def test_ef_select_matches_reference(backend, monkeypatch, case, zero):
 
 @pytest.mark.parametrize("backend", backend_params("ef_select"))
 @pytest.mark.parametrize("cap", [2_000, 40])
-def test_ef_select_reads_the_nonfinite_count_with_the_count(backend, monkeypatch, cap):
-    # Asked for, every path returns how many sums were not finite with the count (one read
-    # on a GPU), and None when the buffers overflowed (it cannot tell then).
+@pytest.mark.parametrize("zero", [True, False])
+def test_ef_select_leaves_its_counts_on_the_device_when_asked(backend, monkeypatch, cap, zero):
+    # device_counts: the same buffers and residual, the count and the non-finite sums as device
+    # scalars (nothing read); ef_select_counted then reads them in one go.
     run = runner(backend, monkeypatch)
     n = 9_000
     gen = torch.Generator().manual_seed(3)
     g, r = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     g[[5, 700, 8_999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     r[4_000] = g[4_000] = 3e38  # a sum that overflows float32
-    idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
-    count, bad = run("ef_select", g, r.clone(), 2.5, cap, 1.0, False, idx, val, None, True)
-    want = ef_select_torch(g, r.clone(), 2.5, cap, 1.0, False, torch.empty(cap, dtype=torch.int64),
-                           torch.empty(cap))
-    assert count == want and (count <= cap) == (cap == 2_000)
-    assert bad == (4 if cap == 2_000 else None)
+    ri, rv, rr = torch.empty(cap, dtype=torch.int64), torch.empty(cap), r.clone()
+    want = ef_select_torch(g, rr, 2.5, cap, 1.0, zero, ri, rv)
+    idx, val, res = torch.empty(cap, dtype=torch.int64), torch.empty(cap), r.clone()
+    count, bad = run("ef_select", g, res, 2.5, cap, 1.0, zero, idx, val, None, True)
+    assert isinstance(count, torch.Tensor) and int(count) == want and (want <= cap) == (cap == 2_000)
+    assert int(bad) == 4 or cap == 40  # every non-finite sum is a candidate: all kept when they fit
+    w = min(want, cap)
+    assert torch.equal(idx[:w], ri[:w]) and torch.equal(res, rr)
+    torch.testing.assert_close(val[:w], rv[:w], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cap", [2_000, 40])
+def test_ef_select_counted_reads_counts_ladder_and_peak_at_once(cap):
+    n = 9_000
+    gen = torch.Generator().manual_seed(4)
+    g, r = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    g[17] = float("nan")
+    rungs = 2.5 * torch.exp(torch.arange(0, 11, dtype=torch.float64) / 40).to(torch.float32)
+    ri, rv = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
+    want = ef_select_torch(g, r.clone(), 2.5, cap, 1.0, False, ri, rv)
+    sel = kernels.ef_select_counted(g, r.clone(), 2.5, cap, zero_selected=False, rungs=rungs)
+    w = min(want, cap)
+    mag = rv[:w].abs()
+    bucket, hist = kernels.bucketize(mag, rungs)
+    assert sel.count == want and sel.nonfinite == (1 if want <= cap else None)
+    assert sel.above == hist.flip(0).cumsum(0).flip(0)[1:].tolist()
+    assert torch.equal(sel.bucket[:w], bucket)
+    top = float(mag.max())
+    assert sel.top == top or (math.isnan(sel.top) and math.isnan(top))
 
 
 @pytest.mark.parametrize("backend", backend_params("ef_select"))
