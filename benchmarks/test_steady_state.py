@@ -40,6 +40,7 @@ import torch
 
 import sparsecomm
 from sparsecomm.state import topk_count
+from sparsecomm.tools.audit import cuda_crosscheck
 
 from conftest import STEADY
 
@@ -62,34 +63,6 @@ def _minor_faults() -> int:
 def _sync() -> None:
     if DEV.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _profile_call(fn) -> dict:
-    """Kernels, device copies and host synchronisations of one ``fn()`` on CUDA."""
-    import warnings
-    from collections import Counter
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        _sync()
-    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    copies = sum(e.name.startswith(("Memcpy", "Memset")) for e in device_events)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites = Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
-                    if "synchronizing" in str(w.message))
-    return {"kernels": len(device_events) - copies, "copies": copies, "syncs": sum(sites.values()),
-            "sync_sites": dict(sites)}
-
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -193,6 +166,6 @@ def test_steady_state_call(benchmark, algorithm, n, call, threads, workload):
            "selected_over_k_worst": max(seen["selected"], key=lambda s: abs(s - 1)),
            "wall_s": time.perf_counter() - t0}
     if DEV.type == "cuda":
-        row.update(_profile_call(lambda: reduce(drift()[0][0])))
+        row.update(cuda_crosscheck(lambda: reduce(drift()[0][0])))
     benchmark.extra_info.update(row)
     STEADY.append(row)

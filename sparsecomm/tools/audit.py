@@ -233,11 +233,11 @@ def cuda_crosscheck(fn: Callable[[], Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile  # imported here: the profiler is only for GPU runs
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = sum(1 for e in events if "memcpy" in e.name.lower() or "memset" in e.name.lower())
+    copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
     sites: Counter = Counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -247,7 +247,7 @@ def cuda_crosscheck(fn: Callable[[], Any]) -> dict[str, Any]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
-        if "synchroniz" in str(w.message):
+        if "synchronizing" in str(w.message):
             sites[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
     return {"kernels": len(events) - copies, "copies": copies, "syncs": sum(sites.values()),
             "sync_sites": dict(sites)}

@@ -102,3 +102,23 @@ def test_steady_calls_are_audited_on_every_rank():
     assert len(per_rank) == 2 and all(len(calls) == 2 for calls in per_rank)
     for calls in per_rank:
         assert calls[0].n_ops > 0 and calls[0].replayable_with(calls[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
+def test_on_a_gpu_the_sync_debug_mode_sees_no_more_syncs_than_the_audit():
+    # The audit's view of a CUDA call (its kernels as they are: Triton/CuPy where present)
+    # against what CUDA itself reports for the same steady call, world size 1.
+    import sparsecomm
+    from sparsecomm.tools.audit import cuda_crosscheck
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.randn(1_000_000, generator=gen, device="cuda")
+    st = sparsecomm.OkTopkState(0.01)
+    for _ in range(120):
+        g.mul_(0.9).add_(torch.randn(g.numel(), generator=gen, device="cuda"), alpha=0.1)
+        sparsecomm.allreduce(g, state=st)
+    with audit(kernels=None) as counts:
+        sparsecomm.allreduce(g, state=st)
+    seen = cuda_crosscheck(lambda: sparsecomm.allreduce(g, state=st))
+    assert seen["syncs"] <= max(counts.n_syncs, 1), (seen, counts.summary())
+    assert seen["kernels"] > 0
