@@ -208,15 +208,21 @@ def audit(kernels: str | None = "torch") -> Iterator[Audit]:
         kernels: the kernel backend to audit, or None for the current choice.
     """
     counts = Audit()
-    old = os.environ.get("SPARSECOMM_KERNELS")
-    if kernels is not None:
-        os.environ["SPARSECOMM_KERNELS"] = kernels
     functions = _Functions(counts)
+    with _kernels(kernels), dispatch.gpu_path(), functions, _Dispatch(counts, functions):
+        yield counts
+
+
+@contextlib.contextmanager
+def _kernels(backend: str | None) -> Iterator[None]:
+    """``SPARSECOMM_KERNELS`` set to ``backend`` inside the block (None: left as it is)."""
+    old = os.environ.get("SPARSECOMM_KERNELS")
+    if backend is not None:
+        os.environ["SPARSECOMM_KERNELS"] = backend
     try:
-        with dispatch.gpu_path(), functions, _Dispatch(counts, functions):
-            yield counts
+        yield
     finally:
-        if kernels is not None:
+        if backend is not None:
             if old is None:
                 os.environ.pop("SPARSECOMM_KERNELS", None)
             else:
@@ -299,14 +305,5 @@ def audit_steady(algorithm: str, world_size: int = 1, n: int = 20_000, density: 
             audits.append(counts)
         return audits
 
-    if kernels is not None:
-        old = os.environ.get("SPARSECOMM_KERNELS")
-        os.environ["SPARSECOMM_KERNELS"] = kernels  # the warm-up runs the audited path too
-    try:
+    with _kernels(kernels):  # the warm-up runs the audited path too
         return simulate(world_size, rank_fn).results
-    finally:
-        if kernels is not None:
-            if old is None:
-                os.environ.pop("SPARSECOMM_KERNELS", None)
-            else:
-                os.environ["SPARSECOMM_KERNELS"] = old
