@@ -214,12 +214,11 @@ def _counted(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capac
     bucket = None
     if rungs is not None:
         dev = out_val.device
+        # Past the count the buffers hold anything: as zeros they fall below every rung (> 0).
         valid = torch.arange(capacity, device=dev) < count
-        mag = out_val[:capacity].abs()
-        bucket, _ = bucketize(mag, rungs)
-        hist = torch.zeros(rungs.numel() + 1, dtype=torch.int64, device=dev).index_add_(0, bucket, valid.long())
-        top = torch.where(valid, mag, torch.zeros((), dtype=mag.dtype, device=dev)).amax(0, keepdim=True) \
-            if capacity else torch.zeros(1, dtype=mag.dtype, device=dev)
+        mag = torch.where(valid, out_val[:capacity].abs(), torch.zeros((), dtype=out_val.dtype, device=dev))
+        bucket, hist = bucketize(mag, rungs)
+        top = mag.amax(0, keepdim=True) if capacity else torch.zeros(1, dtype=mag.dtype, device=dev)
         parts += [hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64), top.to(torch.float64)]
     got = dispatch.to_host(torch.cat(parts))  # one read: float64 holds the counts and the magnitude exactly
     n, nonfinite = int(got[0]), int(got[1])

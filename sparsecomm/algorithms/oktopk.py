@@ -226,7 +226,8 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
         known = ((local_idx.numel(), local_peak) if P == 1 and local_peak is not None
                  and codec.exact_for(acc.dtype) else None)
         keep, counts, peak = _global_select(red_val.abs(), k, state, t, comm, stats, known)
-        red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
+        if counts[me] < red_rel.numel():  # (as many kept as there are: the mask is all true)
+            red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
                     index_dtype, peak)
 
@@ -242,11 +243,14 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     stats.global_selected = gidx.numel()
 
     mark = r.state.scratch("mark", acc.numel(), torch.bool, acc.device)
-    hit = kernels.isin_sorted(r.local_idx, gidx, mark=mark)
-    if comm.size == 1:  # the result is a part of this rank's selection: all of it contributed
-        contributed, sent = masked(hit, r.local_idx, r.sent_local, count=gidx.numel())
-        hit = None
+    hit = None
+    if comm.size == 1 and gidx.numel() == r.local_idx.numel():  # a part of the selection, as large: all of it
+        contributed, sent = r.local_idx, r.sent_local
+    elif comm.size == 1:  # the result is a part of this rank's selection: all of it contributed
+        contributed, sent = masked(kernels.isin_sorted(r.local_idx, gidx, mark=mark), r.local_idx, r.sent_local,
+                                   count=gidx.numel())
     else:  # the whole selection, marked, with nothing sent where it missed (no read of its size)
+        hit = kernels.isin_sorted(r.local_idx, gidx, mark=mark)
         contributed, sent = r.local_idx, torch.where(hit, r.sent_local, torch.zeros((), dtype=r.sent_local.dtype))
     # Values that travel as they are bound the result by the largest reduced magnitude.
     bound = r.peak if codec.exact_for(acc.dtype) else None

@@ -17,7 +17,7 @@ from sparsecomm.tools.audit import audit_steady
 
 #: algorithm -> {P: (host syncs, device operations)} per steady call, at most.
 BUDGET = {
-    "oktopk": {1: (1, 68), 3: (4, 192), 8: (4, 377)},
+    "oktopk": {1: (1, 56), 3: (4, 189), 8: (4, 374)},
     "topka": {1: (4, 53), 3: (7, 104), 8: (7, 164)},
     "topkdsa": {1: (5, 53), 3: (9, 167), 8: (9, 357)},
     "gtopk": {1: (4, 53), 3: (14, 157), 8: (17, 207)},
