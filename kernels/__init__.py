@@ -53,7 +53,7 @@ from .coo import (
                   unpack_records,
 )
 from .dispatch import BackendUnavailable
-from .efselect import Selected, ef_accumulate, ef_select, ef_select_counted, shares_memory
+from .efselect import Selected, ef_accumulate, ef_select, ef_select_counted, shares_memory, tally
 from .estimate import bucketize, count_above, estimate_threshold
 from .message import (
                   blocked,
@@ -79,7 +79,7 @@ __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", 
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
            "index_dtype_for", "pack_message", "unpack_message", "unpack_messages", "message_bytes", "blocked",
            "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
-           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_select_counted", "Selected",
+           "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_select_counted", "Selected", "tally",
            "ef_accumulate", "shares_memory",
            "estimate_threshold", "count_above", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",

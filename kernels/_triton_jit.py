@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["ef_select_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
-           "count_above_kernel", "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel",
+           "count_above_kernel", "tally_kernel", "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel",
            "decode_codes_kernel"]
 
 
@@ -198,6 +198,42 @@ def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK
         ge = (x[:, None] >= th[None, :]) & m[:, None]
         acc += tl.sum(ge.to(tl.int32), axis=0).to(tl.int64)
     tl.atomic_add(counts_ptr + tj, acc, mask=tj < nt)
+
+
+@triton.jit
+def tally_kernel(val_ptr, count_ptr, capacity, rungs_ptr, nr, bucket_ptr, words_ptr,
+                 NT: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr, IBITS: tl.constexpr):
+    """What the host reads after a fused select, in one pass over its buffer (``kernels.tally``).
+
+    1. The first min(count, capacity) values are kept (``*count_ptr``, left on the device by
+       the select); past them a value counts as 0.
+    2. words[1] += kept values that are not finite (|v| > FMAX, or NaN).
+    3. Per entry, its bucket: the rungs it is not below (NaN: all of them, like
+       ``torch.bucketize``); words[2 + j] += entries at or above rung j (a BLOCK x NT tile
+       of compares: rungs are few).
+    4. With rungs, words[2 + nr] = max over entries of |v|'s bits: for non-negative floats
+       the integer order is the numeric order, NaN above all (as ``amax``). Program 0
+       writes words[0].
+    """
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    count = tl.load(count_ptr)
+    inb = offs < capacity
+    valid = offs < tl.minimum(count, capacity)
+    mag = tl.abs(tl.load(val_ptr + offs, mask=valid, other=0.0))
+    bad = tl.sum((valid & ~(mag <= FMAX)).to(tl.int32), axis=0)
+    if bad > 0:
+        tl.atomic_add(words_ptr + 1, bad.to(tl.int64))
+    tj = tl.arange(0, NT)
+    th = tl.load(rungs_ptr + tj, mask=tj < nr, other=0.0)
+    up = ~(mag[:, None] < th[None, :]) & (tj < nr)[None, :] & inb[:, None]
+    tl.store(bucket_ptr + offs, tl.sum(up.to(tl.int32), axis=1).to(tl.int64), mask=inb)
+    tl.atomic_add(words_ptr + 2 + tj, tl.sum(up.to(tl.int32), axis=0).to(tl.int64), mask=tj < nr)
+    if nr > 0:
+        bits = tl.max(tl.where(inb, mag.to(tl.int32 if IBITS == 32 else tl.int64, bitcast=True), 0), axis=0)
+        tl.atomic_max(words_ptr + 2 + nr, bits.to(tl.int64))
+    if pid == 0:
+        tl.store(words_ptr, count)
 
 
 @triton.jit

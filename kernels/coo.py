@@ -131,8 +131,9 @@ def _column(records: torch.Tensor, lo: int, hi: int | None, dtype: torch.dtype) 
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
-                backend: str | None = None, *, unique: bool = False) -> torch.Tensor:
-    """``out[idx] += values``, duplicates summed in the order they appear; returns ``out``.
+                backend: str | None = None, *, unique: bool = False, subtract: bool = False) -> torch.Tensor:
+    """``out[idx] += values`` (``-= values`` with ``subtract``), duplicates summed in the order they
+    appear; returns ``out``.
 
     Deterministic on every path, and bitwise equal across paths: each
     ``out[i]`` becomes ``((out[i] + v_first) + v_second) + ...`` over the
@@ -157,12 +158,14 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
         backend: ``torch``/``triton``/``cupy``/``cpu``/``auto`` (``kernels.dispatch``).
         unique: the caller knows ``idx`` has no duplicates: off the CPU there
             is then no order to keep, and ``index_add_`` runs without the sort.
+        subtract: add ``-values`` (r + (-v) is bitwise r - v; off the CPU with ``unique``
+            in the same operation: ``alpha=-1``).
     """
     values = values.to(out.dtype)
-    if unique and out.device.type != "cpu" and backend is None:
-        out.index_add_(0, idx, values)
+    if unique and not dispatch.in_host_memory(out) and backend is None:
+        out.index_add_(0, idx, values, alpha=-1 if subtract else 1)
         return out
-    _SCATTER_ADD(out, idx, values, backend=backend)
+    _SCATTER_ADD(out, idx, values.neg() if subtract else values, backend=backend)
     return out
 
 

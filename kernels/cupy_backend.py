@@ -21,7 +21,6 @@ import torch
 from . import dispatch
 from ._cupy_jit import CUDA_SOURCE, GRAD_TYPES, RES_TYPES, SELECT_ITEMS, SELECT_THREADS
 from .coo import record_buffers, record_fields, sort_by_index
-from .efselect import count_nonfinite_kept
 from .payload import decode_buffers, encode_buffers
 from .radix import radix_select
 
@@ -68,7 +67,7 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, None]":
     """CuPy fused error-feedback select; same contract as ``kernels.ef_select``.
 
     ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
@@ -81,12 +80,13 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     """
     n = residual.numel()
     if n == 0:
-        return (torch.zeros((), dtype=torch.int64, device=residual.device),) * 2 if device_counts else 0
+        return (torch.zeros((), dtype=torch.int64, device=residual.device), None) if device_counts else 0
     tile = SELECT_THREADS * SELECT_ITEMS
     tiles = -(-n // tile)
     dev = residual.device
-    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    # The tiles' status words and the ticket (the low half of one more word): one memset.
+    status = torch.zeros(tiles + 1, dtype=torch.int64, device=dev)
+    ticket = status[tiles:].view(torch.int32)
     rdt = np.float32 if residual.dtype == torch.float32 else np.float64
     name = f"ef_select_{GRAD_TYPES[grad.dtype][1]}_{RES_TYPES[residual.dtype][1]}"
     args = (_ptr(grad), _ptr(residual), _ptr(out_idx), _ptr(out_val), _ptr(status), _ptr(ticket),
@@ -97,9 +97,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     _launch(name, tiles, SELECT_THREADS, args, dev)
     if not device_counts:
         return dispatch.to_host(status[tiles - 1]) >> 2
-    # No read: the count and the non-finite sums among the kept candidates, on the device.
-    total = status[tiles - 1] >> 2
-    return total, count_nonfinite_kept(out_val, total, capacity)
+    return status[tiles - 1] >> 2, None  # no read: the count stays on the device (kernels.tally counts the rest)
 
 
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:

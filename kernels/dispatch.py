@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = ["BACKENDS", "BackendUnavailable", "KernelOp", "OPS", "choose", "available", "install_hint",
-           "import_numba", "checks_values", "in_host_memory", "gpu_path", "host_side", "on_host", "to_host"]
+           "import_numba", "checks_values", "in_host_memory", "gpu_path", "host_side", "on_host", "to_host",
+           "launch", "counting_launches"]
 
 _ENV = "SPARSECOMM_KERNELS"
 _ALIASES = {"numba": "cpu"}
@@ -67,13 +68,22 @@ def in_host_memory(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def gpu_path():
-    """Take the branches a CUDA run takes, on any device, in this thread (the audit's view of a GPU call)."""
-    before, _THREAD.gpu_path = getattr(_THREAD, "gpu_path", False), True
+def gpu_path(kernels: str | None = None):
+    """Take the branches a CUDA run takes, on any device, in this thread (the audit's view of a GPU call).
+
+    Args:
+        kernels: a GPU backend (``"triton"``) that every operation having it then runs
+            whatever the tensors' device (Triton's interpreter runs it on CPU tensors),
+            and operations without it run torch, as on a GPU; None chooses as usual.
+    """
+    if kernels is not None and kernels not in ("triton", "cupy"):
+        raise ValueError(f"gpu_path: kernels must be 'triton' or 'cupy', got {kernels!r}")
+    before = getattr(_THREAD, "gpu_path", False), getattr(_THREAD, "forced", None)
+    _THREAD.gpu_path, _THREAD.forced = True, kernels
     try:
         yield
     finally:
-        _THREAD.gpu_path = before
+        _THREAD.gpu_path, _THREAD.forced = before
 
 
 @contextlib.contextmanager
@@ -98,6 +108,28 @@ def to_host(tensor: torch.Tensor) -> Any:
     host = tensor.cpu()
     with host_side():
         return host.tolist()
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
+    """Launch a Triton kernel on ``grid``: the one way the Triton wrappers start one, so that
+    :func:`counting_launches` sees each launch as one device operation."""
+    count = getattr(_THREAD, "on_launch", None)
+    if count is None:
+        kernel[grid](*args, **meta)
+        return
+    count(getattr(kernel, "__name__", type(kernel).__name__), grid, args)
+    with host_side():  # what the interpreter does on the host to run it is the launch
+        kernel[grid](*args, **meta)
+
+
+@contextlib.contextmanager
+def counting_launches(count: Callable[[str, tuple, tuple], None]):
+    """Call ``count(kernel name, grid, arguments)`` at every :func:`launch` in this thread."""
+    before, _THREAD.on_launch = getattr(_THREAD, "on_launch", None), count
+    try:
+        yield
+    finally:
+        _THREAD.on_launch = before
 
 
 class BackendUnavailable(RuntimeError):
@@ -221,6 +253,9 @@ def choose(tensor: torch.Tensor, backend: str | None = None,
         One of ``"torch"``, ``"triton"``, ``"cupy"``, ``"cpu"``.
     """
     dev = tensor.device
+    forced = getattr(_THREAD, "forced", None)
+    if forced is not None and backend is None:  # the audit's view of a GPU (gpu_path)
+        return forced if forced in supported else "torch"
     if backend is not None:
         name = _ALIASES.get(backend, backend)
         if name not in BACKENDS:

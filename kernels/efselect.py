@@ -9,6 +9,7 @@ entries. :func:`ef_select_torch` is that chain, kept as the reference.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from . import dispatch
 from .estimate import bucketize
 
-__all__ = ["ef_select", "ef_select_torch", "ef_select_counted", "Selected", "count_nonfinite_kept", "ef_accumulate",
+__all__ = ["ef_select", "ef_select_torch", "ef_select_counted", "Selected", "tally", "tally_torch", "ef_accumulate",
            "ef_accumulate_torch", "shares_memory"]
 
 
@@ -49,11 +50,12 @@ def _check(grad: torch.Tensor, residual: torch.Tensor, capacity: int,
 def ef_select_torch(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
                     scale: float, zero_selected: bool, out_idx: torch.Tensor,
                     out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-                    device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
+                    device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor | None]":
     """The reference: the unfused torch chain with the same contract as :func:`ef_select`.
 
     ``device_counts``: read nothing; return the count and the non-finite count as device
-    scalars (the backends' common form for :func:`ef_select_counted`).
+    scalars (the backends' common form for :func:`ef_select_counted`; the GPU kernels give
+    None for the second, which :func:`tally` then counts).
     """
     if zero_out is not None:
         zero_out.zero_()
@@ -90,11 +92,64 @@ def _select_on_device(acc: torch.Tensor, finite: torch.Tensor, mask: torch.Tenso
     return mask.sum(), finite.numel() - finite.sum()
 
 
-def count_nonfinite_kept(out_val: torch.Tensor, count: "int | torch.Tensor", capacity: int) -> torch.Tensor:
-    """How many of the first min(count, capacity) values are not finite, as a device scalar
-    (``count`` may be a device scalar too: nothing is read)."""
-    valid = torch.arange(capacity, device=out_val.device) < count
-    return (valid & ~torch.isfinite(out_val[:capacity])).sum()
+def tally(values: torch.Tensor, count: torch.Tensor, capacity: int, rungs: torch.Tensor | None = None,
+          nonfinite: torch.Tensor | None = None, *, backend: str | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Everything the host needs from a fused select's buffer, packed into one int64 vector.
+
+    1. The first min(count, capacity) of ``values`` are kept; past them a value counts as 0.
+    2. words[0] = count; words[1] = kept values that are not finite (``nonfinite`` where
+       the select counted them already).
+    3. With ``rungs`` (ascending, positive, ``values``' dtype): each entry's bucket
+       (``kernels.bucketize``: the rungs it is not below, NaN above all) and words[2 + j]
+       = entries at or above rung j.
+    4. With ``rungs``, words[-1] = the bits of the largest |value| (NaN if one is), as an
+       integer of the values' width (:func:`_from_bits` turns it back into the float); else 0.
+
+    On a GPU that is one kernel, and the vector one read (``ef_select_counted``).
+
+    Args:
+        values: the select's value buffer, float32/float64, at least ``capacity`` long.
+        count: the select's true count, a device scalar (nothing is read).
+        capacity: entries the buffer holds.
+        rungs: a 1-D tensor of at most 16 rungs, or None.
+        nonfinite: the select's own count of non-finite sums (a device scalar), or None.
+
+    Returns:
+        ``(words, bucket)``: 3 + len(rungs) int64 words, and the int64 buckets of the
+        ``capacity`` entries (None without rungs).
+    """
+    if rungs is not None and not (rungs.dim() == 1 and rungs.numel() <= 16 and rungs.dtype == values.dtype):
+        raise ValueError("tally: rungs must be a 1-D tensor of at most 16 entries of the values' dtype")
+    return _TALLY(values, count, int(capacity), rungs, nonfinite, backend=backend)
+
+
+def tally_torch(values: torch.Tensor, count: torch.Tensor, capacity: int, rungs: torch.Tensor | None,
+                nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference of :func:`tally`."""
+    dev = values.device
+    valid = torch.arange(capacity, device=dev) < count
+    kept = values[:capacity]
+    if nonfinite is None:
+        nonfinite = (valid & ~torch.isfinite(kept)).sum()
+    parts = [count.reshape(1).to(torch.int64), nonfinite.reshape(1).to(torch.int64)]
+    if rungs is None:
+        return torch.cat(parts + [torch.zeros(1, dtype=torch.int64, device=dev)]), None
+    mag = torch.where(valid, kept.abs(), torch.zeros((), dtype=values.dtype, device=dev))
+    top = mag.amax(0, keepdim=True) if capacity else torch.zeros(1, dtype=values.dtype, device=dev)
+    bucket, hist = bucketize(mag, rungs)
+    bits = top.view(torch.int32 if values.element_size() == 4 else torch.int64)
+    return torch.cat(parts + [hist.flip(0).cumsum(0).flip(0)[1:], bits.to(torch.int64)]), bucket
+
+
+def _from_bits(word: int, dtype: torch.dtype) -> float:
+    """The float whose bits (of ``dtype``'s width, non-negative) are ``word``."""
+    if dtype == torch.float32:
+        return struct.unpack("<f", struct.pack("<i", word))[0]
+    return struct.unpack("<d", struct.pack("<q", word))[0]
+
+
+_TALLY = dispatch.KernelOp("tally", tally_torch, triton="triton_backend:tally")
 
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
@@ -210,22 +265,19 @@ def _counted(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capac
              rungs: torch.Tensor | None, backend: str | None) -> Selected:
     count, bad = _EF_SELECT(grad, residual, float(threshold), int(capacity), float(scale), bool(zero_selected),
                             out_idx, out_val, zero_out, True, backend=backend)
-    parts = [count.reshape(1).to(torch.float64), bad.reshape(1).to(torch.float64)]
-    bucket = None
-    if rungs is not None:
-        dev = out_val.device
-        # Past the count the buffers hold anything: as zeros they fall below every rung (> 0).
-        valid = torch.arange(capacity, device=dev) < count
-        mag = torch.where(valid, out_val[:capacity].abs(), torch.zeros((), dtype=out_val.dtype, device=dev))
-        bucket, hist = bucketize(mag, rungs)
-        top = mag.amax(0, keepdim=True) if capacity else torch.zeros(1, dtype=mag.dtype, device=dev)
-        parts += [hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64), top.to(torch.float64)]
-    got = dispatch.to_host(torch.cat(parts))  # one read: float64 holds the counts and the magnitude exactly
-    n, nonfinite = int(got[0]), int(got[1])
+    words, bucket = tally(out_val, count, capacity, rungs, bad, backend=_tally_backend(backend))
+    got = dispatch.to_host(words)  # the one read
+    n, nonfinite = got[0], got[1]
     selected = Selected(out_idx, out_val, n, nonfinite if n <= capacity else None)
     if rungs is not None:
-        selected.above, selected.top, selected.bucket = [int(a) for a in got[2:-1]], got[-1], bucket
+        selected.above, selected.top, selected.bucket = got[2:-1], _from_bits(got[-1], out_val.dtype), bucket
     return selected
+
+
+def _tally_backend(backend: str | None) -> str | None:
+    """The tally's backend for an ef_select asked for ``backend``: Triton's if it was, else the
+    usual choice (it has no CuPy or numba path)."""
+    return backend if backend in ("triton", "torch") else None
 
 
 def _check_zero_out(zero_out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor) -> None:

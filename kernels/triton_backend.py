@@ -19,11 +19,10 @@ import torch
 
 from . import dispatch
 from .coo import record_buffers, record_fields, sort_by_index
-from .efselect import count_nonfinite_kept
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .radix import radix_select
 
-__all__ = ["ef_select", "ef_accumulate", "kth_largest", "scatter_add", "count_above", "pack_records", "unpack_records",
+__all__ = ["ef_select", "ef_accumulate", "kth_largest", "scatter_add", "count_above", "tally", "pack_records", "unpack_records",
            "encode_codes", "decode_codes", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK", "ACCUMULATE_BLOCK", "accumulate_warps"]
 
@@ -42,6 +41,8 @@ SCATTER_WARPS = 4
 COUNT_BLOCK = 512     # x 16 thresholds = 32 compares per thread at 8 warps
 COUNT_WARPS = 8
 MAX_THRESHOLDS = 16
+TALLY_BLOCK = 256     # x 16 rungs = 16 compares per thread at 8 warps; buffers hold O(k) entries
+TALLY_WARPS = 8
 RECORD_BLOCK = 1024   # records per program of pack/unpack
 RECORD_WARPS = 4
 CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
@@ -67,7 +68,7 @@ def _jit():
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, None]":
     """Triton fused error-feedback select; same contract as ``kernels.ef_select``.
 
     ``zero_out`` is a separate memset (a memory-speed pass on the device; not fused).
@@ -80,22 +81,19 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     impl = _jit()
     n = residual.numel()
     if n == 0:
-        return (torch.zeros((), dtype=torch.int64, device=residual.device),) * 2 if device_counts else 0
+        return (torch.zeros((), dtype=torch.int64, device=residual.device), None) if device_counts else 0
     tiles = -(-n // SELECT_BLOCK)
-    dev = residual.device
-    status = torch.zeros(tiles, dtype=torch.int64, device=dev)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    # The tiles' status words and the ticket (the low half of one more word): one memset.
+    status = torch.zeros(tiles + 1, dtype=torch.int64, device=residual.device)
+    ticket = status[tiles:].view(torch.int32)
     if zero_out is not None:
         zero_out.zero_()
-    impl.ef_select_kernel[(tiles,)](grad, residual, out_idx, out_val, status, ticket, n, scale,
-                                    threshold if threshold > 0 else 0.0, capacity,
-                                    ZERO=zero_selected, BLOCK=SELECT_BLOCK,
-                                    FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
+    dispatch.launch(impl.ef_select_kernel, (tiles,), grad, residual, out_idx, out_val, status, ticket, n, scale,
+                    threshold if threshold > 0 else 0.0, capacity, ZERO=zero_selected, BLOCK=SELECT_BLOCK,
+                    FMAX=torch.finfo(residual.dtype).max, num_warps=SELECT_WARPS)
     if not device_counts:
         return dispatch.to_host(status[tiles - 1]) >> 2
-    # No read: the count and the non-finite sums among the kept candidates, on the device.
-    total = status[tiles - 1] >> 2
-    return total, count_nonfinite_kept(out_val, total, capacity)
+    return status[tiles - 1] >> 2, None  # no read: the count stays on the device (kernels.tally counts the rest)
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
@@ -106,7 +104,7 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima
         return 0
     size = block or ACCUMULATE_BLOCK
     bad = torch.zeros(1, dtype=torch.int64, device=residual.device)
-    _jit().ef_accumulate_kernel[(-(-n // size),)](
+    dispatch.launch(_jit().ef_accumulate_kernel, (-(-n // size),),
         grad, residual, maxima if block else residual, bad, n, FMAX=torch.finfo(residual.dtype).max,  # (unused)
         BLOCK=size, MAXIMA=bool(block), num_warps=accumulate_warps(size))
     return dispatch.to_host(bad[0])
@@ -126,8 +124,8 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     grid = (max(1, min(HIST_PROGRAMS, -(-x.numel() // HIST_BLOCK))),)
 
     def histogram(x, n, prefix32, hist, bits, shift, first):
-        impl.radix_hist_kernel[grid](x, n, prefix32, hist, KEY_BITS=bits, SHIFT=shift,
-                                     FIRST=first, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
+        dispatch.launch(impl.radix_hist_kernel, grid, x, n, prefix32, hist, KEY_BITS=bits, SHIFT=shift,
+                        FIRST=first, BLOCK=HIST_BLOCK, num_warps=HIST_WARPS)
 
     return radix_select(x, k, histogram)
 
@@ -144,8 +142,8 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> N
         return
     sidx, sval = sort_by_index(idx, values)
     grid = (-(-m // SCATTER_BLOCK),)
-    _jit().scatter_add_sorted_kernel[grid](out, sidx, sval, m, BLOCK=SCATTER_BLOCK,
-                                           num_warps=SCATTER_WARPS)
+    dispatch.launch(_jit().scatter_add_sorted_kernel, grid, out, sidx, sval, m, BLOCK=SCATTER_BLOCK,
+                    num_warps=SCATTER_WARPS)
 
 
 def count_above(x: torch.Tensor, thresholds, every: int = 1) -> np.ndarray:
@@ -163,9 +161,23 @@ def count_above(x: torch.Tensor, thresholds, every: int = 1) -> np.ndarray:
     flat = x.reshape(-1).contiguous()  # reshape keeps a strided 1-D view as it is
     n = flat.numel()
     grid = (max(1, min(HIST_PROGRAMS, -(-n // COUNT_BLOCK))),)
-    _jit().count_above_kernel[grid](flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
-                                     num_warps=COUNT_WARPS)
+    dispatch.launch(_jit().count_above_kernel, grid, flat, n, th, nt, counts, NT=MAX_THRESHOLDS, BLOCK=COUNT_BLOCK,
+                    num_warps=COUNT_WARPS)
     return np.asarray(dispatch.to_host(counts[:nt]), dtype=np.int64)
+
+
+def tally(values: torch.Tensor, count: torch.Tensor, capacity: int, rungs: torch.Tensor | None,
+          nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton ``kernels.tally``: one kernel over the buffer (TALLY_BLOCK entries per program),
+    which counts the non-finite values itself (``nonfinite`` is not needed)."""
+    nr = 0 if rungs is None else rungs.numel()
+    dev = values.device
+    words = torch.zeros(3 + nr, dtype=torch.int64, device=dev)
+    bucket = torch.empty(capacity, dtype=torch.int64, device=dev)
+    dispatch.launch(_jit().tally_kernel, (max(1, -(-capacity // TALLY_BLOCK)),), values, count, capacity,
+                    values if rungs is None else rungs, nr, bucket, words, NT=MAX_THRESHOLDS, BLOCK=TALLY_BLOCK,
+                    FMAX=torch.finfo(values.dtype).max, IBITS=8 * values.element_size(), num_warps=TALLY_WARPS)
+    return words, None if rungs is None else bucket
 
 
 def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
@@ -174,7 +186,7 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
     idx, bits = record_fields(rel_idx, values, value_dtype)
     count = idx.numel()
     if count:
-        _jit().pack_records_kernel[(-(-count // RECORD_BLOCK),)](
+        dispatch.launch(_jit().pack_records_kernel, (-(-count // RECORD_BLOCK),),
             idx, bits, out, count, IB=torch.empty(0, dtype=index_dtype).element_size(),
             VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
 
@@ -185,7 +197,7 @@ def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype:
     idx, bits = record_buffers(records, value_dtype)
     count = idx.numel()
     if count:
-        _jit().unpack_records_kernel[(-(-count // RECORD_BLOCK),)](
+        dispatch.launch(_jit().unpack_records_kernel, (-(-count // RECORD_BLOCK),),
             records.contiguous(), idx, bits, count, IB=torch.empty(0, dtype=index_dtype).element_size(),
             VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
     return idx, bits.view(value_dtype)
@@ -200,7 +212,7 @@ def encode_codes(values: torch.Tensor, bits: int, scale: float, keep_error: bool
         # and the kept error the rounded decode.
         # keep_error: values are contiguous float32 (encode_codes checks), written in place.
         flat = values if keep_error else values.contiguous()
-        _jit().encode_codes_kernel[(-(-nbytes // CODES_BLOCK),)](
+        dispatch.launch(_jit().encode_codes_kernel, (-(-nbytes // CODES_BLOCK),),
             flat, out, flat.numel(), nbytes, float(f), float(decode_factor(bits, scale)), BITS=bits,
             BLOCK=CODES_BLOCK, KEEP=keep_error, num_warps=CODES_WARPS, enable_fp_fusion=False)
     return out
@@ -211,7 +223,7 @@ def decode_codes(packed: torch.Tensor, bits: int, count: int, scale: float, dtyp
     """``kernels.payload.decode_codes`` to float32 (``dtype``), one kernel."""
     g, out = decode_buffers(packed, bits, count, scale, out)
     if count:
-        _jit().decode_codes_kernel[(-(-count // CODES_BLOCK),)](
+        dispatch.launch(_jit().decode_codes_kernel, (-(-count // CODES_BLOCK),),
             packed.contiguous(), out, count, float(g), BITS=bits, BLOCK=CODES_BLOCK, ACC=accumulate,
             num_warps=CODES_WARPS, enable_fp_fusion=False)
     return out

@@ -32,7 +32,8 @@ class SparseResult:
         stats: this rank's statistics of the call.
         kept_idx, kept_val: values this rank must add back to its residual:
             the error of re-encoding sums it reduced for others (region owner,
-            tree node), so that results plus residuals keep every gradient.
+            tree node), so that results plus residuals keep every gradient;
+            None when the values travel exactly (no error to keep).
         kept_at: with ``kept_idx`` None, ``kept_val`` covers the contiguous
             positions ``kept_at, kept_at + 1, ...`` (a dense owner's chunk: an
             index per entry would cost an n-sized ``arange`` per call).

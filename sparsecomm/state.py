@@ -391,7 +391,7 @@ class State:
                 residual.sub_(result.sent.to(acc.dtype))
             else:
                 # contributed indexes are unique: r + (-v) is bitwise r - v
-                kernels.scatter_add(residual, result.contributed, result.sent.to(acc.dtype).neg(), unique=True)
+                kernels.scatter_add(residual, result.contributed, result.sent, unique=True, subtract=True)
         if keep_errors and result.kept_idx is not None and result.kept_idx.numel():
             kernels.scatter_add(residual, result.kept_idx, result.kept_val, unique=True)
         elif keep_errors and result.kept_at is not None and result.kept_val is not None:

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from ..comm.base import Communicator
-from ..compress import Compressor
+from ..compress import Compressor, Encoded
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
@@ -225,8 +225,8 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
         # selected value is nonzero) and their peak already.
         known = ((local_idx.numel(), local_peak) if P == 1 and local_peak is not None
                  and codec.exact_for(acc.dtype) else None)
-        keep, counts, peak = _global_select(red_val.abs(), k, state, t, comm, stats, known)
-        if counts[me] < red_rel.numel():  # (as many kept as there are: the mask is all true)
+        keep, counts, peak = _global_select(red_val, k, state, t, comm, stats, known)
+        if keep is not None and counts[me] < red_rel.numel():  # (as many kept as there are: all true)
             red_rel, red_val = masked(keep, red_rel, red_val, count=counts[me])
     return _Reduced(acc, k, state, codec, stats, local_idx, sent_local, red_rel, red_val, counts, starts,
                     index_dtype, peak)
@@ -255,8 +255,15 @@ def oktopk_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     # Values that travel as they are bound the result by the largest reduced magnitude.
     bound = r.peak if codec.exact_for(acc.dtype) else None
     return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=contributed, sent=sent,
-                        stats=stats, kept_idx=r.red_rel + starts[comm.rank],
-                        kept_val=r.red_val - owned.decoded(acc.dtype), bound=bound, reached=hit)
+                        stats=stats, **_kept(r, owned, starts[comm.rank]), bound=bound, reached=hit)
+
+
+def _kept(r: _Reduced, owned: Encoded, start: int) -> dict[str, torch.Tensor | None]:
+    """The owner's re-encoding error of its reduced sums, to keep in its residual (none when
+    the encoding is exact)."""
+    if r.codec.exact_for(r.acc.dtype):
+        return {"kept_idx": None, "kept_val": None}
+    return {"kept_idx": r.red_rel + start, "kept_val": r.red_val - owned.decoded(r.acc.dtype)}
 
 
 def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
@@ -348,10 +355,11 @@ GRID_HALF = 8
 HOME_BAND = (0.95, 1.05)
 
 
-def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
+def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Communicator,
                    stats: CallStats, known: tuple[int, float] | None = None
-                   ) -> tuple[torch.Tensor, list[int], float | None]:
-    """Mask of this rank's reduced entries in the global result, every rank's count, and the
+                   ) -> tuple[torch.Tensor | None, list[int], float | None]:
+    """Mask of this rank's reduced entries ``val`` in the global result (None: all of them),
+    every rank's count, and the
     largest reduced magnitude on any rank when a reusing call's read brought it (else None).
 
     1. Every ``tau`` calls (and the first): the exact global top-k (``global_topk_mask``).
@@ -386,6 +394,11 @@ def _global_select(mag: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     lo, hi = st.count_bounds
     peak = None
     periodic = (t - 1) % st.tau == 0 or st.global_stale
+    if not periodic and st.global_threshold is None and known is not None and comm.size == 1 and known[0] <= hi * k:
+        # The last call took every entry, and this one's are all nonzero and fit: nothing to mask.
+        stats.events["global_all"] = 1
+        return None, [known[0]], known[1]
+    mag = val.abs()
     if not periodic and st.global_threshold is None:  # the last call took every entry
         if known is not None and comm.size == 1:
             per_rank, peak = [known[0]], known[1]

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..comm.base import Communicator
 from ..kernels import dispatch
 
-__all__ = ["Audit", "audit", "audit_steady", "cuda_crosscheck", "SYNC_METHODS", "SIZE_FROM_DATA"]
+__all__ = ["Audit", "audit", "audit_steady", "triton_view", "cuda_crosscheck", "SYNC_METHODS", "SIZE_FROM_DATA"]
 
 #: Tensor methods that read device memory on the host (on the CPU some dispatch nothing).
 SYNC_METHODS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})
@@ -196,21 +196,69 @@ class _Dispatch(TorchDispatchMode):
 def audit(kernels: str | None = "torch") -> Iterator[Audit]:
     """Count the block's device operations, synchronisations and size-from-data allocations.
 
-    1. Set ``SPARSECOMM_KERNELS`` to ``kernels`` (default the torch path, whose
-       operations are what a GPU run launches; None leaves it), and take the
-       branches a CUDA run takes (``kernels.dispatch.gpu_path``: no argument
-       checks that read values).
+    1. Choose the kernels: ``"torch"`` (default) sets ``SPARSECOMM_KERNELS``, the
+       operations a GPU without Triton launches; ``"triton"`` runs every
+       operation that has a Triton kernel through it (Triton's interpreter on
+       CPU tensors: :func:`triton_view`), each launch one device operation, and
+       the others through torch: the chain an H100 runs; None leaves the choice.
+       Either way take the branches a CUDA run takes (``kernels.dispatch.gpu_path``:
+       no argument checks that read values).
     2. Enter a function mode (value reads that dispatch nothing on the CPU)
        and a dispatch mode (every aten operation) on this thread.
     3. Yield the :class:`Audit` they fill.
 
     Args:
-        kernels: the kernel backend to audit, or None for the current choice.
+        kernels: ``"torch"``, ``"triton"``, or None for the current choice.
     """
     counts = Audit()
     functions = _Functions(counts)
-    with _kernels(kernels), dispatch.gpu_path(), functions, _Dispatch(counts, functions):
+
+    def launched(name: str, grid: tuple, args: tuple) -> None:
+        site, in_comm = _caller()
+        if in_comm:
+            counts.comm_ops += 1
+            return
+        counts.ops[f"triton.{name}"] += 1
+        # A graph replays the grid and the scalar arguments it captured: they are part of the shape.
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        counts.trace.append((name, tuple(grid), shapes))
+
+    forced = kernels if kernels == "triton" else None
+    with _kernels(None if forced else kernels), triton_view(forced is not None), dispatch.gpu_path(forced), \
+            dispatch.counting_launches(launched), functions, _Dispatch(counts, functions):
         yield counts
+
+
+@contextlib.contextmanager
+def triton_view(on: bool = True) -> Iterator[None]:
+    """Run the Triton kernels interpreted in this block (when ``on``), whatever was imported before.
+
+    ``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps a kernel, i.e. when
+    ``kernels._triton_jit`` is imported, and ``triton_backend`` looks that module up at
+    every launch: so set the variable, import the module afresh, and put back both after.
+    The interpreter runs Triton's own library functions (``tl.sum``) only if triton itself
+    was first imported under the variable: a process that audits Triton sets it first.
+    """
+    name = f"{dispatch.__name__.rsplit('.', 1)[0]}._triton_jit"
+    loaded = sys.modules.get(name)
+    if not on or type(getattr(loaded, "ef_select_kernel", None)).__name__ == "InterpretedFunction":
+        yield  # (an enclosing block, or another rank's thread, swapped it already)
+        return
+    import importlib  # here: only the Triton view swaps modules
+
+    old_env, old_module = os.environ.get("TRITON_INTERPRET"), sys.modules.pop(name, None)
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module(name)
+        yield
+    finally:
+        sys.modules.pop(name, None)
+        if old_module is not None:
+            sys.modules[name] = old_module
+        if old_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old_env
 
 
 @contextlib.contextmanager
@@ -295,15 +343,17 @@ def audit_steady(algorithm: str, world_size: int = 1, n: int = 20_000, density: 
         state = sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True)
         into = torch.empty_like(g) if out else None
         audits = []
-        for i in range(warmup + calls):
-            g.mul_(0.9).add_(torch.randn(n, generator=gen, device=device, out=noise), alpha=0.1)
-            if i < warmup:
+        # The warm-up runs the audited kernels too (a Triton view's backend is chosen per thread).
+        with dispatch.gpu_path("triton") if kernels == "triton" else contextlib.nullcontext():
+            for i in range(warmup):
+                g.mul_(0.9).add_(torch.randn(n, generator=gen, device=device, out=noise), alpha=0.1)
                 sparsecomm.allreduce(g, state=state, compressor=compressor, out=into)
-                continue
+        for i in range(calls):
+            g.mul_(0.9).add_(torch.randn(n, generator=gen, device=device, out=noise), alpha=0.1)
             with audit(kernels) as counts:
                 sparsecomm.allreduce(g, state=state, compressor=compressor, out=into)
             audits.append(counts)
         return audits
 
-    with _kernels(kernels):  # the warm-up runs the audited path too
+    with _kernels(None if kernels == "triton" else kernels), triton_view(kernels == "triton"):
         return simulate(world_size, rank_fn).results

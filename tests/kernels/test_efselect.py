@@ -67,8 +67,9 @@ def test_ef_select_matches_reference(backend, monkeypatch, case, zero):
 @pytest.mark.parametrize("cap", [2_000, 40])
 @pytest.mark.parametrize("zero", [True, False])
 def test_ef_select_leaves_its_counts_on_the_device_when_asked(backend, monkeypatch, cap, zero):
-    # device_counts: the same buffers and residual, the count and the non-finite sums as device
-    # scalars (nothing read); ef_select_counted then reads them in one go.
+    # device_counts: the same buffers and residual, the count (and, where the pass has it, the
+    # non-finite count) as device scalars, nothing read; kernels.tally counts the non-finite sums
+    # where the pass did not (the GPU kernels), and ef_select_counted reads them all at once.
     run = runner(backend, monkeypatch)
     n = 9_000
     gen = torch.Generator().manual_seed(3)
@@ -80,10 +81,45 @@ def test_ef_select_leaves_its_counts_on_the_device_when_asked(backend, monkeypat
     idx, val, res = torch.empty(cap, dtype=torch.int64), torch.empty(cap), r.clone()
     count, bad = run("ef_select", g, res, 2.5, cap, 1.0, zero, idx, val, None, True)
     assert isinstance(count, torch.Tensor) and int(count) == want and (want <= cap) == (cap == 2_000)
-    assert int(bad) == 4 or cap == 40  # every non-finite sum is a candidate: all kept when they fit
+    assert bad is None or int(bad) == 4 or cap == 40  # every non-finite sum is a candidate: kept if they fit
+    counted = kernels.tally(val, count.reshape(()), cap, None, bad)[0][1]
+    assert int(counted) == 4 or cap == 40
     w = min(want, cap)
     assert torch.equal(idx[:w], ri[:w]) and torch.equal(res, rr)
     torch.testing.assert_close(val[:w], rv[:w], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", backend_params("tally"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("count,cap", [(300, 1_000), (5_000, 1_000), (0, 1_000), (0, 0), (7, 7)])
+@pytest.mark.parametrize("with_rungs", [True, False])
+def test_tally_gives_the_reference_words_and_buckets(backend, monkeypatch, dtype, count, cap, with_rungs):
+    # Everything a fused select's caller reads, from the buffer in one pass: the count, the
+    # non-finite kept values, the counts at each rung, every entry's bucket and the peak. Past
+    # the count the buffer holds garbage (huge values, NaN) that must count as zeros.
+    run = runner(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    vals = (torch.randn(cap + 3, generator=gen) * 3).to(dtype)
+    kept = min(count, cap)
+    if kept > 5:
+        vals[[1, 4]] = torch.tensor([float("nan"), -float("inf")], dtype=dtype)
+        vals[2] = vals[3]  # a tie
+    vals[kept:] = float("nan") if kept % 2 else 1e30
+    rungs = (1.5 * torch.exp(torch.arange(0, 11, dtype=torch.float64) / 8)).to(dtype) if with_rungs else None
+    want_words, want_bucket = kernels.efselect.tally_torch(vals, torch.tensor(count), cap, rungs)
+    words, bucket = run("tally", vals, torch.tensor(count), cap, rungs)
+    words = words.tolist()
+    assert words[:-1] == want_words.tolist()[:-1]
+    top, want_top = (kernels.efselect._from_bits(w[-1], dtype) for w in (words, want_words.tolist()))
+    assert top == want_top or (math.isnan(top) and math.isnan(want_top))
+    assert top == (float(torch.where(torch.arange(cap) < kept, vals[:cap].abs(), 0).max()) if cap and with_rungs
+                   else 0.0) or math.isnan(top)
+    assert words[1] == (2 if kept > 5 else 0) and words[0] == count
+    if with_rungs:
+        assert torch.equal(bucket, want_bucket)
+        assert words[2] == int((want_bucket > 0).sum())  # at or above the lowest rung
+    else:
+        assert bucket is None and len(words) == 3
 
 
 @pytest.mark.parametrize("cap", [2_000, 40])

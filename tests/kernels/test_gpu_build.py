@@ -27,6 +27,9 @@ _HIST_SIG = {"x_ptr": "*{x}", "n": "i64", "prefix_ptr": "*i32", "hist_ptr": "*i3
              "KEY_BITS": "constexpr", "SHIFT": "constexpr", "FIRST": "constexpr", "BLOCK": "constexpr"}
 _COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "counts_ptr": "*i64",
               "NT": "constexpr", "BLOCK": "constexpr"}
+_TALLY_SIG = {"val_ptr": "*{v}", "count_ptr": "*i64", "capacity": "i64", "rungs_ptr": "*{v}", "nr": "i32",
+              "bucket_ptr": "*i64", "words_ptr": "*i64", "NT": "constexpr", "BLOCK": "constexpr",
+              "FMAX": "constexpr", "IBITS": "constexpr"}
 _PACK_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "out_ptr": "*u8", "count": "i64",
              "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNPACK_SIG = {"rec_ptr": "*u8", "idx_ptr": "*i64", "bits_ptr": "*{b}", "count": "i64",
@@ -55,10 +58,10 @@ from sparsecomm.kernels import _triton_jit as impl
 from sparsecomm.kernels.triton_backend import (ACCUMULATE_BLOCK, CODES_BLOCK, CODES_WARPS, accumulate_warps,
                                                COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS, MAX_THRESHOLDS,
                                                RECORD_BLOCK, RECORD_WARPS, SCATTER_BLOCK, SCATTER_WARPS,
-                                               SELECT_BLOCK, SELECT_WARPS)
+                                               SELECT_BLOCK, SELECT_WARPS, TALLY_BLOCK, TALLY_WARPS)
 
-SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG, ACCUMULATE_SIG = (
-    %r, %r, %r, %r, %r, %r, %r, %r, %r)
+(SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG, ACCUMULATE_SIG,
+ TALLY_SIG) = (%r, %r, %r, %r, %r, %r, %r, %r, %r, %r)
 CUOBJDUMP, REPORT = sys.argv[1], sys.argv[2]  # CUOBJDUMP "": not available
 assert type(impl.ef_select_kernel).__name__ == "JITFunction", "interpreted: TRITON_INTERPRET leaked in"
 built = []
@@ -115,6 +118,14 @@ for arch in (80, 90):
                            target=target, options={"num_warps": COUNT_WARPS})
         assert k.asm["cubin"]
         record(k, arch)
+    for v, bits in (("fp32", 32), ("fp64", 64)):
+        sig = {k: s.format(v=v) for k, s in TALLY_SIG.items()}
+        fmax = float(torch.finfo(torch.float64 if v == "fp64" else torch.float32).max)
+        consts = {"NT": MAX_THRESHOLDS, "BLOCK": TALLY_BLOCK, "FMAX": fmax, "IBITS": bits}
+        k = triton.compile(ASTSource(impl.tally_kernel, sig, consts), target=target,
+                           options={"num_warps": TALLY_WARPS})
+        assert k.asm["cubin"] and "atom.global" in k.asm["ptx"]
+        record(k, arch)
     for ib in (2, 4, 8):
         for vb, b in ((1, "u8"), (2, "i16"), (4, "i32"), (8, "i64")):
             consts = {"IB": ib, "VB": vb, "BLOCK": RECORD_BLOCK}
@@ -137,7 +148,7 @@ with open(REPORT, "w") as f:
     json.dump(built, f)
 print("built", len(built))
 """ % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG,
-       _ACCUMULATE_SIG)
+       _ACCUMULATE_SIG, _TALLY_SIG)
 
 
 def _cuobjdump() -> str | None:
@@ -170,7 +181,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 134 and "built 134" in out.stdout  # 2 archs x 67 variants
+    assert len(built) == 138 and "built 138" in out.stdout  # 2 archs x 69 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 
