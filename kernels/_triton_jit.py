@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["ef_select_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
-           "count_above_kernel", "tally_kernel", "pack_records_kernel", "unpack_records_kernel", "encode_codes_kernel",
+           "count_above_kernel", "tally_kernel", "pack_records_kernel", "pack_blocked_kernel", "unpack_blocked_kernel", "unpack_records_kernel", "encode_codes_kernel",
            "decode_codes_kernel"]
 
 
@@ -280,6 +280,85 @@ def unpack_records_kernel(rec_ptr, idx_ptr, bits_ptr, count, IB: tl.constexpr, V
         v |= tl.load(base + IB + b, mask=m, other=0).to(tl.int64) << (8 * b)
     tl.store(idx_ptr + rec, i, mask=m)
     tl.store(bits_ptr + rec, v.to(bits_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _lower_bound(ptr, n, key):
+    """First position in the ascending int64 ``ptr[0:n]`` whose value is not below ``key``."""
+    lo = n * 0
+    hi = n + 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(ptr + mid) < key
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def pack_blocked_kernel(idx_ptr, bits_ptr, header_ptr, rows_ptr, count, nblocks, VB: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """A blocked message (``kernels.message``) in one launch: header and records.
+
+    1. Program b < nblocks: header[b] = the ascending indexes in [b, b + 1) * 65536, the
+       difference of two binary searches (``torch.searchsorted``'s lower bounds).
+    2. Every other program: BLOCK records, each the index's offset within its block (2
+       bytes, little-endian) and the value's VB bytes.
+    """
+    pid = tl.program_id(0)
+    if pid < nblocks:
+        lo = _lower_bound(idx_ptr, count, pid.to(tl.int64) * 65536)
+        hi = _lower_bound(idx_ptr, count, (pid.to(tl.int64) + 1) * 65536)
+        tl.store(header_ptr + pid, (hi - lo).to(tl.int32))
+    else:
+        rec = (pid - nblocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = rec < count
+        i = tl.load(idx_ptr + rec, mask=m, other=0)
+        v = tl.load(bits_ptr + rec, mask=m, other=0).to(tl.int64)
+        base = rows_ptr + rec * (2 + VB)
+        tl.store(base, (i & 255).to(tl.uint8), mask=m)
+        tl.store(base + 1, ((i >> 8) & 255).to(tl.uint8), mask=m)
+        for b in tl.static_range(VB):
+            tl.store(base + 2 + b, ((v >> (8 * b)) & 255).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _header_word(header_ptr, j, m):
+    """Header entries ``j`` (int32, little-endian, at any byte offset) where ``m``, else 0."""
+    w = tl.load(header_ptr + 4 * j, mask=m, other=0).to(tl.int64)
+    w |= tl.load(header_ptr + 4 * j + 1, mask=m, other=0).to(tl.int64) << 8
+    w |= tl.load(header_ptr + 4 * j + 2, mask=m, other=0).to(tl.int64) << 16
+    w |= tl.load(header_ptr + 4 * j + 3, mask=m, other=0).to(tl.int64) << 24
+    return w
+
+
+@triton.jit
+def unpack_blocked_kernel(header_ptr, rows_ptr, count, base, idx_ptr, bits_ptr, VB: tl.constexpr,
+                          BLOCK: tl.constexpr, HB: tl.constexpr):
+    """Decode a blocked message in one launch: program b decodes block b's entries.
+
+    1. Its first entry is the sum of the header before it (read as bytes: a header inside a
+       gathered buffer sits at any byte offset), HB words at a time.
+    2. Each of its entries: index = base + b * 65536 + the record's 2-byte offset (unsigned),
+       and the value's VB bytes; never past ``count`` (a header that overcounts writes no
+       further: on a GPU nothing checks it).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    start = b * 0
+    for j0 in range(0, b, HB):
+        j = j0 + tl.arange(0, HB)
+        start += tl.sum(_header_word(header_ptr, j, j < b), axis=0)
+    end = tl.minimum(start + _header_word(header_ptr, b, b >= 0), count)
+    for i0 in range(start, end, BLOCK):
+        rec = i0 + tl.arange(0, BLOCK)
+        m = rec < end
+        at = rows_ptr + rec * (2 + VB)
+        off = tl.load(at, mask=m, other=0).to(tl.int64) | (tl.load(at + 1, mask=m, other=0).to(tl.int64) << 8)
+        v = tl.zeros((BLOCK,), dtype=tl.int64)
+        for k in tl.static_range(VB):
+            v |= tl.load(at + 2 + k, mask=m, other=0).to(tl.int64) << (8 * k)
+        tl.store(idx_ptr + rec, base + b * 65536 + off, mask=m)
+        tl.store(bits_ptr + rec, v.to(bits_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

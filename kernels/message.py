@@ -29,8 +29,8 @@ from . import dispatch
 from .coo import _LITTLE, _PACK_RECORDS, _UNPACK_RECORDS, record_bytes, unpack_records
 
 __all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "pack_message", "unpack_message",
-           "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_triton", "pack_blocked_cupy",
-           "unpack_blocked_triton", "unpack_blocked_cupy"]
+           "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_cupy",
+           "unpack_blocked_cupy", "header_words"]
 
 #: Width of the blocks a blocked message counts its entries in; an index travels as its
 #: offset within its block, which fits 16 bits.
@@ -65,8 +65,8 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
     1. Plain: the records, as ``coo.pack_records``.
     2. Blocked: the header counts the entries in each block, and the records
        carry ``rel_idx mod INDEX_BLOCK`` in 16 bits (:func:`pack_blocked_torch`;
-       the ``cpu`` path does both in one pass; Triton/CuPy write the records
-       with their record kernel).
+       the ``cpu`` path and Triton do both in one pass, CuPy writes the records
+       with its record kernel).
 
     Args:
         rel_idx: ascending int64 indexes in ``[0, span)`` (the callers cut them
@@ -123,12 +123,6 @@ def _pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torc
     _PACK_RECORDS.run(records, torch.bitwise_and(idx, INDEX_BLOCK - 1), values, _OFFSET_DTYPE, value_dtype, rows)
 
 
-def pack_blocked_triton(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
-                        header: torch.Tensor, rows: torch.Tensor) -> None:
-    """triton path: the reference's header, the records by the Triton record kernel (one launch)."""
-    _pack_blocked(rel_idx, values, value_dtype, header, rows, "triton")
-
-
 def pack_blocked_cupy(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
                       header: torch.Tensor, rows: torch.Tensor) -> None:
     """cupy path: the reference's header, the records by the CuPy record kernel (one launch)."""
@@ -180,14 +174,13 @@ def _unpack_into(msg: torch.Tensor, count: int, span: int, base: int, index_dtyp
         vals.copy_(v)
         return
     head = _HEADER_DTYPE.itemsize * index_blocks(span)
-    # A copy: the header of a message inside a gathered buffer may sit at any byte offset.
-    header = msg[:head].clone().view(_HEADER_DTYPE)
-    _UNPACK_BLOCKED(msg[head:].view(count, -1), header, value_dtype, base, idx, vals, backend=backend)
+    _UNPACK_BLOCKED(msg[head:].view(count, -1), msg[:head], value_dtype, base, idx, vals, backend=backend)
 
 
 def unpack_blocked_torch(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
                          idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """Reference of a blocked message's decoding into ``idx`` (plus ``base``) and ``vals``.
+    """Reference of a blocked message's decoding into ``idx`` (plus ``base``) and ``vals``;
+    ``header`` is the message's header bytes (uint8).
 
     Off GPUs (where the check would cost a sync) a header that does not count
     the message's entries is refused: ValueError. On a GPU a wrong header is
@@ -200,6 +193,7 @@ def unpack_blocked_torch(rows: torch.Tensor, header: torch.Tensor, value_dtype: 
 def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
                     idx: torch.Tensor, vals: torch.Tensor, records: str) -> None:
     """The 2-byte records by ``unpack_records``'s ``records`` path, their blocks by expanding the header."""
+    header = header_words(header)
     count = rows.shape[0]
     if dispatch.checks_values(header) and (int(header.sum()) != count or bool((header < 0).any())):
         raise ValueError(f"unpack_message: the header counts {int(header.sum())} entries, the message has {count}")
@@ -211,10 +205,10 @@ def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch
     vals.copy_(v)
 
 
-def unpack_blocked_triton(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
-                          idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """triton path: the records by the Triton record kernel, then the reference's expansion."""
-    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "triton")
+def header_words(header: torch.Tensor) -> torch.Tensor:
+    """A blocked message's header bytes as int32 counts (a copy: a header inside a gathered
+    buffer may sit at any byte offset)."""
+    return header.clone().view(_HEADER_DTYPE)
 
 
 def unpack_blocked_cupy(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
@@ -225,8 +219,8 @@ def unpack_blocked_cupy(rows: torch.Tensor, header: torch.Tensor, value_dtype: t
 
 # The tables carry the public functions' names; their paths do the blocked layout's part.
 _PACK_BLOCKED = dispatch.KernelOp("pack_message", pack_blocked_torch, on=1, cpu="numba_backend:pack_blocked",
-                                  triton="message:pack_blocked_triton", cupy="message:pack_blocked_cupy",
+                                  triton="triton_backend:pack_blocked", cupy="message:pack_blocked_cupy",
                                   accepts={"cpu": lambda *_: _LITTLE})
 _UNPACK_BLOCKED = dispatch.KernelOp("unpack_message", unpack_blocked_torch, cpu="numba_backend:unpack_blocked",
-                                    triton="message:unpack_blocked_triton", cupy="message:unpack_blocked_cupy",
+                                    triton="triton_backend:unpack_blocked", cupy="message:unpack_blocked_cupy",
                                     accepts={"cpu": lambda *_: _LITTLE})

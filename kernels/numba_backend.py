@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .coo import _BITS, record_buffers, record_fields, scatter_dense_torch
-from .message import INDEX_BLOCK
+from .message import INDEX_BLOCK, header_words
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .select import topk_of_candidates_torch
 
@@ -536,8 +536,9 @@ def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch
 
 def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
                    idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """cpu ``kernels.message`` blocked decoding: one pass over the header's blocks."""
+    """cpu ``kernels.message`` blocked decoding (``header``: its bytes): one pass over the header's blocks."""
     bits = vals.view(_BITS[vals.element_size()])
+    header = header_words(header)
     rec = rows.contiguous().numpy().view(_record_dtype(torch.int16, bits)).reshape(-1)
     if not _jit().unpack_blocked(header.numpy(), rec["i"], rec["v"], base, INDEX_BLOCK.bit_length() - 1,
                                  idx.numpy(), bits.numpy()):

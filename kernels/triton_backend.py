@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from . import dispatch
-from .coo import record_buffers, record_fields, sort_by_index
+from .coo import _BITS, record_buffers, record_fields, sort_by_index
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .radix import radix_select
 
-__all__ = ["ef_select", "ef_accumulate", "kth_largest", "scatter_add", "count_above", "tally", "pack_records", "unpack_records",
+__all__ = ["ef_select", "ef_accumulate", "kth_largest", "scatter_add", "count_above", "tally", "pack_blocked",
+           "unpack_blocked", "pack_records", "unpack_records",
            "encode_codes", "decode_codes", "CODES_BLOCK", "COUNT_BLOCK", "MAX_THRESHOLDS", "SELECT_BLOCK",
            "HIST_BLOCK", "SCATTER_BLOCK", "ACCUMULATE_BLOCK", "accumulate_warps"]
 
@@ -45,6 +46,7 @@ TALLY_BLOCK = 256     # x 16 rungs = 16 compares per thread at 8 warps; buffers 
 TALLY_WARPS = 8
 RECORD_BLOCK = 1024   # records per program of pack/unpack
 RECORD_WARPS = 4
+HEADER_BLOCK = 1024   # header words a blocked message's decoder sums at a time
 CODES_BLOCK = 2048    # output bytes (encode) or values (decode) per program
 CODES_WARPS = 4
 ACCUMULATE_BLOCK = 4096  # entries per program of ef_accumulate without maxima (with them: one block)
@@ -189,6 +191,27 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
         dispatch.launch(_jit().pack_records_kernel, (-(-count // RECORD_BLOCK),),
             idx, bits, out, count, IB=torch.empty(0, dtype=index_dtype).element_size(),
             VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
+
+
+def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
+                 header: torch.Tensor, rows: torch.Tensor) -> None:
+    """Triton ``kernels.message`` blocked packing: the header and the records, one launch.
+
+    Indexes are not checked (on a GPU that is a sync): ones that descend or leave the
+    header's blocks make a message that decodes to other indexes.
+    """
+    idx, bits = record_fields(rel_idx, values, value_dtype)
+    count, blocks = idx.numel(), header.numel()
+    dispatch.launch(_jit().pack_blocked_kernel, (blocks + -(-count // RECORD_BLOCK),), idx, bits, header, rows,
+                    count, blocks, VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
+
+
+def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
+                   idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """Triton ``kernels.message`` blocked decoding (``header``: its bytes), one launch, one program a block."""
+    bits = vals.view(_BITS[vals.element_size()])
+    dispatch.launch(_jit().unpack_blocked_kernel, (header.numel() // 4,), header, rows, rows.shape[0], base, idx,
+                    bits, VB=bits.element_size(), BLOCK=RECORD_BLOCK, HB=HEADER_BLOCK, num_warps=RECORD_WARPS)
 
 
 def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype

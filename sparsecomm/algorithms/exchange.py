@@ -88,8 +88,8 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     own_idx, own_wire = part(me)
     touched = [own_idx]
     decoded = [codec.decode(own_wire, scale, work_dtype)]
-    if not merge:
-        kernels.scatter_add(region, own_idx, decoded.pop())
+    if not merge:  # (each part's indexes are unique: cut from one rank's selection)
+        kernels.scatter_add(region, own_idx, decoded.pop(), unique=True)
     span = region_sizes(starts)
 
     def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor, int]]]:
@@ -117,7 +117,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
             if merge:
                 decoded.append(codec.decode(codes, scale, work_dtype))
             else:
-                kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype))
+                kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype), unique=True)
             touched.append(idx)
         pending = nxt
     for req in all_sends:

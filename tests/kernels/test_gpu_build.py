@@ -30,6 +30,10 @@ _COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "coun
 _TALLY_SIG = {"val_ptr": "*{v}", "count_ptr": "*i64", "capacity": "i64", "rungs_ptr": "*{v}", "nr": "i32",
               "bucket_ptr": "*i64", "words_ptr": "*i64", "NT": "constexpr", "BLOCK": "constexpr",
               "FMAX": "constexpr", "IBITS": "constexpr"}
+_BLOCKED_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "header_ptr": "*i32", "rows_ptr": "*u8", "count": "i64",
+                "nblocks": "i64", "VB": "constexpr", "BLOCK": "constexpr"}
+_UNBLOCKED_SIG = {"header_ptr": "*u8", "rows_ptr": "*u8", "count": "i64", "base": "i64", "idx_ptr": "*i64",
+                  "bits_ptr": "*{b}", "VB": "constexpr", "BLOCK": "constexpr", "HB": "constexpr"}
 _PACK_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "out_ptr": "*u8", "count": "i64",
              "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNPACK_SIG = {"rec_ptr": "*u8", "idx_ptr": "*i64", "bits_ptr": "*{b}", "count": "i64",
@@ -58,10 +62,10 @@ from sparsecomm.kernels import _triton_jit as impl
 from sparsecomm.kernels.triton_backend import (ACCUMULATE_BLOCK, CODES_BLOCK, CODES_WARPS, accumulate_warps,
                                                COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS, MAX_THRESHOLDS,
                                                RECORD_BLOCK, RECORD_WARPS, SCATTER_BLOCK, SCATTER_WARPS,
-                                               SELECT_BLOCK, SELECT_WARPS, TALLY_BLOCK, TALLY_WARPS)
+                                               SELECT_BLOCK, SELECT_WARPS, TALLY_BLOCK, TALLY_WARPS, HEADER_BLOCK)
 
 (SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG, ACCUMULATE_SIG,
- TALLY_SIG) = (%r, %r, %r, %r, %r, %r, %r, %r, %r, %r)
+ TALLY_SIG, BLOCKED_SIG, UNBLOCKED_SIG) = (%r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r)
 CUOBJDUMP, REPORT = sys.argv[1], sys.argv[2]  # CUOBJDUMP "": not available
 assert type(impl.ef_select_kernel).__name__ == "JITFunction", "interpreted: TRITON_INTERPRET leaked in"
 built = []
@@ -134,6 +138,14 @@ for arch in (80, 90):
                 k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": RECORD_WARPS})
                 assert k.asm["cubin"]
                 record(k, arch)
+    for vb, b in ((1, "u8"), (2, "i16"), (4, "i32"), (8, "i64")):
+        for fn, sig, consts in ((impl.pack_blocked_kernel, BLOCKED_SIG, {"VB": vb, "BLOCK": RECORD_BLOCK}),
+                                (impl.unpack_blocked_kernel, UNBLOCKED_SIG,
+                                 {"VB": vb, "BLOCK": RECORD_BLOCK, "HB": HEADER_BLOCK})):
+            sig = {k: v.format(b=b) for k, v in sig.items()}
+            k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": RECORD_WARPS})
+            assert k.asm["cubin"]
+            record(k, arch)
     for bits in (2, 4, 8):
         for flag in (False, True):
             for fn, sig, name in ((impl.encode_codes_kernel, ENCODE_SIG, "KEEP"),
@@ -148,7 +160,7 @@ with open(REPORT, "w") as f:
     json.dump(built, f)
 print("built", len(built))
 """ % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG,
-       _ACCUMULATE_SIG, _TALLY_SIG)
+       _ACCUMULATE_SIG, _TALLY_SIG, _BLOCKED_SIG, _UNBLOCKED_SIG)
 
 
 def _cuobjdump() -> str | None:
@@ -181,7 +193,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 138 and "built 138" in out.stdout  # 2 archs x 69 variants
+    assert len(built) == 154 and "built 154" in out.stdout  # 2 archs x 77 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 

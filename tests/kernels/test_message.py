@@ -83,11 +83,11 @@ def test_blocked_paths_match_torch_bytewise(backend, monkeypatch, span, count, v
     got = torch.full_like(expect, 0xAB)  # every byte must be written
     run("pack_message", idx, val, value_dtype, got[:head].view(torch.int32), got[head:].view(count, -1))
     assert torch.equal(got, expect)
-    for base in (0, 12345):
+    for base, at in ((0, 0), (12345, 3)):  # (at 3: inside a gathered buffer, at an odd byte offset)
+        msg = torch.cat([torch.zeros(at, dtype=torch.uint8), expect])[at:]
         ridx = torch.full((count,), -7, dtype=torch.int64)
         rval = torch.zeros(count, dtype=value_dtype)
-        run("unpack_message", expect[head:].view(count, -1), expect[:head].view(torch.int32), value_dtype, base,
-            ridx, rval)
+        run("unpack_message", msg[head:].view(count, -1), msg[:head], value_dtype, base, ridx, rval)
         assert torch.equal(ridx, idx + base)
         assert torch.equal(rval.view(torch.uint8), val.view(torch.uint8))
 
@@ -130,8 +130,8 @@ def test_indexes_that_descend_or_leave_the_span_are_refused(backend, monkeypatch
 
 @pytest.mark.skipif(missing("triton") is not None, reason=str(missing("triton")))
 def test_explicit_gpu_backends_have_a_path_for_blocked_messages(monkeypatch):
-    # backend= names a path for the blocked layout too (its records by that library's kernel):
-    # Triton's, in its interpreter here, gives the reference's bytes.
+    # backend= names a path for the blocked layout too (Triton's: header and records in one
+    # kernel), which, in its interpreter here, gives the reference's bytes.
     run = runner("triton", monkeypatch)
     span, count = 3 * B + 5, 700
     idx, val = _indexes(span, count, 4), _values(count, torch.float16, 4)

@@ -10,6 +10,8 @@ that removes some lowers the budget in the same commit.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 import sparsecomm
@@ -38,3 +40,21 @@ def test_a_steady_call_stays_within_its_budget(algorithm, P):
 
 def test_every_algorithm_has_a_budget():
     assert set(BUDGET) == set(sparsecomm.registry.names())
+
+
+#: The chain an H100 runs (``audit(kernels="triton")``: Triton's kernels, each launch one
+#: operation, torch where an operation has none), Ok-Topk's steady call: (syncs, operations).
+#: Goals: at most 20 operations at P = 1, 60 + 2 (P - 1) per rank at P = 3 and 8.
+TRITON_BUDGET = {1: (1, 14), 3: (4, 63)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (its interpreter)")
+@pytest.mark.parametrize("P", [pytest.param(1), pytest.param(3, marks=pytest.mark.slow)])
+def test_the_triton_chain_of_a_steady_oktopk_call_is_short(P):
+    syncs, ops = TRITON_BUDGET[P]
+    per_rank = audit_steady("oktopk", P, kernels="triton")
+    for calls in per_rank:
+        assert calls[0].n_syncs <= syncs, calls[0].summary()["sync_sites"]
+        assert calls[0].n_ops <= ops, calls[0].ops
+        assert calls[0].ops["triton.ef_select_kernel"] == calls[0].ops["triton.tally_kernel"] == 1
+        assert calls[0].n_dynamic == 0

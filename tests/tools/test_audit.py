@@ -1,6 +1,7 @@
 """The audit counts what a GPU run would launch and wait for, on the CPU."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -95,6 +96,42 @@ def test_audit_restores_the_kernel_choice(monkeypatch):
     with audit():
         assert os.environ["SPARSECOMM_KERNELS"] == "torch"
     assert os.environ["SPARSECOMM_KERNELS"] == "cpu"
+
+
+HAVE_TRITON = __import__("importlib").util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (its interpreter runs the kernels)")
+def test_the_triton_view_counts_each_launch_once_and_nothing_inside_it():
+    # The chain an H100 runs: the fused select is one launch however many programs the
+    # interpreter steps through on the host; its wrapper's allocations and read still count.
+    from sparsecomm import kernels
+
+    from sparsecomm.kernels.efselect import ef_select_torch
+
+    g, r = torch.randn(40_000), torch.randn(40_000)
+    ri, rv, rr = torch.empty(40_000, dtype=torch.int64), torch.empty(40_000), r.clone()
+    want = ef_select_torch(g, rr, 1.5, 40_000, 1.0, True, ri, rv)
+    with audit(kernels="triton") as counts:
+        idx, val, count = kernels.ef_select(g, r, 1.5, 40_000)
+    assert counts.ops["triton.ef_select_kernel"] == 1
+    assert counts.n_syncs == 1 and counts.syncs["cpu"] == 1  # the count's one read
+    assert counts.n_ops <= 3, counts.ops  # the status memset, the launch (nothing the interpreter does)
+    assert ("ef_select_kernel", (3,)) == counts.trace[-1][:2]  # with its grid, for the replay check
+    assert count == want and torch.equal(idx[:count], ri[:want]) and torch.equal(r, rr)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (its interpreter runs the kernels)")
+def test_the_triton_view_runs_triton_where_an_op_has_it_and_torch_elsewhere():
+    JIT = "sparsecomm.kernels._triton_jit"
+    before = sys.modules.get(JIT)
+    with audit(kernels="triton"):
+        assert type(sys.modules[JIT].ef_select_kernel).__name__ == "InterpretedFunction"
+        assert dispatch.OPS["ef_select"].choice(x, x) == "triton"
+        assert dispatch.OPS["bucketize"].choice(x, x) == "torch"  # (numba's on the CPU otherwise)
+        assert not dispatch.in_host_memory(x)
+    assert dispatch.OPS["bucketize"].choice(x, x) != "triton"
+    assert sys.modules.get(JIT) is before  # the interpreted kernels were for the block only
 
 
 def test_steady_calls_are_audited_on_every_rank():
