@@ -54,7 +54,7 @@ from .coo import (
 )
 from .dispatch import BackendUnavailable
 from .efselect import Selected, ef_accumulate, ef_select, ef_select_counted, shares_memory, tally
-from .estimate import bucketize, count_above, estimate_threshold
+from .estimate import bucketize, count_above, count_on_device, estimate_threshold
 from .message import (
                   blocked,
                   message_bytes,
@@ -81,6 +81,6 @@ __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", 
            "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
            "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_select_counted", "Selected", "tally",
            "ef_accumulate", "shares_memory",
-           "estimate_threshold", "count_above", "bucketize",
+           "estimate_threshold", "count_above", "count_on_device", "bucketize",
            "BackendUnavailable", "cast_values", "quantize", "dequantize", "delta_encode",
            "delta_decode", "encode_codes", "decode_codes", "pack_unsigned", "unpack_unsigned"]

@@ -14,9 +14,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
+__all__ = ["ef_select_kernel", "compact_above_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
            "count_above_kernel", "tally_kernel", "pack_records_kernel", "pack_blocked_kernel", "unpack_blocked_kernel", "unpack_records_kernel", "encode_codes_kernel",
            "decode_codes_kernel"]
+
+
+@triton.jit
+def _look_back(status_ptr, tile, count):
+    """The tiles before ``tile`` hold this many selected entries (decoupled look-back).
+
+    Publish the tile's count (flag 1; tile 0 its inclusive prefix at once, flag 2), walk
+    back over earlier tiles summing counts until one with an inclusive prefix, publish
+    ours (flag 2). Status words pack ``value << 2 | flag`` so one atomic read sees both.
+    """
+    first = tile == 0
+    tl.atomic_xchg(status_ptr + tile, (count << 2) | tl.where(first, 2, 1))
+    excl = count * 0
+    done = first.to(tl.int32)
+    j = tile - 1
+    while done == 0:
+        # An atomic add of 0 is an atomic read that cannot be served from a stale cache line.
+        w = tl.atomic_add(status_ptr + j, 0)
+        flag = w & 3
+        excl += tl.where(flag != 0, w >> 2, 0)
+        done = (flag == 2).to(tl.int32)
+        j -= (flag == 1).to(j.dtype)
+    tl.atomic_xchg(status_ptr + tile, ((excl + count) << 2) | 2, mask=tile > 0)
+    return excl
 
 
 @triton.jit
@@ -51,20 +75,7 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     # int64 cumsum over the tile doubled the registers and halved occupancy.
     s = sel.to(tl.int32)
     count = tl.sum(s, axis=0).to(tl.int64)
-    # Tile 0 knows its inclusive prefix at once; the others publish an aggregate.
-    first = tile == 0
-    tl.atomic_xchg(status_ptr + tile, (count << 2) | tl.where(first, 2, 1))
-    excl = count * 0
-    done = first.to(tl.int32)
-    j = tile - 1
-    while done == 0:
-        # An atomic add of 0 is an atomic read that cannot be served from a stale cache line.
-        w = tl.atomic_add(status_ptr + j, 0)
-        flag = w & 3
-        excl += tl.where(flag != 0, w >> 2, 0)
-        done = (flag == 2).to(tl.int32)
-        j -= (flag == 1).to(j.dtype)
-    tl.atomic_xchg(status_ptr + tile, ((excl + count) << 2) | 2, mask=tile > 0)
+    excl = _look_back(status_ptr, tile, count)
     pos = excl + (tl.cumsum(s, axis=0) - s).to(tl.int64)
     write = sel & (pos < capacity)
     tl.store(out_idx_ptr + pos, offs, mask=write)
@@ -72,6 +83,23 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
     if ZERO:
         acc = tl.where(write, 0.0, acc)
     tl.store(r_ptr + offs, tl.where(finite, acc, r), mask=m)
+
+
+@triton.jit
+def compact_above_kernel(x_ptr, th_ptr, out_ptr, status_ptr, ticket_ptr, n, capacity, BLOCK: tl.constexpr):
+    """|x| of the entries not below ``*th_ptr`` (NaN too: it ranks above all), compacted in
+    index order into ``out`` (the first ``capacity``), in one pass: the exact k-th largest's
+    candidates (``triton_backend.kth_largest``). Tiles and look-back as in ``ef_select_kernel``.
+    """
+    tile = tl.atomic_add(ticket_ptr, 1)
+    offs = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    mag = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0))
+    sel = m & ~(mag < tl.load(th_ptr))
+    s = sel.to(tl.int32)
+    excl = _look_back(status_ptr, tile, tl.sum(s, axis=0).to(tl.int64))
+    pos = excl + (tl.cumsum(s, axis=0) - s).to(tl.int64)
+    tl.store(out_ptr + pos, mag, mask=sel & (pos < capacity))
 
 
 @triton.jit
@@ -178,10 +206,12 @@ def scatter_add_sorted_kernel(out_ptr, idx_ptr, val_ptr, m, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK: tl.constexpr):
-    """counts[j] += #{i : |x_i| >= th[j]} for up to NT thresholds, in one pass.
+def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, every, tiles, NT: tl.constexpr, BLOCK: tl.constexpr,
+                       TILE: tl.constexpr):
+    """counts[j] += #{i : |x_i| >= th[j]} for up to NT thresholds, over the tiles of TILE entries
+    starting at multiples of ``every`` TILE (``every`` = 1: every entry), in one pass.
 
-    Each program loops over tiles (grid capped at a few waves), compares every
+    Each program loops over those ``tiles`` (grid capped at a few waves), compares every
     |x| with every threshold (a BLOCK x NT tile of compares in registers:
     thresholds are few), keeps its counts in registers and adds them to the
     global counts once.
@@ -191,12 +221,13 @@ def count_above_kernel(x_ptr, n, th_ptr, nt, counts_ptr, NT: tl.constexpr, BLOCK
     tj = tl.arange(0, NT)
     th = tl.load(th_ptr + tj, mask=tj < nt, other=float("inf"))
     acc = tl.zeros((NT,), dtype=tl.int64)
-    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):  # int64: see radix_hist_kernel
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
-        ge = (x[:, None] >= th[None, :]) & m[:, None]
-        acc += tl.sum(ge.to(tl.int32), axis=0).to(tl.int64)
+    for q in range(pid.to(tl.int64), tiles, nprog):  # int64: see radix_hist_kernel
+        for s in tl.static_range(TILE // BLOCK):
+            offs = q * every * TILE + s * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32))
+            ge = (x[:, None] >= th[None, :]) & m[:, None]
+            acc += tl.sum(ge.to(tl.int32), axis=0).to(tl.int64)
     tl.atomic_add(counts_ptr + tj, acc, mask=tj < nt)
 
 

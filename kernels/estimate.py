@@ -14,14 +14,21 @@ import torch
 
 from . import dispatch
 
-__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "bucketize",
-           "bucketize_torch", "GRID"]
+__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "count_on_device",
+           "count_on_device_torch", "bucketize", "bucketize_torch", "GRID", "COUNT_TILE"]
 
 # Candidate count targets, as fractions of k. Spaced ~7% apart near 1 so the
 # interpolation between neighbours lands within a few percent of k, wide
 # enough (0.5..2) to hold k even when the sample is off by several standard
 # deviations (a 64k sample at density 0.01 has ~6% relative rank noise).
 GRID = (0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 1.0, 1.07, 1.15, 1.25, 1.4, 1.6, 2.0)
+#: A sampled count reads whole tiles of this many entries, one tile in ``every``.
+COUNT_TILE = 4096
+
+
+def _ranks(k: int, m: int, n: int) -> list[int]:
+    """The sample's descending ranks whose order statistics are the candidates."""
+    return sorted({min(m, max(1, int(round(f * k * m / n)))) for f in GRID})
 
 
 def candidate_thresholds(x: torch.Tensor, k: int, sample_size: int = 65536) -> np.ndarray:
@@ -37,7 +44,7 @@ def candidate_thresholds(x: torch.Tensor, k: int, sample_size: int = 65536) -> n
     stride = max(1, n // sample_size)
     sample = flat[::stride].abs().float().cpu().numpy()
     m = sample.size
-    ranks = sorted({min(m, max(1, int(round(f * k * m / n)))) for f in GRID})
+    ranks = _ranks(k, m, n)
     part = np.partition(sample, [m - r for r in ranks])
     th = np.array([part[m - r] for r in ranks], dtype=np.float64)
     th = np.unique(th[th > 0])[::-1]  # unique sorts ascending; we want descending
@@ -92,11 +99,72 @@ def estimate_threshold(x: torch.Tensor, k: int, sample_size: int = 65536,
     n = x.numel()
     if not 1 <= k <= n:
         raise ValueError(f"estimate_threshold: k={k} outside [1, {n}]")
+    # Read enough tiles that ~20k selected entries are counted (count noise ~0.7%); small k
+    # means a full pass.
+    every = max(1, min(count_every, k // 20_000))
+    if not dispatch.in_host_memory(x):
+        return _estimate_on_device(x, k, sample_size, every, backend)
     th = candidate_thresholds(x, k, sample_size)
-    # Read enough tiles on CPU that ~20k selected entries are counted (count
-    # noise ~0.7%); small k means a full pass.
-    counts = count_above(x, th, backend, every=max(1, min(count_every, k // 20_000)))
+    counts = count_above(x, th, backend, every=every)
     return _interpolate(th, counts, k)
+
+
+def _estimate_on_device(x: torch.Tensor, k: int, sample_size: int, every: int, backend: str | None) -> float:
+    """:func:`estimate_threshold` off the host: the same candidates and counts, one read.
+
+    1. The candidates are order statistics of the strided sample, taken on the device
+       (``topk``), zeros kept for now.
+    2. One pass counts the entries at or above each (a zero counts at the smallest
+       positive float) over one tile in ``every`` (:func:`count_on_device`): an eighth
+       of the tensor at ``every`` = 8, as the numba path reads.
+    3. One read of the candidates and their counts; on the host the zeros and repeats
+       are dropped as :func:`candidate_thresholds` drops them, the counts scaled by the
+       share read, and the two candidates around k interpolated.
+    """
+    n = x.numel()
+    flat = x.reshape(-1)
+    stride = max(1, n // sample_size)
+    sample = flat[::stride].abs().float()
+    ranks = _ranks(k, sample.numel(), n)
+    top = torch.topk(sample, ranks[-1]).values
+    raw = torch.stack([top[r - 1] for r in ranks])  # (views of one tensor, one copy)
+    tiny = float(np.finfo(np.float32).tiny)
+    counts = count_on_device(flat, torch.where(raw > 0, raw, tiny), every, backend=backend)
+    got = np.asarray(dispatch.to_host(torch.cat([raw.double(), counts[:len(ranks)].double()])))
+    raw_h, counted = got[:len(ranks)], got[len(ranks):]
+    if every > 1:
+        seen = sum(min(COUNT_TILE, n - t0) for t0 in range(0, n, COUNT_TILE * every))
+        counted = np.rint(counted * (n / seen))
+    keep = raw_h > 0
+    if not keep.any():  # the sample is all zero: count the nonzeros
+        return _interpolate(np.array([tiny]), counted[:1].astype(np.int64), k)
+    th, first = np.unique(raw_h[keep], return_index=True)
+    return _interpolate(th[::-1], counted[keep][first][::-1].astype(np.int64), k)
+
+
+def count_on_device(x: torch.Tensor, thresholds: torch.Tensor, every: int = 1, backend: str | None = None
+                    ) -> torch.Tensor:
+    """The entries of ``x`` at or above each of the positive float32 ``thresholds`` (at most 16, on
+    ``x``'s device, any order), over the tiles of ``COUNT_TILE`` entries that start at multiples of
+    ``every`` tiles, as int64 device counts (at least one per threshold; nothing read)."""
+    if thresholds.numel() > 16 or thresholds.dtype != torch.float32:
+        raise ValueError("count_on_device: at most 16 float32 thresholds")
+    return _COUNT_ON_DEVICE(x.reshape(-1), thresholds, int(every), backend=backend)
+
+
+def count_on_device_torch(x: torch.Tensor, thresholds: torch.Tensor, every: int) -> torch.Tensor:
+    """Reference of :func:`count_on_device` (the tiles not read count as zeros: the thresholds
+    are positive)."""
+    mag = x.abs().float()
+    if every > 1:
+        read = torch.arange(x.numel(), device=x.device).div_(COUNT_TILE, rounding_mode="floor").remainder_(every) == 0
+        mag = torch.where(read, mag, torch.zeros((), device=x.device))
+    return torch.stack([(mag >= t).sum() for t in thresholds])
+
+
+_COUNT_ON_DEVICE = dispatch.KernelOp("count_on_device", count_on_device_torch,
+                                     triton="triton_backend:count_on_device",
+                                     accepts={"triton": lambda x, *_: x.dtype != torch.float64})
 
 
 def count_above(x: torch.Tensor, thresholds: np.ndarray, backend: str | None = None,

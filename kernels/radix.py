@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["key_layout", "choose_digit", "key_to_float", "radix_kth_largest_torch"]
+__all__ = ["key_layout", "choose_digit", "key_to_float", "radix_select", "radix_prefix", "radix_kth_largest_torch"]
 
 
 def key_layout(dtype: torch.dtype) -> tuple[int, list[int], torch.dtype]:
@@ -43,15 +43,20 @@ def choose_digit(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor) -
 
 
 def radix_select(x: torch.Tensor, k: int, histogram) -> float:
+    """Exact k-th largest of |x| by :func:`radix_prefix`, then its one read."""
+    return key_to_float(dispatch.to_host(radix_prefix(x, k, histogram)), x.dtype)
+
+
+def radix_prefix(x: torch.Tensor, k: int, histogram) -> torch.Tensor:
     """Exact k-th largest of |x| by an 8-bit radix select, given a device histogram kernel.
 
     1. For each digit (most significant first), ``histogram(x, n, prefix32,
        hist, bits, shift, first)`` counts the digit of the keys matching the
        prefix chosen so far into ``hist`` (256 int32 bins).
     2. ``choose_digit`` picks the digit on the device: no sync between passes.
-    3. One sync at the end turns the key into a float.
 
     Shared by the Triton and CuPy paths, which differ only in the histogram launch.
+    Returns the k-th largest key as an int64 device scalar (nothing read).
     """
     bits, shifts, _ = key_layout(x.dtype)
     x = x.reshape(-1).contiguous()
@@ -64,7 +69,7 @@ def radix_select(x: torch.Tensor, k: int, histogram) -> float:
         prefix32.copy_(prefix.reshape(1))
         histogram(x, x.numel(), prefix32, hist, bits, shift, i == 0)
         choose_digit(hist, krem, prefix)
-    return key_to_float(dispatch.to_host(prefix), x.dtype)
+    return prefix
 
 
 def key_to_float(key: int, dtype: torch.dtype) -> float:

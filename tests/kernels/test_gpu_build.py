@@ -25,11 +25,13 @@ _SELECT_SIG = {"g_ptr": "*{g}", "r_ptr": "*{r}", "out_idx_ptr": "*i64", "out_val
                "capacity": "i64", "ZERO": "constexpr", "BLOCK": "constexpr", "FMAX": "constexpr"}
 _HIST_SIG = {"x_ptr": "*{x}", "n": "i64", "prefix_ptr": "*i32", "hist_ptr": "*i32",
              "KEY_BITS": "constexpr", "SHIFT": "constexpr", "FIRST": "constexpr", "BLOCK": "constexpr"}
-_COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "counts_ptr": "*i64",
-              "NT": "constexpr", "BLOCK": "constexpr"}
+_COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "counts_ptr": "*i64", "every": "i32",
+              "tiles": "i64", "NT": "constexpr", "BLOCK": "constexpr", "TILE": "constexpr"}
 _TALLY_SIG = {"val_ptr": "*{v}", "count_ptr": "*i64", "capacity": "i64", "rungs_ptr": "*{v}", "nr": "i32",
               "bucket_ptr": "*i64", "words_ptr": "*i64", "NT": "constexpr", "BLOCK": "constexpr",
               "FMAX": "constexpr", "IBITS": "constexpr"}
+_COMPACT_SIG = {"x_ptr": "*{x}", "th_ptr": "*{x}", "out_ptr": "*{x}", "status_ptr": "*i64", "ticket_ptr": "*i32",
+                "n": "i64", "capacity": "i64", "BLOCK": "constexpr"}
 _BLOCKED_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "header_ptr": "*i32", "rows_ptr": "*u8", "count": "i64",
                 "nblocks": "i64", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNBLOCKED_SIG = {"header_ptr": "*u8", "rows_ptr": "*u8", "count": "i64", "base": "i64", "idx_ptr": "*i64",
@@ -59,13 +61,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparsecomm.kernels import _triton_jit as impl
+from sparsecomm.kernels.estimate import COUNT_TILE
 from sparsecomm.kernels.triton_backend import (ACCUMULATE_BLOCK, CODES_BLOCK, CODES_WARPS, accumulate_warps,
                                                COUNT_BLOCK, COUNT_WARPS, HIST_BLOCK, HIST_WARPS, MAX_THRESHOLDS,
                                                RECORD_BLOCK, RECORD_WARPS, SCATTER_BLOCK, SCATTER_WARPS,
                                                SELECT_BLOCK, SELECT_WARPS, TALLY_BLOCK, TALLY_WARPS, HEADER_BLOCK)
 
 (SELECT_SIG, HIST_SIG, SCATTER_SIG, COUNT_SIG, PACK_SIG, UNPACK_SIG, ENCODE_SIG, DECODE_SIG, ACCUMULATE_SIG,
- TALLY_SIG, BLOCKED_SIG, UNBLOCKED_SIG) = (%r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r)
+ TALLY_SIG, BLOCKED_SIG, UNBLOCKED_SIG, COMPACT_SIG) = (%r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r, %r)
 CUOBJDUMP, REPORT = sys.argv[1], sys.argv[2]  # CUOBJDUMP "": not available
 assert type(impl.ef_select_kernel).__name__ == "JITFunction", "interpreted: TRITON_INTERPRET leaked in"
 built = []
@@ -102,6 +105,12 @@ for arch in (80, 90):
                                options={"num_warps": accumulate_warps(block)})
             assert k.asm["cubin"] and "fma" not in k.asm["ptx"]  # the sum's one rounding, as torch's add
             record(k, arch)
+    for x in ("fp32", "bf16", "fp16"):
+        sig = {k: v.format(x=x) for k, v in COMPACT_SIG.items()}
+        k = triton.compile(ASTSource(impl.compact_above_kernel, sig, {"BLOCK": SELECT_BLOCK}), target=target,
+                           options={"num_warps": SELECT_WARPS})
+        assert k.asm["cubin"] and "atom.global" in k.asm["ptx"]  # the ticket and the look-back
+        record(k, arch)
     for x, bits in (("fp32", 32), ("bf16", 16), ("fp16", 16)):
         sig = {k: v.format(x=x) for k, v in HIST_SIG.items()}
         for first in (True, False):
@@ -118,7 +127,8 @@ for arch in (80, 90):
         record(k, arch)
     for x in ("fp32", "fp16", "bf16"):
         sig = {k: v.format(x=x) for k, v in COUNT_SIG.items()}
-        k = triton.compile(ASTSource(impl.count_above_kernel, sig, {"NT": MAX_THRESHOLDS, "BLOCK": COUNT_BLOCK}),
+        consts = {"NT": MAX_THRESHOLDS, "BLOCK": COUNT_BLOCK, "TILE": COUNT_TILE}
+        k = triton.compile(ASTSource(impl.count_above_kernel, sig, consts),
                            target=target, options={"num_warps": COUNT_WARPS})
         assert k.asm["cubin"]
         record(k, arch)
@@ -160,7 +170,7 @@ with open(REPORT, "w") as f:
     json.dump(built, f)
 print("built", len(built))
 """ % (_SELECT_SIG, _HIST_SIG, _SCATTER_SIG, _COUNT_SIG, _PACK_SIG, _UNPACK_SIG, _ENCODE_SIG, _DECODE_SIG,
-       _ACCUMULATE_SIG, _TALLY_SIG, _BLOCKED_SIG, _UNBLOCKED_SIG)
+       _ACCUMULATE_SIG, _TALLY_SIG, _BLOCKED_SIG, _UNBLOCKED_SIG, _COMPACT_SIG)
 
 
 def _cuobjdump() -> str | None:
@@ -193,7 +203,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 154 and "built 154" in out.stdout  # 2 archs x 77 variants
+    assert len(built) == 160 and "built 160" in out.stdout  # 2 archs x 80 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 
