@@ -1,13 +1,15 @@
 """The steady-state call's structure per algorithm: device operations, host syncs, size-from-data allocations.
 
-Runs :func:`sparsecomm.tools.audit.audit_steady` (the torch kernel path, the
-simulated world, error feedback, the plain call) for every registered
-algorithm at each world size and writes one JSON row per (algorithm, P) and a
-Markdown table. Counts are per rank (the busiest rank's), one steady call;
-``replay`` says whether two consecutive calls launched the same operations
-with the same shapes (what a CUDA graph needs).
+Runs :func:`sparsecomm.tools.audit.audit_steady` (the simulated world, error
+feedback, the plain call) for every registered algorithm at each world size
+and writes one JSON row per (algorithm, P) and a Markdown table. Counts are per
+rank (the busiest rank's), one steady call; ``replay`` says whether two
+consecutive calls launched the same operations with the same shapes (what a
+CUDA graph needs). ``--kernels torch`` counts the torch kernel path (a GPU
+without Triton); ``--kernels triton`` the chain an H100 runs, each Triton launch
+one operation (Triton's interpreter runs them here: minutes at P = 8).
 
-    python benchmarks/audit_calls.py --sizes 1 3 8 --out DIR
+    python benchmarks/audit_calls.py --sizes 1 3 8 --kernels torch --out DIR
 """
 
 from __future__ import annotations
@@ -16,19 +18,21 @@ import argparse
 import json
 import os
 
-import sparsecomm
-from sparsecomm.tools.audit import audit_steady
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its interpreter runs tl.* too
+import sparsecomm  # noqa: E402
+from sparsecomm.tools.audit import audit_steady  # noqa: E402
 
 
-def rows(world_sizes: list[int], n: int, density: float) -> list[dict]:
+def rows(world_sizes: list[int], n: int, density: float, kernels: str = "torch",
+         algorithms: list[str] | None = None) -> list[dict]:
     """One row per (algorithm, world size): the busiest rank's counts of one steady call."""
     out = []
     for P in world_sizes:
-        for name in sparsecomm.registry.names():
-            per_rank = audit_steady(name, P, n=n, density=density)
+        for name in algorithms or sparsecomm.registry.names():
+            per_rank = audit_steady(name, P, n=n, density=density, kernels=kernels)
             first = [calls[0] for calls in per_rank]
             busiest = max(first, key=lambda a: (a.n_syncs, a.n_ops))
-            out.append({"algorithm": name, "P": P, "n": n, "density": density,
+            out.append({"algorithm": name, "P": P, "n": n, "density": density, "kernels": kernels,
                         "ops": max(a.n_ops for a in first), "syncs": max(a.n_syncs for a in first),
                         "dynamic_allocs": max(a.n_dynamic for a in first),
                         "comm_ops": max(a.comm_ops for a in first),
@@ -52,15 +56,17 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 8])
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--out", default=None, help="folder for audit.json and audit.md")
+    parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
+    parser.add_argument("--algorithms", nargs="+", choices=sparsecomm.registry.names(), default=None)
+    parser.add_argument("--out", default=None, help="folder for audit_KERNELS.json and audit_KERNELS.md")
     args = parser.parse_args()
-    data = rows(args.sizes, args.n, args.density)
+    data = rows(args.sizes, args.n, args.density, args.kernels, args.algorithms)
     print(table(data))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "audit.json"), "w") as f:
+        with open(os.path.join(args.out, f"audit_{args.kernels}.json"), "w") as f:
             json.dump(data, f, indent=1)
-        with open(os.path.join(args.out, "audit.md"), "w") as f:
+        with open(os.path.join(args.out, f"audit_{args.kernels}.md"), "w") as f:
             f.write(table(data) + "\n")
 
 

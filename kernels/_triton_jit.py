@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ef_select_kernel", "compact_above_kernel", "ef_accumulate_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
+__all__ = ["ef_select_kernel", "compact_above_kernel", "ef_accumulate_kernel", "choose_digit_kernel", "radix_hist_kernel", "scatter_add_sorted_kernel",
            "count_above_kernel", "tally_kernel", "pack_records_kernel", "pack_blocked_kernel", "unpack_blocked_kernel", "unpack_records_kernel", "encode_codes_kernel",
            "decode_codes_kernel"]
 
@@ -168,6 +168,28 @@ def radix_hist_kernel(x_ptr, n, prefix_ptr, hist_ptr,
         digit = (key >> SHIFT) & 255
         hist += tl.histogram(digit, 256, mask=match)
     tl.atomic_add(hist_ptr + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def choose_digit_kernel(hist_ptr, krem_ptr, prefix_ptr, prefix32_ptr):
+    """``radix.choose_digit`` in one program: the digit holding the ``*krem``-th largest.
+
+    1. above[d] = keys with digit >= d, from the 256-bin histogram; the digit is the
+       largest d with above[d] >= krem.
+    2. krem -= keys with a larger digit; prefix = prefix * 256 + d, also as int32 for the
+       next digit's histogram; the histogram is zeroed for it.
+    """
+    d = tl.arange(0, 256)
+    h = tl.load(hist_ptr + d).to(tl.int64)
+    total = tl.sum(h, axis=0)
+    above = total - tl.cumsum(h, axis=0) + h
+    krem = tl.load(krem_ptr)
+    digit = tl.sum((above >= krem).to(tl.int64), axis=0) - 1
+    tl.store(krem_ptr, krem - tl.sum(tl.where(d > digit, h, 0), axis=0))
+    prefix = tl.load(prefix_ptr) * 256 + digit
+    tl.store(prefix_ptr, prefix)
+    tl.store(prefix32_ptr, prefix.to(tl.int32))
+    tl.store(hist_ptr + d, tl.zeros((256,), dtype=tl.int32))
 
 
 @triton.jit

@@ -42,33 +42,41 @@ def choose_digit(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor) -
     prefix.mul_(256).add_(d.to(prefix.dtype))
 
 
-def radix_select(x: torch.Tensor, k: int, histogram) -> float:
+def radix_select(x: torch.Tensor, k: int, histogram, choose=None) -> float:
     """Exact k-th largest of |x| by :func:`radix_prefix`, then its one read."""
-    return key_to_float(dispatch.to_host(radix_prefix(x, k, histogram)), x.dtype)
+    return key_to_float(dispatch.to_host(radix_prefix(x, k, histogram, choose)), x.dtype)
 
 
-def radix_prefix(x: torch.Tensor, k: int, histogram) -> torch.Tensor:
+def _choose(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor, prefix32: torch.Tensor) -> None:
+    """:func:`choose_digit` in torch ops, then the next digit's int32 prefix and a zeroed histogram."""
+    choose_digit(hist, krem, prefix)
+    prefix32.copy_(prefix.reshape(1))
+    hist.zero_()
+
+
+def radix_prefix(x: torch.Tensor, k: int, histogram, choose=None) -> torch.Tensor:
     """Exact k-th largest of |x| by an 8-bit radix select, given a device histogram kernel.
 
     1. For each digit (most significant first), ``histogram(x, n, prefix32,
        hist, bits, shift, first)`` counts the digit of the keys matching the
        prefix chosen so far into ``hist`` (256 int32 bins).
-    2. ``choose_digit`` picks the digit on the device: no sync between passes.
+    2. ``choose(hist, krem, prefix, prefix32)`` picks the digit on the device (no sync
+       between passes), sets the int32 prefix the next histogram matches and zeroes
+       ``hist`` for it: :func:`choose_digit` in torch ops by default, one kernel on Triton.
 
-    Shared by the Triton and CuPy paths, which differ only in the histogram launch.
+    Shared by the Triton and CuPy paths, which differ in the histogram launch.
     Returns the k-th largest key as an int64 device scalar (nothing read).
     """
     bits, shifts, _ = key_layout(x.dtype)
     x = x.reshape(-1).contiguous()
     dev = x.device
-    krem = torch.tensor(k, dtype=torch.int64, device=dev)
+    krem = torch.full((), k, dtype=torch.int64, device=dev)  # (a fill: no copy from the host)
     prefix = torch.zeros((), dtype=torch.int64, device=dev)
     prefix32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    hist = torch.zeros(256, dtype=torch.int32, device=dev)
     for i, shift in enumerate(shifts):
-        hist = torch.zeros(256, dtype=torch.int32, device=dev)
-        prefix32.copy_(prefix.reshape(1))
         histogram(x, x.numel(), prefix32, hist, bits, shift, i == 0)
-        choose_digit(hist, krem, prefix)
+        (choose or _choose)(hist, krem, prefix, prefix32)
     return prefix
 
 

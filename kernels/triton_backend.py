@@ -135,6 +135,11 @@ def _histogram(x: torch.Tensor):
     return histogram
 
 
+def _choose(hist: torch.Tensor, krem: torch.Tensor, prefix: torch.Tensor, prefix32: torch.Tensor) -> None:
+    """The radix select's digit choice in one launch (``radix.radix_prefix``'s ``choose``)."""
+    dispatch.launch(_jit().choose_digit_kernel, (1,), hist, krem, prefix, prefix32)
+
+
 def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     """Exact k-th largest of |x| (fp16/bf16/fp32): one full pass where a sampled bound holds.
 
@@ -163,7 +168,7 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     r = min(m, math.ceil(e + 4 * math.sqrt(e) + 4))
     capacity = 2 * r * stride + 4096
     if n < BOUNDED_MIN or 2 * capacity > n:
-        return radix_select(flat, k, _histogram(flat))
+        return radix_select(flat, k, _histogram(flat), _choose)
     BOUNDED["calls"] += 1
     bound = torch.topk(sample.abs(), r, sorted=False).values.amin().reshape(1)
     tiles = -(-n // SELECT_BLOCK)
@@ -171,12 +176,12 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     candidates = torch.zeros(capacity, dtype=flat.dtype, device=flat.device)
     dispatch.launch(_jit().compact_above_kernel, (tiles,), flat, bound, candidates, status,
                     status[tiles:].view(torch.int32), n, capacity, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
-    key = radix_prefix(candidates, k, _histogram(candidates))
+    key = radix_prefix(candidates, k, _histogram(candidates), _choose)
     got, count = dispatch.to_host(torch.stack([key, status[tiles - 1] >> 2]))
     if k <= count <= capacity:
         return key_to_float(got, flat.dtype)
     BOUNDED["misses"] += 1
-    return radix_select(flat, k, _histogram(flat))
+    return radix_select(flat, k, _histogram(flat), _choose)
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:

@@ -105,6 +105,10 @@ for arch in (80, 90):
                                options={"num_warps": accumulate_warps(block)})
             assert k.asm["cubin"] and "fma" not in k.asm["ptx"]  # the sum's one rounding, as torch's add
             record(k, arch)
+    k = triton.compile(ASTSource(impl.choose_digit_kernel, {"hist_ptr": "*i32", "krem_ptr": "*i64", "prefix_ptr": "*i64",
+                                                            "prefix32_ptr": "*i32"}, {}), target=target)
+    assert k.asm["cubin"]
+    record(k, arch)
     for x in ("fp32", "bf16", "fp16"):
         sig = {k: v.format(x=x) for k, v in COMPACT_SIG.items()}
         k = triton.compile(ASTSource(impl.compact_above_kernel, sig, {"BLOCK": SELECT_BLOCK}), target=target,
@@ -203,7 +207,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 160 and "built 160" in out.stdout  # 2 archs x 80 variants
+    assert len(built) == 162 and "built 162" in out.stdout  # 2 archs x 81 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 

@@ -36,6 +36,8 @@ def test_a_steady_call_stays_within_its_budget(algorithm, P):
     worst = max((calls[0] for calls in per_rank), key=lambda a: (a.n_syncs, a.n_ops))
     assert worst.n_syncs <= syncs, worst.summary()["sync_sites"]
     assert max(calls[0].n_ops for calls in per_rank) <= ops
+    if algorithm == "oktopk":  # every buffer sized by its bound: nothing allocated by a size read from data
+        assert all(calls[0].n_dynamic == 0 for calls in per_rank), [calls[0].dynamic for calls in per_rank]
 
 
 def test_every_algorithm_has_a_budget():
