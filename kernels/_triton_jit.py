@@ -349,30 +349,30 @@ def _lower_bound(ptr, n, key):
 
 
 @triton.jit
-def pack_blocked_kernel(idx_ptr, bits_ptr, header_ptr, rows_ptr, count, nblocks, VB: tl.constexpr,
+def pack_blocked_kernel(idx_ptr, bits_ptr, header_ptr, rows_ptr, count, nblocks, base, VB: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """A blocked message (``kernels.message``) in one launch: header and records.
+    """A blocked message (``kernels.message``) of the indexes minus ``base``, in one launch.
 
-    1. Program b < nblocks: header[b] = the ascending indexes in [b, b + 1) * 65536, the
-       difference of two binary searches (``torch.searchsorted``'s lower bounds).
+    1. Program b < nblocks: header[b] = the ascending indexes in base + [b, b + 1) * 65536,
+       the difference of two binary searches (``torch.searchsorted``'s lower bounds).
     2. Every other program: BLOCK records, each the index's offset within its block (2
        bytes, little-endian) and the value's VB bytes.
     """
     pid = tl.program_id(0)
     if pid < nblocks:
-        lo = _lower_bound(idx_ptr, count, pid.to(tl.int64) * 65536)
-        hi = _lower_bound(idx_ptr, count, (pid.to(tl.int64) + 1) * 65536)
+        lo = _lower_bound(idx_ptr, count, base + pid.to(tl.int64) * 65536)
+        hi = _lower_bound(idx_ptr, count, base + (pid.to(tl.int64) + 1) * 65536)
         tl.store(header_ptr + pid, (hi - lo).to(tl.int32))
     else:
         rec = (pid - nblocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = rec < count
-        i = tl.load(idx_ptr + rec, mask=m, other=0)
+        i = tl.load(idx_ptr + rec, mask=m, other=0) - base
         v = tl.load(bits_ptr + rec, mask=m, other=0).to(tl.int64)
-        base = rows_ptr + rec * (2 + VB)
-        tl.store(base, (i & 255).to(tl.uint8), mask=m)
-        tl.store(base + 1, ((i >> 8) & 255).to(tl.uint8), mask=m)
+        at = rows_ptr + rec * (2 + VB)
+        tl.store(at, (i & 255).to(tl.uint8), mask=m)
+        tl.store(at + 1, ((i >> 8) & 255).to(tl.uint8), mask=m)
         for b in tl.static_range(VB):
-            tl.store(base + 2 + b, ((v >> (8 * b)) & 255).to(tl.uint8), mask=m)
+            tl.store(at + 2 + b, ((v >> (8 * b)) & 255).to(tl.uint8), mask=m)
 
 
 @triton.jit
@@ -386,8 +386,8 @@ def _header_word(header_ptr, j, m):
 
 
 @triton.jit
-def unpack_blocked_kernel(header_ptr, rows_ptr, count, base, idx_ptr, bits_ptr, VB: tl.constexpr,
-                          BLOCK: tl.constexpr, HB: tl.constexpr):
+def unpack_blocked_kernel(header_ptr, rows_ptr, count, base, idx_ptr, bits_ptr, acc_ptr, VB: tl.constexpr,
+                          BLOCK: tl.constexpr, HB: tl.constexpr, ADD: tl.constexpr):
     """Decode a blocked message in one launch: program b decodes block b's entries.
 
     1. Its first entry is the sum of the header before it (read as bytes: a header inside a
@@ -395,6 +395,8 @@ def unpack_blocked_kernel(header_ptr, rows_ptr, count, base, idx_ptr, bits_ptr, 
     2. Each of its entries: index = base + b * 65536 + the record's 2-byte offset (unsigned),
        and the value's VB bytes; never past ``count`` (a header that overcounts writes no
        further: on a GPU nothing checks it).
+    3. ADD: acc[index] += the value (float32 or float64; indexes are unique in a message, so
+       each is one addition, as ``index_add_`` makes it).
     """
     b = tl.program_id(0).to(tl.int64)
     start = b * 0
@@ -412,6 +414,13 @@ def unpack_blocked_kernel(header_ptr, rows_ptr, count, base, idx_ptr, bits_ptr, 
             v |= tl.load(at + 2 + k, mask=m, other=0).to(tl.int64) << (8 * k)
         tl.store(idx_ptr + rec, base + b * 65536 + off, mask=m)
         tl.store(bits_ptr + rec, v.to(bits_ptr.dtype.element_ty), mask=m)
+        if ADD:
+            if VB == 4:
+                value = v.to(tl.int32).to(tl.float32, bitcast=True)
+            else:
+                value = v.to(tl.float64, bitcast=True)
+            at_acc = acc_ptr + base + b * 65536 + off
+            tl.store(at_acc, tl.load(at_acc, mask=m, other=0.0) + value, mask=m)
 
 
 @triton.jit

@@ -59,8 +59,8 @@ def message_bytes(count: int, span: int, index_dtype: torch.dtype, value_dtype: 
 
 
 def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_dtype: torch.dtype,
-                 value_dtype: torch.dtype, backend: str | None = None) -> torch.Tensor:
-    """A message (1-D uint8, ``message_bytes`` long) of ascending ``rel_idx`` in ``[0, span)``.
+                 value_dtype: torch.dtype, backend: str | None = None, *, base: int = 0) -> torch.Tensor:
+    """A message (1-D uint8, ``message_bytes`` long) of ascending ``rel_idx - base`` in ``[0, span)``.
 
     1. Plain: the records, as ``coo.pack_records``.
     2. Blocked: the header counts the entries in each block, and the records
@@ -76,6 +76,8 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
         values: one value per index, written as ``value_dtype``.
         span, index_dtype: what both ends know; ``index_dtype`` holds ``span - 1``.
         backend: the kernels' path (``kernels.dispatch``).
+        base: subtracted from every index first (a region's start: on Triton inside the
+            kernel, not as an operation of its own).
     Returns:
         The message's bytes.
     """
@@ -86,26 +88,28 @@ def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_d
                       device=values.device)
     if not count:
         return out
-    if dispatch.checks_values(rel_idx) and int(rel_idx.reshape(-1)[-1]) >= span:  # the paths check order, blocks
-        raise ValueError(f"pack_message: index {int(rel_idx.reshape(-1)[-1])} is outside the span of {span}")
+    if dispatch.checks_values(rel_idx) and int(rel_idx.reshape(-1)[-1]) - base >= span:  # paths check the rest
+        raise ValueError(f"pack_message: index {int(rel_idx.reshape(-1)[-1]) - base} is outside the span of {span}")
     if not blocked(count, span, index_dtype):
-        _PACK_RECORDS(rel_idx, values, index_dtype, value_dtype, out.view(count, -1), backend=backend)
+        _PACK_RECORDS(rel_idx - base if base else rel_idx, values, index_dtype, value_dtype, out.view(count, -1),
+                      backend=backend)
         return out
     head = _HEADER_DTYPE.itemsize * index_blocks(span)
     _PACK_BLOCKED(rel_idx, values, value_dtype, out[:head].view(_HEADER_DTYPE), out[head:].view(count, -1),
-                  backend=backend)
+                  int(base), backend=backend)
     return out
 
 
 def pack_blocked_torch(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
-                       header: torch.Tensor, rows: torch.Tensor) -> None:
+                       header: torch.Tensor, rows: torch.Tensor, base: int = 0) -> None:
     """Reference of a blocked message's two parts: ``header`` (int32, the entries in each
-    block: one ``searchsorted`` of the block ends) and ``rows`` (count x record bytes).
+    block: one ``searchsorted`` of the block ends) and ``rows`` (count x record bytes), of
+    the indexes ``rel_idx - base``.
 
     Off GPUs (where the check would cost a sync) indexes that descend or
     leave the header's blocks are refused: ValueError.
     """
-    _pack_blocked(rel_idx, values, value_dtype, header, rows, "torch")
+    _pack_blocked(rel_idx - base if base else rel_idx, values, value_dtype, header, rows, "torch")
 
 
 def _pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
@@ -124,17 +128,25 @@ def _pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torc
 
 
 def pack_blocked_cupy(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
-                      header: torch.Tensor, rows: torch.Tensor) -> None:
+                      header: torch.Tensor, rows: torch.Tensor, base: int = 0) -> None:
     """cupy path: the reference's header, the records by the CuPy record kernel (one launch)."""
-    _pack_blocked(rel_idx, values, value_dtype, header, rows, "cupy")
+    _pack_blocked(rel_idx - base if base else rel_idx, values, value_dtype, header, rows, "cupy")
 
 
 def unpack_message(msg: torch.Tensor, count: int, span: int, index_dtype: torch.dtype,
-                   value_dtype: torch.dtype, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_message`: (int64 indexes, values) of a 1-D uint8 message."""
+                   value_dtype: torch.dtype, backend: str | None = None, *,
+                   add_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_message`: (int64 indexes, values) of a 1-D uint8 message.
+
+    ``add_into``: a tensor of ``value_dtype`` (float32 or float64) to which the values are
+    also added at their indexes, which must then be unique (a part of one rank's selection:
+    each entry is one addition, as ``index_add_`` makes it); on Triton in the decoding kernel.
+    """
+    if add_into is not None and (add_into.dtype != value_dtype or value_dtype not in (torch.float32, torch.float64)):
+        raise ValueError(f"unpack_message: add_into must be float32/float64 like the values, got {add_into.dtype}")
     idx = torch.empty(count, dtype=torch.int64, device=msg.device)
     vals = torch.empty(count, dtype=value_dtype, device=msg.device)
-    _unpack_into(msg, count, span, 0, index_dtype, value_dtype, idx, vals, backend)
+    _unpack_into(msg, count, span, 0, index_dtype, value_dtype, idx, vals, backend, add_into)
     return idx, vals
 
 
@@ -160,8 +172,10 @@ def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[in
 
 
 def _unpack_into(msg: torch.Tensor, count: int, span: int, base: int, index_dtype: torch.dtype,
-                 value_dtype: torch.dtype, idx: torch.Tensor, vals: torch.Tensor, backend: str | None) -> None:
-    """Decode one message into ``idx`` (plus ``base``) and ``vals``, refusing one of the wrong size."""
+                 value_dtype: torch.dtype, idx: torch.Tensor, vals: torch.Tensor, backend: str | None,
+                 add_into: torch.Tensor | None = None) -> None:
+    """Decode one message into ``idx`` (plus ``base``) and ``vals`` (added into ``add_into``
+    too, when given), refusing one of the wrong size."""
     want = message_bytes(count, span, index_dtype, value_dtype)
     if msg.dim() != 1 or msg.numel() != want:
         raise ValueError(f"unpack_message: {tuple(msg.shape)} bytes, a message of {count} entries "
@@ -172,26 +186,28 @@ def _unpack_into(msg: torch.Tensor, count: int, span: int, base: int, index_dtyp
         i, v = unpack_records(msg.view(count, -1), index_dtype, value_dtype, backend=backend)
         torch.add(i, base, out=idx)
         vals.copy_(v)
+        if add_into is not None:
+            add_into.index_add_(0, idx, vals)
         return
     head = _HEADER_DTYPE.itemsize * index_blocks(span)
-    _UNPACK_BLOCKED(msg[head:].view(count, -1), msg[:head], value_dtype, base, idx, vals, backend=backend)
+    _UNPACK_BLOCKED(msg[head:].view(count, -1), msg[:head], value_dtype, base, idx, vals, add_into, backend=backend)
 
 
 def unpack_blocked_torch(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
-                         idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """Reference of a blocked message's decoding into ``idx`` (plus ``base``) and ``vals``;
-    ``header`` is the message's header bytes (uint8).
+                         idx: torch.Tensor, vals: torch.Tensor, add_into: torch.Tensor | None = None) -> None:
+    """Reference of a blocked message's decoding into ``idx`` (plus ``base``) and ``vals``, the
+    values also added into ``add_into`` when given; ``header`` is the message's header bytes (uint8).
 
     Off GPUs (where the check would cost a sync) a header that does not count
     the message's entries is refused: ValueError. On a GPU a wrong header is
     ``repeat_interleave``'s to catch (a device-side assert); the callers'
     headers come from :func:`pack_message` on the peer.
     """
-    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "torch")
+    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "torch", add_into)
 
 
 def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
-                    idx: torch.Tensor, vals: torch.Tensor, records: str) -> None:
+                    idx: torch.Tensor, vals: torch.Tensor, records: str, add_into: torch.Tensor | None = None) -> None:
     """The 2-byte records by ``unpack_records``'s ``records`` path, their blocks by expanding the header."""
     header = header_words(header)
     count = rows.shape[0]
@@ -203,6 +219,8 @@ def _unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch
     torch.add(off.bitwise_and_(INDEX_BLOCK - 1), torch.repeat_interleave(starts, header, output_size=count),
               out=idx)
     vals.copy_(v)
+    if add_into is not None:
+        add_into.index_add_(0, idx, vals)
 
 
 def header_words(header: torch.Tensor) -> torch.Tensor:
@@ -212,9 +230,9 @@ def header_words(header: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_blocked_cupy(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
-                        idx: torch.Tensor, vals: torch.Tensor) -> None:
+                        idx: torch.Tensor, vals: torch.Tensor, add_into: torch.Tensor | None = None) -> None:
     """cupy path: the records by the CuPy record kernel, then the reference's expansion."""
-    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "cupy")
+    _unpack_blocked(rows, header, value_dtype, base, idx, vals, "cupy", add_into)
 
 
 # The tables carry the public functions' names; their paths do the blocked layout's part.

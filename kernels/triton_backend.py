@@ -254,8 +254,8 @@ def pack_records(rel_idx: torch.Tensor, values: torch.Tensor, index_dtype: torch
 
 
 def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype,
-                 header: torch.Tensor, rows: torch.Tensor) -> None:
-    """Triton ``kernels.message`` blocked packing: the header and the records, one launch.
+                 header: torch.Tensor, rows: torch.Tensor, base: int = 0) -> None:
+    """Triton ``kernels.message`` blocked packing of ``rel_idx - base``: the header and the records, one launch.
 
     Indexes are not checked (on a GPU that is a sync): ones that descend or leave the
     header's blocks make a message that decodes to other indexes.
@@ -263,15 +263,17 @@ def pack_blocked(rel_idx: torch.Tensor, values: torch.Tensor, value_dtype: torch
     idx, bits = record_fields(rel_idx, values, value_dtype)
     count, blocks = idx.numel(), header.numel()
     dispatch.launch(_jit().pack_blocked_kernel, (blocks + -(-count // RECORD_BLOCK),), idx, bits, header, rows,
-                    count, blocks, VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
+                    count, blocks, base, VB=bits.element_size(), BLOCK=RECORD_BLOCK, num_warps=RECORD_WARPS)
 
 
 def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.dtype, base: int,
-                   idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """Triton ``kernels.message`` blocked decoding (``header``: its bytes), one launch, one program a block."""
+                   idx: torch.Tensor, vals: torch.Tensor, add_into: torch.Tensor | None = None) -> None:
+    """Triton ``kernels.message`` blocked decoding (``header``: its bytes), one launch, one program
+    a block; the values added into ``add_into`` in the same kernel."""
     bits = vals.view(_BITS[vals.element_size()])
     dispatch.launch(_jit().unpack_blocked_kernel, (header.numel() // 4,), header, rows, rows.shape[0], base, idx,
-                    bits, VB=bits.element_size(), BLOCK=RECORD_BLOCK, HB=HEADER_BLOCK, num_warps=RECORD_WARPS)
+                    bits, idx if add_into is None else add_into, VB=bits.element_size(), BLOCK=RECORD_BLOCK,
+                    HB=HEADER_BLOCK, ADD=add_into is not None, num_warps=RECORD_WARPS)
 
 
 def unpack_records(records: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype

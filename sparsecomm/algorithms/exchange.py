@@ -100,9 +100,10 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
                 size = kernels.message_bytes(recv_counts[src], span[me], index_dtype, codec.wire_dtype)
                 buf = torch.empty(size, dtype=torch.uint8, device=wire.device)
                 recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf, recv_counts[src]))
-            if off[dst + 1] > off[dst]:
-                sends.append(comm.isend(kernels.pack_message(*part(dst), span[dst], index_dtype, codec.wire_dtype),
-                                        dst, _TAG_SPLIT))
+            if off[dst + 1] > off[dst]:  # (the region's start subtracted in the pack)
+                msg = kernels.pack_message(local_idx[off[dst]:off[dst + 1]], wire[off[dst]:off[dst + 1]], span[dst],
+                                           index_dtype, codec.wire_dtype, base=starts[dst])
+                sends.append(comm.isend(msg, dst, _TAG_SPLIT))
         return sends, recvs
 
     buckets = [range(b, min(b + bucket, P)) for b in range(1, P, bucket)]
@@ -113,11 +114,14 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
         all_sends += pending[0]
         for req, buf, count in pending[1]:  # reduce bucket b while bucket b+1 is in flight
             req.wait()
-            idx, codes = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype)
-            if merge:
-                decoded.append(codec.decode(codes, scale, work_dtype))
+            if not merge and codec.exact_for(work_dtype):  # values as they are: added while decoded
+                idx, _ = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype, add_into=region)
             else:
-                kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype), unique=True)
+                idx, codes = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype)
+                if merge:
+                    decoded.append(codec.decode(codes, scale, work_dtype))
+                else:
+                    kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype), unique=True)
             touched.append(idx)
         pending = nxt
     for req in all_sends:

@@ -33,9 +33,10 @@ _TALLY_SIG = {"val_ptr": "*{v}", "count_ptr": "*i64", "capacity": "i64", "rungs_
 _COMPACT_SIG = {"x_ptr": "*{x}", "th_ptr": "*{x}", "out_ptr": "*{x}", "status_ptr": "*i64", "ticket_ptr": "*i32",
                 "n": "i64", "capacity": "i64", "BLOCK": "constexpr"}
 _BLOCKED_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "header_ptr": "*i32", "rows_ptr": "*u8", "count": "i64",
-                "nblocks": "i64", "VB": "constexpr", "BLOCK": "constexpr"}
+                "nblocks": "i64", "base": "i64", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNBLOCKED_SIG = {"header_ptr": "*u8", "rows_ptr": "*u8", "count": "i64", "base": "i64", "idx_ptr": "*i64",
-                  "bits_ptr": "*{b}", "VB": "constexpr", "BLOCK": "constexpr", "HB": "constexpr"}
+                  "bits_ptr": "*{b}", "acc_ptr": "*{a}", "VB": "constexpr", "BLOCK": "constexpr", "HB": "constexpr",
+                  "ADD": "constexpr"}
 _PACK_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "out_ptr": "*u8", "count": "i64",
              "IB": "constexpr", "VB": "constexpr", "BLOCK": "constexpr"}
 _UNPACK_SIG = {"rec_ptr": "*u8", "idx_ptr": "*i64", "bits_ptr": "*{b}", "count": "i64",
@@ -152,11 +153,14 @@ for arch in (80, 90):
                 k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": RECORD_WARPS})
                 assert k.asm["cubin"]
                 record(k, arch)
-    for vb, b in ((1, "u8"), (2, "i16"), (4, "i32"), (8, "i64")):
+    for vb, b, add, a in ((1, "u8", False, "i64"), (2, "i16", False, "i64"), (4, "i32", False, "i64"),
+                          (8, "i64", False, "i64"), (4, "i32", True, "fp32"), (8, "i64", True, "fp64")):
         for fn, sig, consts in ((impl.pack_blocked_kernel, BLOCKED_SIG, {"VB": vb, "BLOCK": RECORD_BLOCK}),
                                 (impl.unpack_blocked_kernel, UNBLOCKED_SIG,
-                                 {"VB": vb, "BLOCK": RECORD_BLOCK, "HB": HEADER_BLOCK})):
-            sig = {k: v.format(b=b) for k, v in sig.items()}
+                                 {"VB": vb, "BLOCK": RECORD_BLOCK, "HB": HEADER_BLOCK, "ADD": add})):
+            if add and fn is impl.pack_blocked_kernel:
+                continue
+            sig = {k: v.format(b=b, a=a) for k, v in sig.items()}
             k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": RECORD_WARPS})
             assert k.asm["cubin"]
             record(k, arch)
@@ -207,7 +211,7 @@ def triton_build(tmp_path_factory):
 def test_triton_kernels_compile_for_sm80_sm90(triton_build):
     out, built, _ = triton_build
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(built) == 162 and "built 162" in out.stdout  # 2 archs x 81 variants
+    assert len(built) == 166 and "built 166" in out.stdout  # 2 archs x 83 variants
     assert {b["arch"] for b in built} == {80, 90}
 
 

@@ -80,9 +80,11 @@ def test_blocked_paths_match_torch_bytewise(backend, monkeypatch, span, count, v
     idx, val = _indexes(span, count, count), _values(count, value_dtype, span)
     expect = kernels.pack_message(idx, val, span, torch.int32, value_dtype, backend="torch")
     head = 4 * (-(-span // B))
-    got = torch.full_like(expect, 0xAB)  # every byte must be written
-    run("pack_message", idx, val, value_dtype, got[:head].view(torch.int32), got[head:].view(count, -1))
-    assert torch.equal(got, expect)
+    for base in (0, 7 * B + 3):  # (indexes of a region that starts at base)
+        got = torch.full_like(expect, 0xAB)  # every byte must be written
+        run("pack_message", idx + base, val, value_dtype, got[:head].view(torch.int32), got[head:].view(count, -1),
+            base)
+        assert torch.equal(got, expect)
     for base, at in ((0, 0), (12345, 3)):  # (at 3: inside a gathered buffer, at an odd byte offset)
         msg = torch.cat([torch.zeros(at, dtype=torch.uint8), expect])[at:]
         ridx = torch.full((count,), -7, dtype=torch.int64)
@@ -90,6 +92,12 @@ def test_blocked_paths_match_torch_bytewise(backend, monkeypatch, span, count, v
         run("unpack_message", msg[head:].view(count, -1), msg[:head], value_dtype, base, ridx, rval)
         assert torch.equal(ridx, idx + base)
         assert torch.equal(rval.view(torch.uint8), val.view(torch.uint8))
+    if value_dtype in (torch.float32, torch.float64) and idx.unique().numel() == count:  # added while decoded
+        region = torch.randn(span + 5, generator=torch.Generator().manual_seed(1)).to(value_dtype)
+        want = region.clone().index_add_(0, idx, val)
+        run("unpack_message", expect[head:].view(count, -1), expect[:head], value_dtype, 0,
+            torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=value_dtype), region)
+        assert torch.equal(region, want)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -138,7 +146,7 @@ def test_explicit_gpu_backends_have_a_path_for_blocked_messages(monkeypatch):
     expect = kernels.pack_message(idx, val, span, torch.int32, torch.float16, backend="torch")
     assert dispatch.OPS["pack_message"].fallback("triton", idx, val) == "triton"
     got = torch.zeros_like(expect)
-    run("pack_message", idx, val, torch.float16, got[:16].view(torch.int32), got[16:].view(count, -1))
+    run("pack_message", idx, val, torch.float16, got[:16].view(torch.int32), got[16:].view(count, -1), 0)
     assert torch.equal(got, expect)
 
 
@@ -166,3 +174,13 @@ def test_unpack_messages_concatenates_with_bases(backend):
     idx, val = kernels.unpack_messages(buf, counts, spans, bases, torch.int64, torch.uint8, backend=be)
     assert torch.equal(idx, torch.cat([i + b for (i, _), b in zip(parts, bases)]))
     assert torch.equal(val, torch.cat([v for _, v in parts]))
+
+
+@pytest.mark.parametrize("span,count", [(5 * B, 4000), (5 * B, 3)])  # blocked, plain
+def test_a_base_is_subtracted_from_the_indexes(span, count):
+    idx, val = _indexes(span, count, 5), _values(count, torch.float32, 5)
+    want = kernels.pack_message(idx, val, span, torch.int32, torch.float32)
+    assert torch.equal(kernels.pack_message(idx + 3 * B + 1, val, span, torch.int32, torch.float32, base=3 * B + 1),
+                       want)
+    with pytest.raises(ValueError, match="outside the span"):
+        kernels.pack_message(idx + 3 * B + 1, val, span, torch.int32, torch.float32, base=1)

@@ -19,7 +19,7 @@ from sparsecomm.tools.audit import audit_steady
 
 #: algorithm -> {P: (host syncs, device operations)} per steady call, at most.
 BUDGET = {
-    "oktopk": {1: (1, 48), 3: (4, 183), 8: (4, 368)},
+    "oktopk": {1: (1, 48), 3: (4, 183), 8: (4, 368)},  # (the Triton chain: TRITON_BUDGET)
     "topka": {1: (4, 53), 3: (7, 104), 8: (7, 164)},
     "topkdsa": {1: (5, 53), 3: (9, 167), 8: (9, 357)},
     "gtopk": {1: (4, 53), 3: (14, 157), 8: (17, 207)},
@@ -46,8 +46,9 @@ def test_every_algorithm_has_a_budget():
 
 #: The chain an H100 runs (``audit(kernels="triton")``: Triton's kernels, each launch one
 #: operation, torch where an operation has none), Ok-Topk's steady call: (syncs, operations).
-#: Goals: at most 20 operations at P = 1, 60 + 2 (P - 1) per rank at P = 3 and 8.
-TRITON_BUDGET = {1: (1, 14), 3: (4, 63)}
+#: Goals: at most 20 operations at P = 1, 60 + 2 (P - 1) per rank at P = 3 and 8 (P = 8 makes
+#: 74, measured by ``benchmarks/audit_calls.py``: over two minutes in the interpreter).
+TRITON_BUDGET = {1: (1, 14), 3: (4, 59)}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (its interpreter)")
