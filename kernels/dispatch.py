@@ -74,12 +74,13 @@ def gpu_path(kernels: str | None = None):
     Args:
         kernels: a GPU backend (``"triton"``) that every operation having it then runs
             whatever the tensors' device (Triton's interpreter runs it on CPU tensors),
-            and operations without it run torch, as on a GPU; None chooses as usual.
+            and operations without it run torch, as on a GPU; None keeps an enclosing
+            block's (else the usual choice).
     """
     if kernels is not None and kernels not in ("triton", "cupy"):
         raise ValueError(f"gpu_path: kernels must be 'triton' or 'cupy', got {kernels!r}")
     before = getattr(_THREAD, "gpu_path", False), getattr(_THREAD, "forced", None)
-    _THREAD.gpu_path, _THREAD.forced = True, kernels
+    _THREAD.gpu_path, _THREAD.forced = True, kernels or before[1]
     try:
         yield
     finally:

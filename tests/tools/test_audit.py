@@ -130,6 +130,8 @@ def test_the_triton_view_runs_triton_where_an_op_has_it_and_torch_elsewhere():
         assert dispatch.OPS["ef_select"].choice(x, x) == "triton"
         assert dispatch.OPS["bucketize"].choice(x, x) == "torch"  # (numba's on the CPU otherwise)
         assert not dispatch.in_host_memory(x)
+        with dispatch.gpu_path():  # a block inside keeps the choice
+            assert dispatch.OPS["ef_select"].choice(x, x) == "triton"
     assert dispatch.OPS["bucketize"].choice(x, x) != "triton"
     assert sys.modules.get(JIT) is before  # the interpreted kernels were for the block only
 
