@@ -344,9 +344,10 @@ def _radix_float(key: int, dtype: np.dtype) -> float:
     return float(ints.view(np.float64)[0])
 
 
-def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, positive: bool = False) -> torch.Tensor:
     """numba ``kernels.topk_of_candidates``: a radix select of the k-th largest, then one
-    branch-free pass keeping what lies above it and the first ties (3 passes over the candidates)."""
+    branch-free pass keeping what lies above it and the first ties (3 passes over the candidates;
+    ``positive`` changes nothing: the host holds the count)."""
     impl = _jit()
     if mag.dtype not in (torch.float32, torch.float64):
         mag = mag.float()  # fp16/bf16 widen exactly

@@ -62,7 +62,8 @@ _KTH_LARGEST = dispatch.KernelOp(
     accepts={("triton", "cupy"): _radix_dtype}, prefer=dispatch.CUDA_SCANS)
 
 
-def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, backend: str | None = None) -> torch.Tensor:
+def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, positive: bool = False,
+                       backend: str | None = None) -> torch.Tensor:
     """Positions (into ``idx``) of the top-k of candidates with magnitudes ``mag``.
 
     1. If there are at most k nonzero candidates, keep all nonzero ones.
@@ -70,24 +71,29 @@ def topk_of_candidates(idx: torch.Tensor, mag: torch.Tensor, k: int, backend: st
        of those equal to th, the ones with the lowest ``idx`` until k are kept.
 
     ``idx`` must be sorted ascending so that "first" means "lowest index";
-    ``mag`` is non-negative (a NaN is never kept). Returns a sorted int64 tensor of positions.
+    ``mag`` is non-negative (a NaN is never kept). ``positive``: the caller knows every
+    magnitude to be positive and finite (candidates at or above a positive threshold), so
+    exactly min(k, count) are kept: no read of how many. Returns a sorted int64 tensor of positions.
     Paths: ``torch`` (the reference, a chain of masks), ``cpu`` (a numba radix
     select and one pass, ``kernels.numba_backend``).
     """
-    return _TOPK_OF_CANDIDATES(idx, mag, k, backend=backend)
+    return _TOPK_OF_CANDIDATES(idx, mag, k, positive, backend=backend)
 
 
-def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Reference of :func:`topk_of_candidates`: one read of the device.
+def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int, positive: bool = False) -> torch.Tensor:
+    """Reference of :func:`topk_of_candidates`: one read of the device (none when ``positive``).
 
     1. A stable descending sort of the magnitudes (NaN as 0: never kept): ties keep
        the candidates' order, which is ascending ``idx``.
-    2. Mark the first k of them that are positive, and return the marked positions.
+    2. Mark the first k of them that are positive, and return the marked positions
+       (``positive``: all of the first k, sorted).
     """
     if k < 1:
         raise ValueError(f"topk_of_candidates: k must be >= 1, got {k}")
     m = torch.nan_to_num(mag, nan=0.0)
     order = torch.sort(m, descending=True, stable=True).indices[:k]
+    if positive:
+        return torch.sort(order).values
     keep = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
     keep.index_put_((order,), m.index_select(0, order) > 0)
     return nonzero(keep)
@@ -97,7 +103,7 @@ def topk_of_candidates_torch(idx: torch.Tensor, mag: torch.Tensor, k: int) -> to
 # few passes) and for k >= 1 (the reference's errors for the rest).
 _TOPK_OF_CANDIDATES = dispatch.KernelOp("topk_of_candidates", topk_of_candidates_torch,
                                         cpu="numba_backend:topk_of_candidates",
-                                        accepts={"cpu": lambda idx, mag, k: k >= 1 and mag.numel() >= 4096})
+                                        accepts={"cpu": lambda idx, mag, k, positive=False: k >= 1 and mag.numel() >= 4096})
 
 
 def topk_indexes(mag: torch.Tensor, k: int, *, use_abs: bool = False) -> torch.Tensor:

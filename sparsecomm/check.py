@@ -8,6 +8,12 @@ Any problem on any rank, or any disagreement between ranks, raises
 :class:`~sparsecomm.errors.InputError` on *every* rank, so that no rank is left
 waiting in a collective its peers will never join. The exchange costs one
 small allgather per call.
+
+In small worlds the row has room for ``carried_words(P)`` more integers, which
+an algorithm may fill with the sizes its first exchange needs
+(:class:`CarriedCheck`): the check then costs no exchange and no host read of
+its own. The row's width depends only on P, so whatever each rank runs, the
+check is every rank's first collective and has the same shape everywhere.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from .errors import InputError, NonFiniteError
 from .registry import AlgorithmSpec
 from .state import State, check_density
 
-__all__ = ["Call", "Signature", "PROBLEMS", "local_problem", "check_collectively", "check_unchecked",
-           "all_finite"]
+__all__ = ["Call", "Signature", "PROBLEMS", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
+           "local_problem", "check_collectively", "check_unchecked", "all_finite"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPS = {"sum": 1, "avg": 2}
@@ -38,7 +44,22 @@ PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
              6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
              9: "unknown compressor", 10: "tensor cannot be read", 11: "out= does not fit the tensor",
-             12: "the error-feedback accumulation failed"}
+             12: "the error-feedback accumulation failed", 13: "the algorithm failed before the check"}
+
+#: Worlds up to this size carry ``P + 1`` words of an algorithm in the check's row: the
+#: allgather's volume grows as P squared, and each rank's row stays under 512 bytes here
+#: (one small message a peer, as the row alone would be).
+CARRY_MAX_P = 32
+
+
+def carried_words(P: int) -> int:
+    """Words of an algorithm's first exchange the check's row carries in a world of P ranks."""
+    return P + 1 if 1 < P <= CARRY_MAX_P else 0
+
+
+def row_words(P: int) -> int:
+    """Integers each rank contributes to the check's allgather."""
+    return len(dataclasses.fields(Signature)) + carried_words(P)
 
 
 @dataclass
@@ -108,6 +129,9 @@ class Signature:
     state_type: int = 0
     state_settings: int = 0
     compressor: int = 0
+    #: 1 when the algorithm's first exchange carries the check, else 0 (ranks at another
+    #: point of their schedule would go on to different exchanges).
+    carried: int = 0
 
     #: Fields compared across ranks, with the words that name them in errors.
     COMPARED = (("numel", "element count"), ("shape", "shape"), ("dtype", "dtype"),
@@ -203,16 +227,22 @@ def _signature(call: Call, problem: tuple[int, str] | None, nonfinite: int | Non
         compressor=_crc(repr(call.compressor)))
 
 
-def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: int | None = None) -> None:
+def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: int | None = None,
+                       carried: torch.Tensor | None = None) -> list[list[int]]:
     """Raise InputError on every rank if any rank's arguments are bad or differ.
 
     1. ``problem``: what :func:`local_problem` found on this rank (None: nothing);
        building the signature (a tensor whose values cannot be read) may add one.
        ``nonfinite``: see :func:`_signature`.
-    2. Allgather every rank's :class:`Signature`.
+    2. Allgather every rank's :class:`Signature` and ``carried`` (``carried_words(P)``
+       integers, zeros when None), then read them: one host read.
     3. Raise, on every rank and with the same words, for the first of: a rank
        with a problem, NaN/Inf on a rank, a field that differs across ranks,
-       state settings that differ (a second small allgather names them).
+       state settings that differ (a second small allgather names them), ranks of
+       which only some carry the check.
+
+    Returns:
+        Every rank's carried integers, in rank order (empty lists when P = 1).
     """
     comm = call.comm
     try:
@@ -220,11 +250,17 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     except Exception as exc:  # noqa: BLE001 - a check that raises on one rank must not strand the others
         problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
         sig = _signature(call, problem)
+    width = len(sig.row())
     if comm.size == 1:
-        table = [sig]
+        table, rows = [sig], [[]]
     else:
-        ctrl = torch.tensor(sig.row(), dtype=torch.int64, device=comm.control_device)
-        table = [Signature.of_row(row) for row in comm.allgather(ctrl).tolist()]
+        sig.carried = int(carried is not None)
+        pad = [] if carried is not None else [0] * carried_words(comm.size)
+        ctrl = torch.tensor(sig.row() + pad, dtype=torch.int64, device=comm.control_device)
+        if carried is not None:
+            ctrl = torch.cat([ctrl, carried.reshape(-1).to(device=comm.control_device, dtype=torch.int64)])
+        got = comm.allgather(ctrl).reshape(comm.size, -1).tolist()  # the one read
+        table, rows = [Signature.of_row(row[:width]) for row in got], [row[width:] for row in got]
     bad = [r for r, s in enumerate(table) if s.problem]
     if bad:
         mine = f"{problem[1]}; " if problem else ""
@@ -247,6 +283,49 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
                              "tensor and options")
     if len({s.state_settings for s in table}) > 1:
         raise InputError(_settings_mismatch(call.state, comm))
+    if len({s.carried for s in table}) > 1:
+        raise InputError("sparsecomm.allreduce: the ranks run different steps of the algorithm "
+                         f"(the first exchange carries the check on ranks "
+                         f"{[r for r, s in enumerate(table) if s.carried]} only); every rank must "
+                         "call with the same state the same number of times")
+    return rows
+
+
+class CarriedCheck:
+    """The collective check, left for an algorithm's first exchange to carry.
+
+    1. The pipeline makes one when the check may wait (see
+       :func:`sparsecomm.pipeline.execute`) and passes it as the algorithm's ``check=``.
+    2. The algorithm calls it exactly once, before any other collective: with the
+       ``carried_words(P)`` integers (a device tensor) its first exchange needs, which
+       come back from every rank with the check's one read; or with nothing, first
+       thing, when its first exchange cannot carry them.
+    3. A refusal raises InputError on every rank; ``refused`` tells the pipeline to undo
+       what the call did to the state before the check.
+    """
+
+    def __init__(self, call: Call, problem: tuple[int, str] | None, nonfinite: int | None) -> None:
+        self.call, self.problem, self.nonfinite = call, problem, nonfinite
+        self.done = self.refused = False
+
+    def __call__(self, carried: torch.Tensor | None = None) -> list[list[int]]:
+        """Run the check; returns every rank's carried words (rank order), or empty lists."""
+        if self.done:
+            raise RuntimeError("the collective check ran twice in one call")
+        P = self.call.comm.size
+        if carried is not None and carried.numel() != carried_words(P):
+            raise ValueError(f"the check carries {carried_words(P)} words at P = {P}, got {carried.numel()}")
+        self.done = True
+        try:
+            return check_collectively(self.call, self.problem, self.nonfinite, carried)
+        except InputError:
+            self.refused = True
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        """Raise on every rank that this rank's algorithm raised before the check."""
+        self.problem = (13, f"the algorithm raised {type(exc).__name__} before the check: {exc}")
+        self(None)
 
 
 def _detail(field: str, values: list[int]) -> str:

@@ -73,6 +73,9 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
             # True: settled by the pass. False (a non-finite sum) or None (a buffer too small to
             # tell): one read of the tensor says whether it, or only its sum, is not finite.
             nonfinite = 0 if finite else (1 if not check.all_finite(call.tensor) else (2 if finite is False else 0))
+    if early is not None and problem is None and call.spec.takes_check and check.carried_words(call.comm.size):
+        started = _start_carrying(call, out_dtype, scale, private, early, split, nonfinite)
+        return started if split else finish(started)
     try:
         check.check_collectively(call, problem, nonfinite)
     except InputError:
@@ -81,6 +84,37 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
         raise
     started = start(call, out_dtype, scale, private, early, split)
     return started if split else finish(started)
+
+
+def _start_carrying(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool,
+                    early: "tuple[Compensated, float]", split: bool, nonfinite: int | None) -> "Started":
+    """:func:`start` with the collective check left to the algorithm's first exchange.
+
+    1. Keep the state's fields (the algorithm's local steps move its thresholds
+       before the check).
+    2. Run the algorithm with a :class:`check.CarriedCheck`.
+    3. A refusal: take the gradient back out of the residual and restore the fields,
+       as if the check had come first. An error on this rank before the check: tell
+       the peers through the check (every rank raises), never leave them waiting.
+    """
+    state = call.state
+    kept = dict(vars(state))
+    carried = check.CarriedCheck(call, None, nonfinite)
+    try:
+        started = start(call, out_dtype, scale, private, early, split, carried)
+    except Exception as exc:
+        try:
+            if not carried.done:
+                carried.fail(exc)  # raises InputError here and on every peer
+            raise
+        finally:
+            if carried.refused:
+                state.rollback(call.tensor.detach().reshape(-1), early[0].nonfinite)
+                vars(state).clear()
+                vars(state).update(kept)
+    if not carried.done:
+        raise RuntimeError(f"algorithm {call.algorithm!r} took check= but never ran the collective check")
+    return started
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +164,8 @@ class Started:
 
 
 def start(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool = False,
-           early: "tuple[Compensated, float] | None" = None, split: bool = False) -> Started:
+          early: "tuple[Compensated, float] | None" = None, split: bool = False,
+          carried: "check.CarriedCheck | None" = None) -> Started:
     """Compensate and run the algorithm: whole, or with ``split`` only its first half when it
     registered two (``AlgorithmSpec.split``).
 
@@ -139,6 +174,8 @@ def start(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool
     ``private``: the result goes to the user, so none of its tensors may be
     the state's buffers (which the state updates in place, or reuses next call).
     ``early``: the compensation and its seconds, when :func:`execute` ran it already.
+    ``carried``: the collective check, for the algorithm's first exchange to carry
+    (passed as its ``check=``; algorithms that take one get None when it ran already).
     """
     spec = call.spec
     state = call.state if call.state is not None else spec.state_class.exact(call.density)
@@ -158,6 +195,8 @@ def start(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool
     dtype = out_dtype or acc.dtype
     limit = min(torch.finfo(acc.dtype).max, torch.finfo(dtype).max / abs(scale) if scale else math.inf)
     extra = {"limit": limit} if spec.takes_limit else {}
+    if spec.takes_check:
+        extra["check"] = carried
     k = topk_count(state.density, flat.numel())
     codec = call.codec.for_call(comm.rank, step)
     started = Started(call, state, acc, codec, out_dtype, scale, private, accumulate)

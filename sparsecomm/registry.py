@@ -29,6 +29,12 @@ An algorithm that settles the residual while it encodes (above) must know
 the largest magnitude its result may take without being refused for
 overflow: it declares a keyword argument ``limit`` (in ``fn`` and in the
 first half), and each call passes it (infinite when nothing is refused).
+
+An algorithm may carry the collective input check in its first exchange
+(:class:`~sparsecomm.check.CarriedCheck`), which saves the check's own
+exchange and host read: it declares ``check`` (in ``fn`` and in the first
+half), and calls it exactly once, before any other collective. It gets None
+when the check ran before it.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class AlgorithmSpec:
     split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None
     #: Whether ``fn`` (and ``split[0]``) take ``limit=`` (see the module docstring).
     takes_limit: bool = False
+    #: Whether ``fn`` (and ``split[0]``) take ``check=``: a :class:`~sparsecomm.check.CarriedCheck`
+    #: its first exchange carries, or None when the check ran before it.
+    takes_check: bool = False
     #: Its communication volume by formula (Table 1 of the Ok-Topk paper), or None.
     volume: Volume | None = None
 
@@ -80,10 +89,12 @@ def register(name: str, state_class: type[State], *,
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} is already registered")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        takes_limit = "limit" in inspect.signature(fn).parameters
-        if split is not None and takes_limit != ("limit" in inspect.signature(split[0]).parameters):
-            raise ValueError(f"algorithm {name!r}: fn and its first half must both take limit=, or neither")
-        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split, takes_limit, volume)
+        takes = {arg: arg in inspect.signature(fn).parameters for arg in ("limit", "check")}
+        for arg, taken in takes.items():
+            if split is not None and taken != (arg in inspect.signature(split[0]).parameters):
+                raise ValueError(f"algorithm {name!r}: fn and its first half must both take {arg}=, or neither")
+        _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split, takes_limit=takes["limit"],
+                                        takes_check=takes["check"], volume=volume)
         state_class.algorithm = name
         allow_in_checkpoints(state_class)
         return fn

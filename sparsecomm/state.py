@@ -125,6 +125,9 @@ class Preselection:
     above: list[int] | None = None
     top: float | None = None
     bucket: torch.Tensor | None = None
+    #: The largest |acc| of the call, when the pass saw every candidate (its largest, or
+    #: the threshold when there were none): a bound on every value the call can send.
+    peak: float | None = None
 
 
 @dataclass
@@ -153,11 +156,14 @@ class Compensated:
 
     @classmethod
     def counted(cls, acc: torch.Tensor, sel: "kernels.Selected", capacity: int, out_zeroed: bool = False,
-                rungs: list[float] | None = None) -> "Compensated":
-        """What ``kernels.ef_select_counted`` read (counts, and the ladder's when ``rungs``) as a compensation."""
+                rungs: list[float] | None = None, threshold: float | None = None) -> "Compensated":
+        """What ``kernels.ef_select_counted`` read (counts, and the ladder's when ``rungs``) as a
+        compensation. ``threshold``: the pass's, for ``Preselection.peak``."""
         kept = min(sel.count, capacity)
+        peak = (max(sel.top, threshold) if threshold is not None and sel.top is not None and sel.count <= capacity
+                else None)
         pre = Preselection(sel.indexes[:kept], sel.count, sel.values[:kept], rungs=rungs, above=sel.above,
-                           top=sel.top, bucket=None if sel.bucket is None else sel.bucket[:kept])
+                           top=sel.top, bucket=None if sel.bucket is None else sel.bucket[:kept], peak=peak)
         return cls(acc, pre, nonfinite=sel.nonfinite, out_zeroed=out_zeroed)
 
     acc: torch.Tensor
@@ -208,6 +214,9 @@ class State:
     #: candidates; the fused pass keeps up to GUIDE_CAPACITY k of them.
     GUIDE_RANK = 2
     GUIDE_CAPACITY = 4
+    #: The fused pass also counts its candidates at GUIDE_RUNGS rungs, guide * GUIDE_STEP ** j
+    #: (read with its count): the next guide comes from those counts, with no read of its own.
+    GUIDE_RUNGS, GUIDE_STEP = 16, 2 ** 0.0625
 
     def __init__(self, density: float = 0.01, error_feedback: bool = False) -> None:
         # Set by the user.
@@ -264,12 +273,49 @@ class State:
             return Compensated(flat.to(wd))
         residual = self.residual_on(flat)
         if self.guided_topk and self.topk_guide is not None:
-            # One pass: residual += flat, and every entry above the guide collected.
+            # One pass: residual += flat, and every entry above the guide collected and counted
+            # at the guide's rungs; one read of the counts.
             capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
-            idx, val, count, nonfinite = kernels.ef_select(flat, residual, self.topk_guide, capacity,
-                                                           zero_selected=False, zero_out=zero_out, nonfinite=True)
-            return Compensated.fused(residual, idx, val, count, capacity, zero_out is not None, nonfinite)
+            grid, rungs = self._guide_rungs(residual.dtype)
+            sel = kernels.ef_select_counted(flat, residual, self.topk_guide, capacity, zero_selected=False,
+                                            zero_out=zero_out, rungs=grid.to(residual.device))
+            return Compensated.counted(residual, sel, capacity, zero_out is not None, rungs, self.topk_guide)
         return self._accumulate(flat, residual)
+
+    def _guide_rungs(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[float]]:
+        """The guide's rungs in ``dtype``, on the host: as a tensor (to upload) and as floats."""
+        with kernels.dispatch.host_side():
+            info = torch.finfo(dtype)
+            steps = torch.arange(self.GUIDE_RUNGS, dtype=torch.float64)
+            grid = (self.topk_guide * self.GUIDE_STEP ** steps).clamp_(info.tiny, info.max).to(dtype)
+            return grid, grid.tolist()
+
+    def _guide_from_rungs(self, pre: Preselection, k: int, rank: int) -> float:
+        """The next guide from the candidates' counts at the rungs (step 3 of :meth:`exact_topk`).
+
+        1. Between the highest rung with at least ``rank`` candidates at or above it and
+           the next, where a power law through their counts gives ``rank``.
+        2. Fewer candidates than ``rank`` in all: the log count's slope at the lowest
+           rungs, extended down to ``rank`` linearly in the magnitude; never below half the
+           lowest rung, and one step down when there is nothing to fit.
+        """
+        rungs, above = pre.rungs, pre.above
+        enough = [j for j, c in enumerate(above) if c >= rank]
+        if enough:
+            j = enough[-1]
+            if j + 1 == len(rungs) or above[j] == rank or above[j + 1] == 0:
+                return rungs[j]
+            # Between rungs j and j + 1: the count falls as a power of the magnitude.
+            f = math.log(above[j] / rank) / math.log(above[j] / above[j + 1])
+            return rungs[j] * (rungs[j + 1] / rungs[j]) ** f
+        low, count = rungs[0], above[0]
+        nxt = next((j for j, c in enumerate(above) if c < count), None)
+        if count == 0 or nxt is None or above[nxt] == 0:
+            return low / self.GUIDE_STEP
+        # The log count's slope at the lowest rungs, extended below them linearly in the
+        # magnitude: a light tail's slope flattens downwards, and a power law would overshoot.
+        power = math.log(count / above[nxt]) / math.log(rungs[nxt] / low)
+        return max(0.5 * low, low * (1 - math.log(rank / count) / power))
 
     def _accumulate(self, flat: torch.Tensor, residual: torch.Tensor, block: int | None = None) -> Compensated:
         """residual += flat in place (a fresh n-element tensor per call costs more in page
@@ -326,9 +372,10 @@ class State:
            them: :func:`kernels.topk_of_candidates` over those few.
         2. Else a selection over all n (``kernels.topk_indexes``); with
            candidates at hand that is a miss, counted as ``local_recomputed``.
-        3. The next guide: the (2k)-th largest |acc| of this call (among the
-           candidates; linearly extrapolated from ranks k and count when
-           fewer; over all n after a miss).
+        3. The next guide: about the (2k)-th largest |acc| of this call: from the
+           candidates' counts at the guide's rungs, which the pass read with its count
+           (:meth:`_guide_from_rungs`); else among the candidates (linearly
+           extrapolated from ranks k and count when fewer); over all n after a miss.
            Under error feedback entries pile up just below the threshold (they
            grow until they cross it), so a fixed fraction of the k-th largest
            catches anywhere from 2k to 20k entries. A rank instead: the k
@@ -342,7 +389,8 @@ class State:
         if preselected is not None and preselected.values is not None \
                 and k <= preselected.count <= preselected.indexes.numel():
             cand = preselected.values.abs()
-            keep = kernels.topk_of_candidates(preselected.indexes, cand, k)
+            # (the candidates lie at or above the guide, which is positive)
+            keep = kernels.topk_of_candidates(preselected.indexes, cand, k, positive=True)
             # index_select: half the time of advanced indexing (0.27 against 0.54 ms at 250k)
             idx, val = preselected.indexes.index_select(0, keep), preselected.values.index_select(0, keep)
         else:
@@ -352,7 +400,9 @@ class State:
             val = acc[idx]
         if self.guided_topk and self.error_feedback and k < n and idx.numel() == k:
             rank = min(n, math.ceil(self.GUIDE_RANK * k))
-            if cand is not None and cand.numel() >= rank:
+            if cand is not None and preselected.above is not None:  # counted by the pass: no read
+                guide = self._guide_from_rungs(preselected, k, rank)
+            elif cand is not None and cand.numel() >= rank:
                 guide = kernels.kth_largest(cand, rank)
             elif cand is not None:  # fewer: extend the line through ranks k and count to 2k
                 kth, low = torch.stack([val.abs().min(), cand.min()]).tolist()  # one read

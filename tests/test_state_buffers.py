@@ -184,9 +184,9 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
         overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
         return fused_result(cls, acc, idx, val, count, capacity, out_zeroed, nonfinite)
 
-    def spy_counted(cls, acc, sel, capacity, out_zeroed=False, rungs=None):
+    def spy_counted(cls, acc, sel, capacity, out_zeroed=False, rungs=None, threshold=None):
         overflowed.append(sel.count > capacity)
-        return counted_result(cls, acc, sel, capacity, out_zeroed, rungs)
+        return counted_result(cls, acc, sel, capacity, out_zeroed, rungs, threshold)
 
     monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
     monkeypatch.setattr(sparsecomm.state.Compensated, "counted", classmethod(spy_counted))

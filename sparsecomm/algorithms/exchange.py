@@ -1,6 +1,8 @@
 """Communication stages shared by several algorithms.
 
 * ``equal_boundaries``: P regions of (almost) equal size.
+* ``peak_bits`` / ``peak_of``: a rank's largest magnitude as integer bits that
+  travel with its counts, and the largest over ranks, which bounds a result.
 * ``split_and_reduce``: the sparse reduce-scatter of Ok-Topk and TopkDSA. Each
   rank cuts its sorted selection by region, sends region j's part to rank j
   as a ``kernels.pack_message`` (indexes as 16-bit offsets within 65536-wide
@@ -12,15 +14,17 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Callable, Sequence
 
 import torch
 
 from .. import kernels
+from ..check import CarriedCheck
 from ..comm.base import Communicator, Request
 from ..compress import Encoded
 
-__all__ = ["equal_boundaries", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P"]
+__all__ = ["equal_boundaries", "equal_starts", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P", "peak_bits", "peak_of"]
 
 _TAG_SPLIT = 0x5C01
 #: Up to this many ranks, a region's parts are merged (``kernels.sum_sorted_runs``, O(P k)
@@ -38,7 +42,29 @@ def merges(P: int, device: torch.device) -> bool:
 
 def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
     """Region starts [0, n/P, 2n/P, ..., n] (P+1 int64 values)."""
-    return torch.tensor([j * n // P for j in range(P + 1)], dtype=torch.int64, device=device)
+    return torch.tensor(equal_starts(n, P), dtype=torch.int64, device=device)
+
+
+def equal_starts(n: int, P: int) -> list[int]:
+    """:func:`equal_boundaries` on the host (nothing to read back)."""
+    return [j * n // P for j in range(P + 1)]
+
+
+def peak_bits(mag: torch.Tensor) -> torch.Tensor:
+    """The largest of the non-negative ``mag`` as its float32 bits in one int32 (0 when empty;
+    -1, no bound, for other dtypes): bits whose order as integers is that of the floats."""
+    if mag.dtype != torch.float32:
+        return torch.full((1,), -1, dtype=torch.int32, device=mag.device)
+    top = mag.max().reshape(1) if mag.numel() else mag.new_zeros(1)
+    return top.view(torch.int32)
+
+
+def peak_of(bits: Sequence[int], dtype: torch.dtype) -> float | None:
+    """The largest magnitude on any rank, from every rank's :func:`peak_bits` (None: no bound)."""
+    top = max(bits)
+    if dtype != torch.float32 or top < 0:
+        return None
+    return struct.unpack("=f", struct.pack("=i", top))[0]
 
 
 def region_sizes(starts: Sequence[int]) -> list[int]:
@@ -49,8 +75,8 @@ def region_sizes(starts: Sequence[int]) -> list[int]:
 
 def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
                      comm: Communicator, index_dtype: torch.dtype, work_dtype: torch.dtype,
-                     bucket: int, region: Callable[[], torch.Tensor] | None = None, padded: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     bucket: int, region: Callable[[], torch.Tensor] | None = None, padded: bool = False,
+                     check: CarriedCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
 
     ``padded``: the dense accumulator's result may hold an index more than once, each
@@ -64,6 +90,8 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     ``region``: returns an all-zero accumulator of this rank's region (a
     state's scratch buffer), left all zero again; asked for only when the
     parts are not merged (more than ``MERGE_MAX_P`` ranks); None allocates one.
+    ``check``: the collective input check, to carry in the exchange of sizes (every rank's
+    P + 1 cuts travel in its row, in place of an alltoall of what each peer gets).
     """
     P, me = comm.size, comm.rank
     wire, codec, scale = values.wire, values.codec, values.scale
@@ -72,9 +100,13 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     # One read gives the host this rank's cuts and what every peer sends it: the cuts' sizes
     # go out from the device (the control device, where that differs) and come back with them.
     cuts = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device), on_device=True)
-    sent = torch.cat([cuts, torch.diff(cuts)]).to(comm.control_device)
-    received = comm.alltoall(sent[P + 1:].reshape(P, 1)).flatten()
-    off, recv_counts = _split(torch.cat([sent[:P + 1], received]).tolist(), P + 1)
+    if check is not None:
+        rows = check(cuts)  # every rank's cuts: what each peer sends here is the width of its cut
+        off, recv_counts = rows[me], [row[me + 1] - row[me] for row in rows]
+    else:
+        sent = torch.cat([cuts, torch.diff(cuts)]).to(comm.control_device)
+        received = comm.alltoall(sent[P + 1:].reshape(P, 1)).flatten()
+        off, recv_counts = _split(torch.cat([sent[:P + 1], received]).tolist(), P + 1)
     # A few parts (small worlds) are merged, summing in step order; more are added into a
     # dense accumulator of the region. The sums are the same bit for bit either way.
     merge = merges(P, wire.device)

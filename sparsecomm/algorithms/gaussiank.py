@@ -12,12 +12,13 @@ from statistics import NormalDist
 import torch
 
 from .. import kernels
+from ..check import CarriedCheck
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .topka import allgather_and_sum
+from .topka import allgather_and_sum, carry_or_run
 
 __all__ = ["GaussiankState", "gaussiank", "gaussian_threshold"]
 
@@ -80,19 +81,22 @@ def gaussiank_volume(n: int, k: int, P: int) -> tuple[float, float]:
 
 @register("gaussiank", GaussiankState, volume=gaussiank_volume)
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
-              codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
+              codec: Compressor, preselected: Preselection | None = None,
+              check: CarriedCheck | None = None) -> SparseResult:
     """Gaussiank sparse allreduce.
 
     1. th = |mean(acc)| + z * std(acc), z = Phi^-1(1 - density / 2).
     2. While fewer than 3k/4 nonzero entries have |acc| >= th (and lowering can
        still add entries), th *= 0.8, at most 20 times.
-    3. Select the nonzero entries with |acc| >= th; allgather and sum as TopkA.
+    3. Select the nonzero entries with |acc| >= th; allgather and sum as TopkA
+       (whose exchange of counts carries the collective ``check``).
     There is no upper cap: the count is whatever the fitted threshold gives.
     """
     stats = CallStats(algorithm="gaussiank", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
+    check = carry_or_run(check, codec)
     with rec.phase("local_select"):
         th, lowered = _lowered_threshold(acc, k, gaussian_threshold(acc, state.density))
         idx = kernels.select_above(acc, th, use_abs=True)
         stats.events["lowered"] = lowered
-    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state, check=check)

@@ -88,8 +88,10 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
     if comm.size == 1:  # the root of a one-rank tree: its set, encoded as it would deliver it
         res_val = codec.encode_own(sent).decoded(acc.dtype)
         stats.global_selected = idx.numel()
+        # Values that travel as they are: the largest |acc| the pass saw bounds them.
+        peak = preselected.peak if preselected is not None and codec.exact_for(acc.dtype) else None
         return SparseResult(n=n, indexes=idx, values=res_val, contributed=idx, sent=sent, stats=stats,
-                            kept_idx=idx, kept_val=sent - res_val)
+                            kept_idx=idx, kept_val=sent - res_val, bound=peak)
     with rec.phase("reduce"):
         up = _reduce_up(idx, sent, comm, layout)
     with rec.phase("deliver"):

@@ -8,20 +8,20 @@ k largest-magnitude nonzero entries, ties broken by lower index
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .. import kernels
+from ..check import CarriedCheck
 from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, global_topk_mask
-from .exchange import equal_boundaries, region_sizes, split_and_reduce
+from .exchange import equal_boundaries, peak_bits, peak_of, region_sizes, split_and_reduce
 from .oktopk_local import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
                            rung_grid)
 
@@ -195,18 +195,27 @@ class _Reduced:
 
 
 def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
-                  codec: Compressor, preselected: Preselection | None = None) -> _Reduced:
-    """Steps 1-4 of :func:`oktopk`: local selection, boundaries, split and reduce, global selection."""
+                  codec: Compressor, preselected: Preselection | None = None,
+                  check: CarriedCheck | None = None) -> _Reduced:
+    """Steps 1-4 of :func:`oktopk`: local selection, boundaries, split and reduce, global selection.
+
+    ``check``: the collective input check, carried by the split's exchange of sizes when
+    that is the call's first exchange (boundaries kept, values sent as they are), else run first.
+    """
     P, me, n = comm.size, comm.rank, acc.numel()
     t = state.iteration + 1
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
+    repartition = state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1
+    if check is not None and (repartition or codec.needs_scale):
+        check()
+        check = None
     with rec.phase("local_select"):
         local_idx, local_val, local_peak = local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()
 
     with rec.phase("repartition"):
-        if state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1:
+        if repartition:
             state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
                                 else equal_boundaries(n, P, acc.device))
             stats.events["repartitioned"] = 1
@@ -218,7 +227,9 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
         sent_local = local.decoded(acc.dtype)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
         red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
-                                             acc.dtype, state.bucket, region, padded=True)
+                                             acc.dtype, state.bucket, region, padded=True, check=check)
+        if check is not None:
+            stats.events["check_carried"] = 1
 
     with rec.phase("global_select"):
         # One rank sending values as they are: the host knows its reduced entries' count (every
@@ -274,7 +285,8 @@ def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
 
 @register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather), volume=oktopk_volume)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
-           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
+           codec: Compressor, preselected: Preselection | None = None,
+           check: CarriedCheck | None = None) -> SparseResult:
     """Ok-Topk sparse allreduce (O(k) volume) on one rank.
 
     1. Local selection: every ``tau`` calls the exact top-k of |acc|; in
@@ -303,9 +315,9 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     sums in step 5; the owner of a region keeps the second encoding's error
     in its residual (``SparseResult.kept_*``). Steps 1-4 and 5-6 are the
     registered halves (:func:`oktopk_reduce`, :func:`oktopk_gather`) that
-    DeAR runs apart.
+    DeAR runs apart. ``check``: see :func:`oktopk_reduce`.
     """
-    return oktopk_gather(oktopk_reduce(acc, k, comm, state, codec, preselected), comm)
+    return oktopk_gather(oktopk_reduce(acc, k, comm, state, codec, preselected, check), comm)
 
 
 _BINS_PER_REGION = 16
@@ -403,9 +415,9 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         if known is not None and comm.size == 1:
             per_rank, peak = [known[0]], known[1]
         else:
-            local = torch.cat([torch.count_nonzero(mag).reshape(1).to(torch.int64), _peak_bits(mag).to(torch.int64)])
+            local = torch.cat([torch.count_nonzero(mag).reshape(1).to(torch.int64), peak_bits(mag).to(torch.int64)])
             rows = comm.allgather(local.reshape(1, 2)).reshape(comm.size, 2).tolist()
-            per_rank, peak = [row[0] for row in rows], _peak(rows, mag.dtype)
+            per_rank, peak = [row[0] for row in rows], peak_of([row[-1] for row in rows], mag.dtype)
         if sum(per_rank) <= hi * k:
             stats.events["global_all"] = 1
             return mag != 0, per_rank, peak
@@ -421,10 +433,10 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         nonzero = torch.count_nonzero(mag).reshape(1).to(above.dtype)
         # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
         # reusing call); a count past 2^31 - 1 only ever meets "above the bounds".
-        local = torch.cat([torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32), _peak_bits(mag)])
+        local = torch.cat([torch.cat([above, nonzero]).clamp_(max=2**31 - 1).to(torch.int32), peak_bits(mag)])
         # One read of the whole table: the totals, the counts of the rung chosen from them, the peak.
         rows = comm.allgather(local.reshape(1, -1)).reshape(comm.size, -1).tolist()
-        per_rank, peak = [row[:-1] for row in rows], _peak(rows, mag.dtype)
+        per_rank, peak = [row[:-1] for row in rows], peak_of([row[-1] for row in rows], mag.dtype)
         *totals, available = [sum(column) for column in zip(*per_rank)]
         j = nearest_rung(totals, k, lo, hi, home=GRID_HALF, stay=HOME_BAND)
         if j is not None:
@@ -463,23 +475,6 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     st.global_stale = False
     stats.events["global_recomputed"] = 1
     return mask, counts, peak
-
-
-def _peak_bits(mag: torch.Tensor) -> torch.Tensor:
-    """The largest of the non-negative ``mag`` as its float32 bits in one int32 (0 when empty;
-    -1, no bound, for other dtypes)."""
-    if mag.dtype != torch.float32:
-        return torch.full((1,), -1, dtype=torch.int32, device=mag.device)
-    top = mag.max().reshape(1) if mag.numel() else mag.new_zeros(1)
-    return top.view(torch.int32)
-
-
-def _peak(rows: list[list[int]], dtype: torch.dtype) -> float | None:
-    """The largest magnitude on any rank, from the last column of the gathered table."""
-    bits = max(row[-1] for row in rows)
-    if dtype != torch.float32 or bits < 0:
-        return None
-    return struct.unpack("=f", struct.pack("=i", bits))[0]
 
 
 def _cap(st: OkTopkState, k: int, P: int) -> int:

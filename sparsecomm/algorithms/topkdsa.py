@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..check import CarriedCheck
 from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .exchange import equal_boundaries, region_sizes, split_and_reduce
+from .exchange import equal_starts, peak_bits, peak_of, region_sizes, split_and_reduce
+from .topka import carry_or_run
 
 __all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
@@ -50,24 +52,31 @@ class _Reduced:
     val: torch.Tensor
     starts: list[int]
     index_dtype: torch.dtype
+    #: This rank's largest |acc| when the host knows it (values as they are): at P = 1 a bound.
+    peak: float | None = None
 
 
 def topkdsa_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
-                   codec: Compressor, preselected: Preselection | None = None) -> _Reduced:
-    """Steps 1-2 of :func:`topkdsa`: the local top-k and the sparse reduce-scatter."""
+                   codec: Compressor, preselected: Preselection | None = None,
+                   check: CarriedCheck | None = None) -> _Reduced:
+    """Steps 1-2 of :func:`topkdsa`: the local top-k and the sparse reduce-scatter (whose
+    exchange of sizes carries the collective ``check``)."""
     P, me, n = comm.size, comm.rank, acc.numel()
     stats = CallStats(algorithm="topkdsa", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
+    check = carry_or_run(check, codec)
     with rec.phase("local_select"):
         idx, val = state.exact_topk(acc, k, preselected, stats)
     stats.local_selected = idx.numel()
-    starts = equal_boundaries(n, P, acc.device).tolist()
+    starts = equal_starts(n, P)
     index_dtype = kernels.index_dtype_for(max(region_sizes(starts)))
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, val)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
-        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region)
-    return _Reduced(acc, codec, stats, idx, mine.decoded(acc.dtype), rel, val, starts, index_dtype)
+        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region,
+                                    check=check)
+    peak = preselected.peak if preselected is not None and codec.exact_for(acc.dtype) else None
+    return _Reduced(acc, codec, stats, idx, mine.decoded(acc.dtype), rel, val, starts, index_dtype, peak)
 
 
 def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
@@ -86,22 +95,26 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
             stats.global_selected = rel.numel()
             delivered = owned.decoded(acc.dtype)
             return SparseResult(n=acc.numel(), indexes=rel, values=delivered, contributed=r.idx,
-                                sent=r.sent, stats=stats, kept_idx=rel, kept_val=val - delivered)
+                                sent=r.sent, stats=stats, kept_idx=rel, kept_val=val - delivered, bound=r.peak)
         if dense:
             region = torch.zeros(sizes[me], dtype=codec.wire_dtype, device=acc.device)
             region[rel] = owned.wire
             payload = region.view(torch.uint8).reshape(-1)
         else:
             payload = kernels.pack_message(rel, owned.wire, sizes[me], index_dtype, codec.wire_dtype)
-        table = comm.allgather(torch.tensor([rel.numel(), int(dense)], dtype=torch.int64,
-                                            device=comm.control_device)).tolist()
+        # (with each owner's largest sum, which bounds the result: values sent as they are)
+        row = torch.zeros(3, dtype=torch.int64, device=acc.device)
+        row[0], row[1] = rel.numel(), int(dense)
+        row[2:] = peak_bits(val.abs())
+        table = comm.allgather(row.to(comm.control_device)).reshape(P, 3).tolist()
+        peak = peak_of([t[2] for t in table], acc.dtype) if codec.exact_for(acc.dtype) else None
         nbytes = [sizes[j] * vb if d else kernels.message_bytes(c, sizes[j], index_dtype, codec.wire_dtype)
-                  for j, (c, d) in enumerate(table)]
+                  for j, (c, d, _) in enumerate(table)]
         gathered = comm.allgatherv(payload, nbytes) if P > 1 else payload
-    stats.events["dense_regions"] = sum(d for _, d in table)
+    stats.events["dense_regions"] = sum(d for _, d, _ in table)
     with rec.phase("decode"):
         gidx, gval, pos = [], [], 0
-        for j, (count, is_dense) in enumerate(table):
+        for j, (count, is_dense, _) in enumerate(table):
             chunk = gathered[pos:pos + nbytes[j]]
             pos += nbytes[j]
             if is_dense:
@@ -116,7 +129,7 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
         gidx, gval = torch.cat(gidx), codec.decode(torch.cat(gval), owned.scale, acc.dtype)
     stats.global_selected = gidx.numel()
     return SparseResult(n=acc.numel(), indexes=gidx, values=gval, contributed=r.idx, sent=r.sent, stats=stats,
-                        kept_idx=rel + starts[me], kept_val=val - owned.decoded(acc.dtype))
+                        kept_idx=rel + starts[me], kept_val=val - owned.decoded(acc.dtype), bound=peak)
 
 
 def topkdsa_volume(n: int, k: int, P: int) -> tuple[float, float]:
@@ -128,7 +141,8 @@ def topkdsa_volume(n: int, k: int, P: int) -> tuple[float, float]:
 
 @register("topkdsa", TopkDSAState, split=(topkdsa_reduce, topkdsa_gather), volume=topkdsa_volume)
 def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
-            codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
+            codec: Compressor, preselected: Preselection | None = None,
+            check: CarriedCheck | None = None) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
 
     1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
@@ -140,4 +154,4 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
     Steps 1-2 and 3-5 are the registered halves (:func:`topkdsa_reduce`,
     :func:`topkdsa_gather`) that DeAR runs apart.
     """
-    return topkdsa_gather(topkdsa_reduce(acc, k, comm, state, codec, preselected), comm)
+    return topkdsa_gather(topkdsa_reduce(acc, k, comm, state, codec, preselected, check), comm)

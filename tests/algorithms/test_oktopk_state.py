@@ -10,7 +10,7 @@ import torch
 
 import sparsecomm
 from sparsecomm import kernels
-from sparsecomm.check import Signature
+from sparsecomm.check import row_words
 from sparsecomm.tools.synthetic import digits_gradients, drifting, gradient, repeating
 
 from reference import ref_oktopk
@@ -131,28 +131,33 @@ def test_far_off_threshold_is_capped_on_random_gradients():
         assert sum(st.totals.get(e, 0) for e in ("local_moved", "local_corrected", "local_reselected")) >= 1
 
 
-def test_stats_account_every_byte():
+@pytest.mark.parametrize("steady", [False, True])
+def test_stats_account_every_byte(steady):
     P = 5
 
     def body(rank):
         c = sparsecomm.resolve()
-        st = sparsecomm.OkTopkState(0.02, tau=1, tau_prime=1)
+        st = sparsecomm.OkTopkState(0.02) if steady else sparsecomm.OkTopkState(0.02, tau=1, tau_prime=1)
+        for step in range(3 if steady else 0):
+            sparsecomm.allreduce(gradient(rank, step, 20_000, "gaussian"), state=st)
         before = c.stats.snapshot()
         sparsecomm.allreduce(gradient(rank, 0, 20_000, "gaussian"), state=st)
         delta = c.stats - before
         return st.last, delta
 
     for last, delta in sparsecomm.simulate(P, body).results:
-        assert set(last.phases) == {"accumulate", "local_select", "repartition", "split_reduce",
-                                    "global_select", "allgatherv"}
-        # Everything but the input check's allgather is attributed to a phase, both ways.
-        check_bytes = len(Signature().row()) * 8 * (P - 1)  # int64s to and from each peer
+        phases = {"accumulate", "local_select", "repartition", "split_reduce", "global_select", "allgatherv"}
+        assert set(last.phases) == phases
+        # Everything but the input check's allgather is attributed to a phase, both ways; a
+        # steady call's split carries the check (in its phase), in place of its alltoall.
+        assert last.events.get("check_carried", 0) == steady
+        check_bytes = 0 if steady else row_words(P) * 8 * (P - 1)  # int64s to and from each peer
         assert last.bytes_sent == delta.bytes_sent - check_bytes
         assert last.bytes_received == delta.bytes_received - check_bytes
-        assert last.messages_sent == delta.messages_sent - (P - 1)
-        assert sum(p.messages_received for p in last.phases.values()) == delta.messages_received - (P - 1)
+        assert last.messages_sent == delta.messages_sent - (0 if steady else P - 1)
+        assert sum(p.messages_received for p in last.phases.values()) == delta.messages_received - (0 if steady else P - 1)
         assert last.bytes_received > 0 and last.messages_sent > 0
-        assert last.k == 400 and last.global_selected == 400
+        assert last.k == 400 and (steady or last.global_selected == 400)
         assert all(p.seconds >= 0 for p in last.phases.values())
 
 

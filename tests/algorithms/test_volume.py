@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparsecomm
+from sparsecomm.check import row_words
 
 N, DENSITY = 100_000, 0.01
 K = 1000
@@ -13,9 +14,9 @@ WORD = 4  # bytes; a COO entry (int32 index, float32 value) is 2 words
 
 
 def control_bytes(P: int) -> int:
-    # Input check (10 int64 allgather), boundary allreduce and count exchanges are O(P)
-    # words; the exact global selection adds 4 allreduces of 256 int64 counts.
-    return 4 * 2 * 256 * 8 + 64 * 8 * P
+    # Boundary allreduce and count exchanges are O(P) words; the exact global selection adds
+    # 4 allreduces of 256 int64 counts; the input check's row comes from every peer.
+    return 4 * 2 * 256 * 8 + 64 * 8 * P + row_words(P) * 8 * (P - 1)
 
 
 def grads_for(kind: str, rank: int) -> torch.Tensor:

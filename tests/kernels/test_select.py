@@ -35,6 +35,18 @@ def test_topk_of_candidates_keeps_lowest_index_ties():
     assert kernels.topk_of_candidates(idx, mag, 9).tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("k", [1, 3, 50, 399, 400, 1000])
+def test_topk_of_candidates_of_positive_magnitudes_needs_no_count(k):
+    # Every magnitude positive (candidates at or above a positive threshold), with ties: the
+    # same positions as the general reference, from the sort alone.
+    gen = torch.Generator().manual_seed(k)
+    idx = torch.sort(torch.randperm(10_000, generator=gen)[:400]).values
+    mag = torch.randint(1, 40, (400,), generator=gen).float()
+    want = kernels.topk_of_candidates(idx, mag, k, backend="torch")
+    for backend in ("torch", None):
+        assert torch.equal(kernels.topk_of_candidates(idx, mag, k, positive=True, backend=backend), want)
+
+
 def test_select_above_skips_zeros():
     mag = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0])
     assert kernels.select_above(mag, 0.5).tolist() == [1, 2, 4]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import pickle
 import time
@@ -227,3 +228,83 @@ def test_a_sum_that_the_wire_makes_nan_in_a_reusing_call_raises_on_every_rank():
         return sparsecomm.allreduce(g, state=st, compressor="fp16", op="sum")
 
     every_rank_raises(body, match="reduced result overflows", P=2)
+
+
+def _steady(rank, calls=3, **kwargs):
+    """An Ok-Topk state whose next call carries the check in its split (see ``check.CarriedCheck``)."""
+    st = sparsecomm.OkTopkState(0.05, **kwargs)
+    for step in range(calls):
+        sparsecomm.allreduce(good(rank + step), state=st)
+    return st
+
+
+def _fields(st):
+    return {name: value for name, value in vars(st).items() if isinstance(value, (int, float, str, type(None)))}
+
+
+def test_a_call_refused_by_the_check_its_split_carries_leaves_the_state_as_it_was():
+    # The carried check runs after the local selection, which moves the state's thresholds:
+    # a refusal must leave them as a check made first would, and the residual too.
+    def body(rank, refused):
+        st = _steady(rank)
+        if refused:
+            g = good(rank + 9)
+            if rank == 1:
+                g[7] = math.nan
+            err = cases.input_error(sparsecomm.allreduce, g, state=st)
+            assert err is not None and "NaN or Inf on rank(s) [1]" in err, err
+        fields, residual = _fields(st), st.residual.clone()
+        out = sparsecomm.allreduce(good(rank + 10), state=st)
+        return fields, residual, out, st.last.events
+
+    refused = sparsecomm.simulate(P, lambda rank: body(rank, True)).results
+    never = sparsecomm.simulate(P, lambda rank: body(rank, False)).results
+    for (fields, residual, out, events), (want, want_residual, want_out, _) in zip(refused, never):
+        assert events.get("check_carried") == 1
+        assert fields == want
+        torch.testing.assert_close(residual, want_residual, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_that_run_different_algorithms_while_one_carries_the_check_all_raise():
+    def body(rank):
+        if rank == 3:
+            st = sparsecomm.TopkAState(0.05)
+            for step in range(3):
+                sparsecomm.allreduce(good(rank + step), state=st)
+            return sparsecomm.allreduce(good(rank), state=st)
+        return sparsecomm.allreduce(good(rank), state=_steady(rank))
+
+    every_rank_raises(body, match="algorithm differs")
+
+
+def test_a_rank_whose_state_is_a_step_ahead_raises_with_its_peers_not_a_hang():
+    # As if rank 3 loaded another step's checkpoint: its call repartitions (the check comes
+    # first), its peers' calls carry the check in the split. Both are the first collective.
+    def body(rank):
+        st = _steady(rank, tau_prime=4)
+        st.iteration += rank == 3
+        return sparsecomm.allreduce(good(rank), state=st)
+
+    every_rank_raises(body, match="settings differ across ranks: iteration")
+
+
+def test_an_error_before_the_carried_check_reaches_every_rank(monkeypatch):
+    module = importlib.import_module("sparsecomm.algorithms.oktopk")
+
+    real = module.local_select
+
+    def broken(acc, k, st, *args):
+        if getattr(st, "broken", False):
+            raise RuntimeError("kernel launch failed")
+        return real(acc, k, st, *args)
+
+    monkeypatch.setattr(module, "local_select", broken)
+
+    def body(rank):
+        st = _steady(rank)
+        st.broken = rank == 2
+        return sparsecomm.allreduce(good(rank), state=st)
+
+    errs = every_rank_raises(body, match="rank 2: the algorithm failed before the check")
+    assert "kernel launch failed" in str(errs[2])
