@@ -325,8 +325,9 @@ _EF_SELECT = dispatch.KernelOp(
 TORCH_CHUNK = 1 << 22
 
 
-def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
-    """The reference: the unfused torch chain with the same contract as :func:`ef_accumulate`."""
+def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> torch.Tensor:
+    """The reference: the unfused torch chain with the same contract as :func:`ef_accumulate`
+    (the count left on the device, as a 0-dim int64)."""
     bad = torch.zeros((), dtype=torch.int64, device=residual.device)
     for lo in range(0, residual.numel(), TORCH_CHUNK):
         r = residual[lo:lo + TORCH_CHUNK]
@@ -338,11 +339,11 @@ def ef_accumulate_torch(grad: torch.Tensor, residual: torch.Tensor, block: int, 
         padded = torch.zeros(maxima.numel() * block, dtype=residual.dtype, device=residual.device)
         padded[:residual.numel()] = residual.abs()
         maxima.copy_(padded.view(-1, block).amax(dim=1))
-    return int(bad)
+    return bad
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None = 4096, *,
-                  backend: str | None = None) -> tuple[torch.Tensor | None, int]:
+                  backend: str | None = None, lazy: bool = False) -> tuple[torch.Tensor | None, int | torch.Tensor]:
     """Error-feedback accumulate with the largest magnitude of every block, in one pass.
 
     1. acc = residual + grad, computed in the residual's dtype and written
@@ -366,6 +367,8 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None 
         block: entries per maximum (>= 1), or None for no maxima.
         backend: ``torch``/``triton``/``cpu``/``auto`` (``kernels.dispatch``;
             Triton takes blocks that are powers of two from 128 to 16384).
+        lazy: leave the count on the device (a 0-dim int64) where it is there, for the
+            caller to read with whatever else it reads (an int from the CPU path).
 
     Returns:
         ``(maxima, nonfinite)``: ``ceil(n / block)`` maxima in the residual's
@@ -381,6 +384,8 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int | None 
     b = block or 0  # 0: no maxima, as the implementations take it
     maxima = torch.empty(-(-residual.numel() // b) if b else 0, dtype=residual.dtype, device=residual.device)
     nonfinite = _EF_ACCUMULATE(grad.reshape(-1).contiguous(), residual, b, maxima, backend=backend)
+    if isinstance(nonfinite, torch.Tensor) and not lazy:
+        nonfinite = int(dispatch.to_host(nonfinite))
     return (maxima if block else None), nonfinite
 
 

@@ -100,18 +100,18 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
     return status[tiles - 1] >> 2, None  # no read: the count stays on the device (kernels.tally counts the rest)
 
 
-def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> int:
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor, block: int, maxima: torch.Tensor) -> torch.Tensor:
     """Triton ``kernels.ef_accumulate``: one program per block (``block`` a power of two, or 0 for
-    no maxima: ACCUMULATE_BLOCK entries each), one pass; one sync to return the count."""
+    no maxima: ACCUMULATE_BLOCK entries each), one pass; the count left on the device."""
     n = residual.numel()
     if n == 0:
-        return 0
+        return torch.zeros((), dtype=torch.int64, device=residual.device)
     size = block or ACCUMULATE_BLOCK
     bad = torch.zeros(1, dtype=torch.int64, device=residual.device)
     dispatch.launch(_jit().ef_accumulate_kernel, (-(-n // size),),
         grad, residual, maxima if block else residual, bad, n, FMAX=torch.finfo(residual.dtype).max,  # (unused)
         BLOCK=size, MAXIMA=bool(block), num_warps=accumulate_warps(size))
-    return dispatch.to_host(bad[0])
+    return bad[0]
 
 
 #: The exact k-th largest below this many entries is the plain radix select (its four passes

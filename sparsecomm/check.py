@@ -227,15 +227,18 @@ def _signature(call: Call, problem: tuple[int, str] | None, nonfinite: int | Non
         compressor=_crc(repr(call.compressor)))
 
 
-def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: int | None = None,
+def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: int | torch.Tensor | None = None,
                        carried: torch.Tensor | None = None) -> list[list[int]]:
     """Raise InputError on every rank if any rank's arguments are bad or differ.
 
     1. ``problem``: what :func:`local_problem` found on this rank (None: nothing);
        building the signature (a tensor whose values cannot be read) may add one.
-       ``nonfinite``: see :func:`_signature`.
+       ``nonfinite``: see :func:`_signature`; or the fused pass's count of non-finite
+       sums still on the device (``Compensated.pending``), which the row carries unread.
     2. Allgather every rank's :class:`Signature` and ``carried`` (``carried_words(P)``
-       integers, zeros when None), then read them: one host read.
+       integers, zeros when None), then read them: one host read. Only when a rank's
+       carried count is not zero does every rank say whether its input, or only its sum
+       with the residual, is not finite (a second small allgather).
     3. Raise, on every rank and with the same words, for the first of: a rank
        with a problem, NaN/Inf on a rank, a field that differs across ranks,
        state settings that differ (a second small allgather names them), ranks of
@@ -245,6 +248,9 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
         Every rank's carried integers, in rank order (empty lists when P = 1).
     """
     comm = call.comm
+    pending = nonfinite if isinstance(nonfinite, torch.Tensor) else None
+    if pending is not None:
+        nonfinite = 0  # (written into the row below, on the device)
     try:
         sig = _signature(call, problem, nonfinite)
     except Exception as exc:  # noqa: BLE001 - a check that raises on one rank must not strand the others
@@ -257,10 +263,14 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
         sig.carried = int(carried is not None)
         pad = [] if carried is not None else [0] * carried_words(comm.size)
         ctrl = torch.tensor(sig.row() + pad, dtype=torch.int64, device=comm.control_device)
+        if pending is not None and not sig.problem:  # minus the count: not yet told apart
+            ctrl[_NONFINITE:_NONFINITE + 1].copy_(pending.reshape(1).neg())
         if carried is not None:
             ctrl = torch.cat([ctrl, carried.reshape(-1).to(device=comm.control_device, dtype=torch.int64)])
         got = comm.allgather(ctrl).reshape(comm.size, -1).tolist()  # the one read
         table, rows = [Signature.of_row(row[:width]) for row in got], [row[width:] for row in got]
+        if any(s.nonfinite < 0 for s in table):
+            _tell_apart(call, table)
     bad = [r for r, s in enumerate(table) if s.problem]
     if bad:
         mine = f"{problem[1]}; " if problem else ""
@@ -291,6 +301,22 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     return rows
 
 
+#: Where the row holds the non-finite flag.
+_NONFINITE = [f.name for f in dataclasses.fields(Signature)].index("nonfinite")
+
+
+def _tell_apart(call: Call, table: list[Signature]) -> None:
+    """Ranks whose row carried a count of non-finite sums say whether the input itself holds
+    NaN/Inf (1) or only its sum with the residual overflowed (2): one allgather, every rank."""
+    comm, me = call.comm, call.comm.rank
+    mine = table[me].nonfinite
+    if mine < 0:
+        mine = 1 if not all_finite(call.tensor) else 2
+    told = comm.allgather(torch.tensor([mine], dtype=torch.int64, device=comm.control_device)).flatten().tolist()
+    for s, value in zip(table, told):
+        s.nonfinite = value
+
+
 class CarriedCheck:
     """The collective check, left for an algorithm's first exchange to carry.
 
@@ -304,7 +330,7 @@ class CarriedCheck:
        what the call did to the state before the check.
     """
 
-    def __init__(self, call: Call, problem: tuple[int, str] | None, nonfinite: int | None) -> None:
+    def __init__(self, call: Call, problem: tuple[int, str] | None, nonfinite: int | torch.Tensor | None) -> None:
         self.call, self.problem, self.nonfinite = call, problem, nonfinite
         self.done = self.refused = False
 

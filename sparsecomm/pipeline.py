@@ -69,10 +69,15 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
             problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
         else:
-            finite = early[0].finite
-            # True: settled by the pass. False (a non-finite sum) or None (a buffer too small to
-            # tell): one read of the tensor says whether it, or only its sum, is not finite.
-            nonfinite = 0 if finite else (1 if not check.all_finite(call.tensor) else (2 if finite is False else 0))
+            if early[0].pending is not None and call.comm.size == 1:
+                early[0].read()  # no exchange to carry the count
+            if early[0].pending is not None:  # the check's row carries the count, and classifies it
+                nonfinite = early[0].pending
+            else:
+                finite = early[0].finite
+                # True: settled by the pass. False (a non-finite sum) or None (a buffer too small
+                # to tell): one read of the tensor says whether it, or only its sum, is not finite.
+                nonfinite = 0 if finite else (1 if not check.all_finite(call.tensor) else (2 if finite is False else 0))
     if early is not None and problem is None and call.spec.takes_check and check.carried_words(call.comm.size):
         started = _start_carrying(call, out_dtype, scale, private, early, split, nonfinite)
         return started if split else finish(started)
@@ -80,14 +85,15 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
         check.check_collectively(call, problem, nonfinite)
     except InputError:
         if early is not None:
-            call.state.rollback(call.tensor.detach().reshape(-1), early[0].nonfinite)
+            call.state.rollback(call.tensor.detach().reshape(-1), early[0].read().nonfinite)
         raise
     started = start(call, out_dtype, scale, private, early, split)
     return started if split else finish(started)
 
 
 def _start_carrying(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool,
-                    early: "tuple[Compensated, float]", split: bool, nonfinite: int | None) -> "Started":
+                    early: "tuple[Compensated, float]", split: bool, nonfinite: int | torch.Tensor | None
+                    ) -> "Started":
     """:func:`start` with the collective check left to the algorithm's first exchange.
 
     1. Keep the state's fields (the algorithm's local steps move its thresholds
@@ -109,7 +115,7 @@ def _start_carrying(call: Call, out_dtype: torch.dtype | None, scale: float, pri
             raise
         finally:
             if carried.refused:
-                state.rollback(call.tensor.detach().reshape(-1), early[0].nonfinite)
+                state.rollback(call.tensor.detach().reshape(-1), early[0].read().nonfinite)
                 vars(state).clear()
                 vars(state).update(kept)
     if not carried.done:

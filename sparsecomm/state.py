@@ -175,11 +175,20 @@ class Compensated:
     #: Whether the pass also set the call's dense output to zeros (``zero_out`` of
     #: :meth:`State.compensate`): a sparse result then writes only its entries.
     out_zeroed: bool = False
+    #: The pass's count of non-finite sums while it is still on the device (``nonfinite``
+    #: None until :meth:`read`): the collective check carries it in its row unread.
+    pending: torch.Tensor | None = None
 
     @property
     def finite(self) -> bool | None:
         """Whether every accumulated entry is finite, when the pass could tell (else None)."""
         return None if self.nonfinite is None else self.nonfinite == 0
+
+    def read(self) -> "Compensated":
+        """Read the ``pending`` count into ``nonfinite`` (one read of the device)."""
+        if self.pending is not None:
+            self.nonfinite, self.pending = int(kernels.dispatch.to_host(self.pending)), None
+        return self
 
 
 @functools.lru_cache(maxsize=None)
@@ -324,9 +333,11 @@ class State:
         only the finite sums and counts the others: the input needs no finite check of its
         own, and an overflowing sum never reaches the residual, so a refused call can take
         the gradient back out (:meth:`rollback`) instead of leaving an inf behind."""
-        maxima, nonfinite = kernels.ef_accumulate(flat, residual, block)
+        maxima, nonfinite = kernels.ef_accumulate(flat, residual, block, lazy=True)
         if maxima is not None:
             self._maxima = (self.iteration, maxima)  # for this call only
+        if isinstance(nonfinite, torch.Tensor):  # on the device: read with the check
+            return Compensated(residual, pending=nonfinite)
         return Compensated(residual, nonfinite=nonfinite)
 
     def fuses_next(self) -> bool:

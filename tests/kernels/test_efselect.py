@@ -495,10 +495,10 @@ def test_ef_accumulate_matches_reference(backend, monkeypatch, rdtype, gdtype, n
     b = block or 0  # None: no maxima, which the implementations take as 0
     want_r = r.clone()
     want_m = torch.empty(-(-n // b) if b else 0, dtype=rdtype)
-    want_c = ef_accumulate_torch(g, want_r, b, want_m)
+    want_c = int(ef_accumulate_torch(g, want_r, b, want_m))
     got_r = r.clone()
     got_m = torch.full_like(want_m, float("nan"))  # every maximum must be written
-    got_c = run("ef_accumulate", g.contiguous(), got_r, b, got_m)
+    got_c = int(run("ef_accumulate", g.contiguous(), got_r, b, got_m))
     public_r = r.clone()
     public_m, public_c = kernels.ef_accumulate(g, public_r, block)
     assert public_c == want_c and torch.equal(public_r, want_r) and (public_m is None) == (block is None)

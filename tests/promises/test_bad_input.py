@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import pickle
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import sparsecomm
+from sparsecomm import kernels
 from sparsecomm.errors import CommTimeoutError, InputError, PeerError
 
 import cases
@@ -68,18 +70,23 @@ def test_nonfinite_gradient_on_one_rank(value):
     assert pickle.loads(pickle.dumps(errors[0])).ranks == [1]
 
 
-@pytest.mark.parametrize("algorithm", ["oktopk", "topka", "gtopk"])
+@pytest.mark.parametrize("gpu_branches", [False, True])
+@pytest.mark.parametrize("algorithm", ["oktopk", "topka", "gtopk", "dense", "cltk", "gaussiank"])
 @pytest.mark.parametrize("bad", ["nan", "inf", "overflowing sum"])
-def test_rejected_call_leaves_the_residual_and_the_next_call_goes_on(algorithm, bad):
+def test_rejected_call_leaves_the_residual_and_the_next_call_goes_on(algorithm, bad, gpu_branches, monkeypatch):
     # In steady state the finite check comes from the fused accumulate-and-select pass, which
     # runs before the ranks agree to reject the call: the rejected gradient must come back
-    # out of the residual (up to the rounding of one add), and no entry may be lost.
+    # out of the residual (up to the rounding of one add), and no entry may be lost. On a
+    # GPU's branches the plain accumulating pass (Dense, CLT-k, Gaussiank) leaves its count
+    # on the device, and the check's row carries it unread.
     n, steps = 3000, 4
+    if gpu_branches:  # the torch kernels, as a GPU without Triton runs them
+        monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
 
     def grad(rank, step):
         return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + step))
 
-    def body(rank):
+    def rejected_then_on(rank):
         st = sparsecomm.registry.get(algorithm).state_class(0.05, error_feedback=True)
         for step in range(steps):
             sparsecomm.allreduce(grad(rank, step), state=st)
@@ -97,6 +104,10 @@ def test_rejected_call_leaves_the_residual_and_the_next_call_goes_on(algorithm, 
         after = st.residual.clone()
         out = sparsecomm.allreduce(grad(rank, 5), state=st)  # goes on
         return rank, err, before, after, it == st.iteration - 1, bool(torch.isfinite(out).all())
+
+    def body(rank):
+        with kernels.dispatch.gpu_path() if gpu_branches else contextlib.nullcontext():
+            return rejected_then_on(rank)
 
     words = "overflows on rank(s) [1]" if bad == "overflowing sum" else "NaN or Inf on rank(s) [1]"
     for rank, err, before, after, counted_once, finite in sparsecomm.simulate(P, body).results:
