@@ -101,10 +101,35 @@ def cltk(acc: torch.Tensor, k: int, comm: Communicator, state: CltkState,
 
 def _top_k_exactly(acc: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted indexes of the k largest |acc|, ties to the lower index, zeros included when
-    fewer than k entries are nonzero (``kernels.topk_indexes`` returns only nonzero ones)."""
+    fewer than k entries are nonzero (``kernels.topk_indexes`` returns only nonzero ones).
+
+    On a GPU's path (:func:`_top_k_on_device`) without a read of the device."""
+    if not kernels.dispatch.in_host_memory(acc):
+        return _top_k_on_device(acc, k)
     idx = kernels.topk_indexes(acc, k, use_abs=True)
     missing = k - idx.numel()
     if missing > 0:
         zeros = (acc == 0).nonzero().flatten()[:missing]
         idx = torch.sort(torch.cat([idx, zeros])).values
     return idx
+
+
+def _top_k_on_device(acc: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`_top_k_exactly` in sizes known in advance, so nothing is read from the device.
+
+    1. ``kth``: the k-th largest |acc| (``torch.topk``'s values, whose order among ties
+       does not matter here).
+    2. Every entry above ``kth`` (fewer than k), and the first k entries equal to it, by
+       index (``nonzero_static``: k places each, the spare ones filled with n).
+    3. Of the ties, only the first k minus the count above: then the k smallest
+       indexes of both lists, sorted, are the answer (zeros tie at 0 when fewer than k
+       entries are nonzero, so the lowest-index zeros fill up).
+    """
+    n = acc.numel()
+    mag = acc.abs()
+    kth = torch.topk(mag, k, sorted=False).values.min()
+    above = torch.nonzero_static(mag > kth, size=k, fill_value=n).flatten()
+    ties = torch.nonzero_static(mag == kth, size=k, fill_value=n).flatten()
+    room = k - (above < n).sum()
+    ties = torch.where(torch.arange(k, device=acc.device) < room, ties, torch.full_like(ties, n))
+    return torch.sort(torch.cat([above, ties])).values[:k]

@@ -74,6 +74,42 @@ def _lowered_threshold(acc: torch.Tensor, k: int, th: float) -> tuple[float, int
     return th, lowered
 
 
+def _select_on_device(acc: torch.Tensor, k: int, density: float) -> tuple[torch.Tensor, int, float | None]:
+    """Steps 1-3 of :func:`gaussiank` on the device, with one read: (indexes, lowerings, peak).
+
+    1. The ladder th_j = th * 0.8^j, j = 0..20 (each the last times 0.8, as the host's loop
+       multiplies), and the smallest positive value below it: one bucketize of |acc|.
+    2. The counts at every rung from one histogram of the buckets (the lowest rung counts the
+       nonzero entries); the first rung j < 20 holding 3k/4 or every nonzero entry, else rung 20.
+    3. One read of (j, its count, the largest |acc|): the mask of the buckets above rung j
+       has exactly that many entries, so the indexes need no read of their own.
+    A CUDA run's path (:func:`_lowered_threshold` and ``select_above`` read the device four
+    times); on the host the loop stays, which is what this one matches.
+    """
+    dt = acc.dtype
+    z = NormalDist().inv_cdf(1 - density / 2) if density < 1 else 0.0
+    std = acc.std() if acc.numel() > 1 else torch.zeros((), dtype=dt, device=acc.device)
+    steps = torch.full((MAX_LOWERINGS + 1,), LOWER_FACTOR, dtype=torch.float64, device=acc.device)
+    steps[0] = acc.mean().double().abs() + z * std.double()
+    least = torch.finfo(dt).smallest_normal * torch.finfo(dt).eps  # the smallest subnormal
+    ladder = torch.cumprod(steps, 0).clamp_(min=least).to(dt)  # th_0 >= th_1 >= ... >= th_20
+    edges = torch.cat([ladder.new_full((1,), least), ladder.flip(0)])  # ascending; th_j at 21 - j
+    mag = acc.abs()
+    bucket = torch.bucketize(mag, edges, right=True)  # rungs at or below |acc|
+    hist = torch.zeros(edges.numel() + 1, dtype=torch.int64, device=acc.device).index_add_(
+        0, bucket, torch.ones_like(bucket))
+    above = hist.flip(0).cumsum(0).flip(0)[1:]  # above[e]: entries at or above edges[e]
+    counts = above[1:].flip(0)  # counts[j]: at or above th_j
+    stop = (counts >= 0.75 * k) | (counts >= above[0])
+    stop[MAX_LOWERINGS] = True
+    j = torch.argmax(stop.to(torch.int8))  # the first rung that stops the lowering
+    peak = mag.max().to(torch.float64) if mag.numel() else torch.zeros((), dtype=torch.float64, device=acc.device)
+    count = counts.index_select(0, j.reshape(1)).reshape(())  # (counts[j] would read j)
+    lowered, count, top = torch.stack([j.double(), count.double(), peak]).tolist()  # the one read
+    idx = kernels.nonzero(bucket > edges.numel() - 1 - int(lowered), int(count))
+    return idx, int(lowered), top
+
+
 def gaussiank_volume(n: int, k: int, P: int) -> tuple[float, float]:
     """Words received per rank: as TopkA, every peer's (about) k entries, 2k(P-1)."""
     return 2 * k * (P - 1), 2 * k * (P - 1)
@@ -95,8 +131,12 @@ def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankSta
     stats = CallStats(algorithm="gaussiank", n=acc.numel(), k=k)
     rec = PhaseRecorder(comm, stats)
     check = carry_or_run(check, codec)
+    peak = None
     with rec.phase("local_select"):
-        th, lowered = _lowered_threshold(acc, k, gaussian_threshold(acc, state.density))
-        idx = kernels.select_above(acc, th, use_abs=True)
+        if kernels.dispatch.in_host_memory(acc):
+            th, lowered = _lowered_threshold(acc, k, gaussian_threshold(acc, state.density))
+            idx = kernels.select_above(acc, th, use_abs=True)
+        else:
+            idx, lowered, peak = _select_on_device(acc, k, state.density)
         stats.events["lowered"] = lowered
-    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state, check=check)
+    return allgather_and_sum(acc, idx, comm, codec, stats, rec, state, check=check, peak=peak)

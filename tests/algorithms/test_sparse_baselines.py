@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import pytest
 import torch
 from conservation import assert_conserved
@@ -51,6 +54,22 @@ def test_cltk_sums_every_rank_at_the_leaders_topk(P, n, density, levels):
             assert torch.equal(out[c], expected), (c, P)
 
 
+@pytest.mark.parametrize("levels", [3, 1000, 0])
+@pytest.mark.parametrize("k", [1, 7, 150, 200, 1000])
+def test_cltk_leaders_selection_on_a_gpus_path_reads_nothing_and_matches_the_hosts(k, levels):
+    # Sizes known in advance: above the k-th largest, then the first ties by index; with
+    # fewer than k nonzero entries (levels 0: all zero) the lowest-index zeros fill up.
+    module = importlib.import_module("sparsecomm.algorithms.cltk")
+
+    gen = torch.Generator().manual_seed(k + levels)
+    acc = torch.randint(-levels, levels + 1, (1000,), generator=gen).float()
+    acc[torch.rand(1000, generator=gen) < 0.5] = 0  # ties at zero, and under k nonzero for large k
+    want = module._top_k_exactly(acc, k)
+    with sparsecomm.kernels.dispatch.gpu_path():
+        got = module._top_k_exactly(acc, k)
+    assert torch.equal(got, want) and got.numel() == k
+
+
 def test_cltk_sends_k_indexes_once_and_k_values_in_one_allreduce():
     # O(k) volume with fixed sizes: a binomial broadcast of k int64 indexes from the leader
     # (P - 1 messages), then a ring allreduce of k float32 values (2 (P - 1) / P of them sent
@@ -80,6 +99,34 @@ def test_gaussiank_lowers_the_threshold_on_light_tailed_data():
     st = sparsecomm.GaussiankState(0.01)
     sparsecomm.allreduce(g, state=st)
     assert st.last.events["lowered"] > 0 and st.last.local_selected >= 0.75 * 200
+
+
+@pytest.mark.parametrize("data", ["integers", "uniform", "sparse", "zeros", "one entry"])
+@pytest.mark.parametrize("P", [1, 3])
+def test_gaussiank_on_a_gpus_path_selects_what_the_hosts_loop_selects(P, data, monkeypatch):
+    # A CUDA run's path counts a ladder of every lowering in one histogram and reads the
+    # device once (``_select_on_device``): the same selections, lowerings and sums.
+    gen = torch.Generator().manual_seed(P)
+    n = 1 if data == "one entry" else 4000
+    grads = {"integers": lambda: int_grads(P, n, P, levels=1000),
+             "uniform": lambda: [torch.rand(n, generator=gen) * 2 - 1 for _ in range(P)],
+             "sparse": lambda: [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < 0.005)
+                                for _ in range(P)],
+             "zeros": lambda: [torch.zeros(n) for _ in range(P)],
+             "one entry": lambda: [torch.randn(1, generator=gen) for _ in range(P)]}[data]()
+
+    def body(rank, gpu):
+        with sparsecomm.kernels.dispatch.gpu_path() if gpu else contextlib.nullcontext():
+            st = sparsecomm.GaussiankState(0.01, error_feedback=False)
+            return sparsecomm.allreduce(grads[rank], state=st), st.last.events["lowered"], st.last.local_selected
+
+    host = sparsecomm.simulate(P, lambda r: body(r, False)).results
+    monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
+    gpu = sparsecomm.simulate(P, lambda r: body(r, True)).results
+    for (a, lowered_a, kept_a), (b, lowered_b, kept_b) in zip(host, gpu):
+        assert torch.equal(a, b) and lowered_a == lowered_b and kept_a == kept_b
+    if data == "uniform":
+        assert host[0][1] > 0  # the lowering ran
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 6, 7, 8])
