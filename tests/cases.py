@@ -157,6 +157,21 @@ def bad_input_cases(rank: int, size: int, comm=None) -> dict[str, str]:
         st.iteration = iteration
         return st
 
+    def steady(algorithm):  # a state whose next call carries the check in its first exchange
+        st = sparsecomm.registry.get(algorithm).state_class(0.1)
+        for step in range(3):
+            sparsecomm.allreduce(ok(1000) + step, state=st, comm=comm)
+        return st
+
+    def steady_nan():
+        g = ok(1000)
+        g[7] = float("nan") if rank == 1 else g[7]
+        return sparsecomm.allreduce(g, state=steady("oktopk"), comm=comm)
+
+    def steady_algorithm():
+        ok_state, topka_state = steady("oktopk"), steady("topka")
+        return sparsecomm.allreduce(ok(1000), state=topka_state if last else ok_state, comm=comm)
+
     calls = {
         "integer": lambda: sparsecomm.allreduce(torch.arange(10) if rank == 0 else ok(), 0.1, comm=comm),
         "numel": lambda: sparsecomm.allreduce(ok(10 + last), 0.1, comm=comm),
@@ -173,6 +188,8 @@ def bad_input_cases(rank: int, size: int, comm=None) -> dict[str, str]:
                                             comm=comm),
         "iteration": lambda: sparsecomm.allreduce(ok(), state=restored_state(7 if last else 6), comm=comm),
         "compressor": lambda: sparsecomm.allreduce(ok(), 0.5, compressor="q8" if last else None, comm=comm),
+        "steady nan": steady_nan,
+        "steady algorithm": steady_algorithm,
     }
     # Every rank must be told which rank is at fault, or every rank's value.
     names_the_rank = {
@@ -207,6 +224,7 @@ def check_bad_input_messages(msgs: dict[str, str]) -> None:
         "meta": "device the communicator cannot use", "op": "op differs across ranks (per rank: [",
         "density-vs-state": "state does not fit the call", "tau": "settings differ across ranks: tau",
         "iteration": "settings differ across ranks: iteration", "compressor": "compressor differs",
+        "steady nan": "NaN or Inf on rank(s) [1]", "steady algorithm": "algorithm differs",
     }
     assert msgs.keys() == expected.keys(), msgs.keys()
     for name, words in expected.items():
