@@ -7,7 +7,8 @@ compressor) with an allgather of a few integers (:func:`check_collectively`).
 Any problem on any rank, or any disagreement between ranks, raises
 :class:`~sparsecomm.errors.InputError` on *every* rank, so that no rank is left
 waiting in a collective its peers will never join. The exchange costs one
-small allgather per call.
+small allgather per call (in worlds of more than ``CARRY_MAX_P`` ranks one small
+allreduce, the allgather only to name the ranks of a refusal).
 
 In small worlds the row has room for ``carried_words(P)`` more integers, which
 an algorithm may fill with the sizes its first exchange needs
@@ -48,7 +49,9 @@ PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
 
 #: Worlds up to this size carry ``P + 1`` words of an algorithm in the check's row: the
 #: allgather's volume grows as P squared, and each rank's row stays under 512 bytes here
-#: (one small message a peer, as the row alone would be).
+#: (one small message a peer, as the row alone would be). Larger worlds check with one
+#: allreduce of each field's largest and smallest value (O(1) words, O(log P) messages a
+#: rank), and gather the rows only to name the ranks of a refusal.
 CARRY_MAX_P = 32
 
 
@@ -267,8 +270,12 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
             ctrl[_NONFINITE:_NONFINITE + 1].copy_(pending.reshape(1).neg())
         if carried is not None:
             ctrl = torch.cat([ctrl, carried.reshape(-1).to(device=comm.control_device, dtype=torch.int64)])
-        got = comm.allgather(ctrl).reshape(comm.size, -1).tolist()  # the one read
-        table, rows = [Signature.of_row(row[:width]) for row in got], [row[width:] for row in got]
+        agreed = _agreed(comm, ctrl) if comm.size > CARRY_MAX_P else None
+        if agreed is not None:  # every row the same, and all is well: nothing to name
+            table, rows = [Signature.of_row(agreed)] * comm.size, [[] for _ in range(comm.size)]
+        else:
+            got = comm.allgather(ctrl).reshape(comm.size, -1).tolist()  # the one read
+            table, rows = [Signature.of_row(row[:width]) for row in got], [row[width:] for row in got]
         if any(s.nonfinite < 0 for s in table):
             _tell_apart(call, table)
     bad = [r for r, s in enumerate(table) if s.problem]
@@ -299,6 +306,22 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
                          f"{[r for r, s in enumerate(table) if s.carried]} only); every rank must "
                          "call with the same state the same number of times")
     return rows
+
+
+def _agreed(comm: Communicator, row: torch.Tensor) -> list[int] | None:
+    """The row, when every rank's is the same and says nothing is wrong; else None.
+
+    One allreduce of (row, -row) with max gives each field's largest and smallest value:
+    2 (P - 1) / P rows received a rank, against P - 1 rows for the allgather, which only a
+    refusal then needs (to name the ranks). No field is the int64 minimum (codes, CRCs,
+    a positive float's bits, counts), so negating is exact.
+    """
+    both = comm.allreduce(torch.cat([row, row.neg()]), "max").tolist()  # the one read
+    high, low = both[:row.numel()], [-v for v in both[row.numel():]]
+    sig = Signature.of_row(high)
+    if high != low or sig.problem or sig.nonfinite:
+        return None
+    return high
 
 
 #: Where the row holds the non-finite flag.

@@ -36,13 +36,37 @@ def every_rank(P, body, timeout=5.0):
 
 
 # ---- 1-3: the collective check, on the simulated world (gloo and MPI: test_engines) ----
-@pytest.mark.parametrize("P", [2, 3, 5])
-def test_every_bad_input_case_raises_on_every_rank_of_the_simulated_world(P):
+@pytest.mark.parametrize("P,allreduce_above", [(2, None), (3, None), (5, None), (3, 2), (5, 2)])
+def test_every_bad_input_case_raises_on_every_rank_of_the_simulated_world(P, allreduce_above, monkeypatch):
+    # allreduce_above: worlds larger than this check with one allreduce of each field's extremes
+    # (as over 32 ranks), and gather the rows only to name the ranks of a refusal.
+    if allreduce_above is not None:
+        monkeypatch.setattr(sparsecomm.check, "CARRY_MAX_P", allreduce_above)
     results, seconds = every_rank(P, lambda r: cases.bad_input_cases(r, P), timeout=5)
     assert seconds < 5, "a rank waited for a peer instead of raising at once"
     for msgs in results:
         assert not isinstance(msgs, BaseException), msgs
         cases.check_bad_input_messages(msgs)
+
+
+def test_a_large_world_checks_with_an_allreduce_of_constant_size():
+    # Over CARRY_MAX_P ranks a call that passes the check receives O(1) words for it (one
+    # allreduce of each field's largest and smallest value), not a row from every peer.
+    P = 40
+    assert P > sparsecomm.check.CARRY_MAX_P
+
+    def received(rank, checked):
+        c = sparsecomm.resolve()
+        before = c.stats.snapshot()
+        sparsecomm.allreduce(torch.randn(400, generator=torch.Generator().manual_seed(rank)), 0.05,
+                             algorithm="dense", check=checked)
+        return (c.stats - before).bytes_received
+
+    checked = sparsecomm.simulate(P, lambda r: received(r, True)).results
+    unchecked = sparsecomm.simulate(P, lambda r: received(r, False)).results
+    row = sparsecomm.check.row_words(P) * 8  # bytes, no carried words at this size
+    for a, b in zip(checked, unchecked):
+        assert a - b == 2 * (2 * row) * (P - 1) // P < row * (P - 1) / 8
 
 
 def test_op_that_differs_is_an_error_not_two_answers():
