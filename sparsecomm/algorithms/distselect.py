@@ -16,9 +16,10 @@ k-th largest exactly:
    so a second small allgather of (count above, count equal) per rank tells
    each rank how many of its ties to keep.
 
-Cost: 4 allreduces of 256 int64 counts plus one allgather of 2P counts, i.e. a
-constant 16 KiB of traffic per rank plus O(P) words, independent of k and n,
-in 5 rounds. When the candidates are few that constant dominates (k = 200 at
+Cost: 4 allreduces of 256 counts plus one allgather of 2P counts, i.e. a
+constant 8 KiB of traffic per rank (int32 counts where a bound on the candidates,
+``candidates_at_most``, fits them; else 16 KiB of int64) plus O(P) words,
+independent of k and n, in 5 rounds. When the candidates are few that constant dominates (k = 200 at
 P = 6: 6.4x the 2k(P-1)/P bound for the whole call), so ``method="gather"``
 allgathers every rank's count of positive magnitudes, then the magnitudes,
 and selects locally: two rounds and T values. ``method="auto"`` decides
@@ -34,20 +35,27 @@ import torch
 
 from ..comm.base import Communicator
 
-__all__ = ["magnitude_keys", "global_topk_mask", "METHODS"]
+__all__ = ["magnitude_keys", "global_topk_mask", "count_dtype", "METHODS"]
 
 METHODS = ("auto", "radix", "gather")
 
 
 def gather_is_cheaper(candidates_at_most: int, value_bytes: int, bits: int, P: int) -> bool:
     """Whether gathering at most ``candidates_at_most`` values beats the radix rounds, in
-    bytes received (a ring allreduce of 256 int64 counts per round receives about twice
+    bytes received (a ring allreduce of 256 counts per round receives about twice
     that) and in messages (two allgathers of P - 1 against ``bits / 8`` allreduces of
     2 log2 P and one allgather)."""
     rounds = bits // 8
-    fewer_bytes = candidates_at_most * value_bytes <= rounds * 2 * 256 * 8
+    count_bytes = count_dtype(candidates_at_most).itemsize
+    fewer_bytes = candidates_at_most * value_bytes <= rounds * 2 * 256 * count_bytes
     no_more_messages = P - 1 <= rounds * 2 * max(1, (P - 1).bit_length())
     return fewer_bytes and no_more_messages
+
+
+def count_dtype(most: int | None) -> torch.dtype:
+    """The narrowest integer dtype for counts summed over ranks, given a bound ``most`` on
+    their total that every rank knows (None: no bound, int64)."""
+    return torch.int32 if most is not None and most < 2**31 else torch.int64
 
 
 def magnitude_keys(mag: torch.Tensor) -> torch.Tensor:
@@ -57,8 +65,10 @@ def magnitude_keys(mag: torch.Tensor) -> torch.Tensor:
     return mag.to(torch.float32).view(torch.int32).to(torch.int64)
 
 
-def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator) -> tuple[int, int] | None:
-    """Globally k-th largest positive key and the global count of keys above it.
+def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator,
+             dtype: torch.dtype = torch.int64) -> tuple[int, int] | None:
+    """Globally k-th largest positive key and the global count of keys above it (the
+    histograms summed in ``dtype``, which must hold the total).
 
     Returns None when there are at most k positive keys in all.
     """
@@ -66,7 +76,7 @@ def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator) -> tuple
     prefix, above = 0, 0
     for shift in range(bits - 8, -1, -8):
         digit = (cand >> shift) & 255
-        hist = comm.allreduce(torch.bincount(digit, minlength=256).to(torch.int64), "sum").tolist()
+        hist = comm.allreduce(torch.bincount(digit, minlength=256).to(dtype), "sum").tolist()
         if shift == bits - 8 and sum(hist) <= k:
             return None
         # Walk down from the top bin until the k-th largest is inside bin b.
@@ -117,8 +127,9 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
         k: how many entries to select over all ranks.
         comm: the communicator of the ranks holding the pieces.
         method: ``auto``, ``radix`` or ``gather`` (same result; cost differs).
-        candidates_at_most: for ``auto``, a bound on the positive magnitudes
-            of all ranks together, the same on every rank (None: radix).
+        candidates_at_most: a bound on the positive magnitudes of all ranks
+            together, the same on every rank: ``auto`` decides by it (None: radix),
+            and counts travel as int32 where it fits them (None: int64).
 
     Returns:
         (mask over ``mag`` of selected entries, selected count of every rank,
@@ -140,7 +151,7 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
         found, table = (None, None) if sum(counts_pos) <= k else _kth_key_gathered(mag, positive, k,
                                                                                     counts_pos, comm)
     else:
-        found = _kth_key(keys, k, bits, comm)
+        found = _kth_key(keys, k, bits, comm, count_dtype(candidates_at_most))
     if found is None:
         if counts_pos is None:
             counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
@@ -148,7 +159,7 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
     th_key, above_global = found
     gt, eq = keys > th_key, keys == th_key
     if table is None:
-        table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(torch.int64))
+        table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(count_dtype(candidates_at_most))).to(torch.int64)
     need = k - above_global
     eq_before = torch.cumsum(table[:, 1], 0) - table[:, 1]
     take = torch.clamp(need - eq_before, min=0)

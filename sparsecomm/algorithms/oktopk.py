@@ -20,7 +20,7 @@ from ..compress import Compressor, Encoded
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
-from .distselect import METHODS, global_topk_mask
+from .distselect import METHODS, count_dtype, global_topk_mask
 from .exchange import equal_boundaries, peak_bits, peak_of, region_sizes, split_and_reduce
 from .oktopk_local import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
                            rung_grid)
@@ -216,7 +216,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
 
     with rec.phase("repartition"):
         if repartition:
-            state.boundaries = (_balanced_boundaries(local_idx, n, comm) if state.balanced
+            state.boundaries = (_balanced_boundaries(local_idx, n, comm, _cap(state, k, P)) if state.balanced
                                 else equal_boundaries(n, P, acc.device))
             stats.events["repartitioned"] = 1
     starts = state.region_starts()
@@ -323,11 +323,13 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 _BINS_PER_REGION = 16
 
 
-def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) -> torch.Tensor:
+def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
+                         most: int | None = None) -> torch.Tensor:
     """Region starts that split every rank's selected indexes, taken together, into P equal parts.
 
     1. Histogram this rank's selected indexes over B = min(n, 16 P) equal bins.
-    2. Sum the histograms over ranks: one allreduce of B counts.
+    2. Sum the histograms over ranks: one allreduce of B counts (int32 when ``most``, a
+       bound on all ranks' selections together, fits: half the bytes).
     3. Cut j goes where the global cumulative count reaches j T / P, interpolated
        linearly inside its bin, in integers: every rank computes the same cuts.
 
@@ -340,8 +342,8 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator) ->
     if P == 1:
         return torch.tensor([0, n], dtype=torch.int64, device=dev)
     B = max(1, min(n, _BINS_PER_REGION * P))
-    hist = torch.bincount(local_idx * B // n, minlength=B).to(torch.int64)
-    total = comm.allreduce(hist, "sum")
+    hist = torch.bincount(local_idx * B // n, minlength=B).to(count_dtype(most))
+    total = comm.allreduce(hist, "sum").to(torch.int64)
     cum = torch.cumsum(total, 0)
     T = int(cum[-1])
     if T == 0:

@@ -51,6 +51,15 @@ def test_bytes_within_oktopk_bound(P, kind):
     assert max(data) <= 6 * K * (P - 1) / P * WORD
 
 
+def test_an_exact_call_at_64_ranks_receives_under_4_5x_the_data_bound():
+    # Control traffic sized by what it carries: the check one allreduce of a few words (over
+    # 32 ranks), the boundaries' histogram and the radix rounds' counts in int32 (the hard cap
+    # bounds their totals). It was 6.6x the bound at P = 64, k = 1000.
+    P = 64
+    received = [s["bytes_received"] for s in run(P, "gaussian").stats]
+    assert max(received) <= 4.5 * 2 * K * (P - 1) / P * WORD
+
+
 @pytest.mark.parametrize("P", [4, 8, 16])
 def test_balanced_split_beats_equal_split_on_skewed(P):
     bal, eq = run(P, "skewed", True), run(P, "skewed", False)
