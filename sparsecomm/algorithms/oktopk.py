@@ -321,15 +321,20 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
 
 
 _BINS_PER_REGION = 16
+#: ...and never fewer bins than this in all (up to 16 ranks, 16 a region whatever k).
+_BINS_AT_LEAST = 256
 
 
 def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
                          most: int | None = None) -> torch.Tensor:
     """Region starts that split every rank's selected indexes, taken together, into P equal parts.
 
-    1. Histogram this rank's selected indexes over B = min(n, 16 P) equal bins.
-    2. Sum the histograms over ranks: one allreduce of B counts (int32 when ``most``, a
-       bound on all ranks' selections together, fits: half the bytes).
+    1. Histogram this rank's selected indexes over B = min(n, 16 P) equal bins; with
+       ``most``, a bound on all ranks' selections together, past 256 bins at most one
+       for two entries one rank may select (but two a region), so that the histogram's
+       words grow with k, not with P (B = 666 instead of 4096 at P = 256, k = 1000).
+    2. Sum the histograms over ranks: one allreduce of B counts (int32 when ``most``
+       fits: half the bytes).
     3. Cut j goes where the global cumulative count reaches j T / P, interpolated
        linearly inside its bin, in integers: every rank computes the same cuts.
 
@@ -341,7 +346,9 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
     P, dev = comm.size, local_idx.device
     if P == 1:
         return torch.tensor([0, n], dtype=torch.int64, device=dev)
-    B = max(1, min(n, _BINS_PER_REGION * P))
+    B = _BINS_PER_REGION * P if most is None else min(_BINS_PER_REGION * P,
+                                                        max(_BINS_AT_LEAST, 2 * P, most // P // 2))
+    B = max(1, min(n, B))
     hist = torch.bincount(local_idx * B // n, minlength=B).to(count_dtype(most))
     total = comm.allreduce(hist, "sum").to(torch.int64)
     cum = torch.cumsum(total, 0)
