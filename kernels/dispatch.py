@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = ["BACKENDS", "BackendUnavailable", "KernelOp", "OPS", "choose", "available", "install_hint",
-           "import_numba", "checks_values", "in_host_memory", "gpu_path", "host_side", "on_host", "to_host",
+           "import_numba", "checks_values", "in_host_memory", "gpu_path", "host_side", "on_host", "to_host", "upload",
            "launch", "counting_launches"]
 
 _ENV = "SPARSECOMM_KERNELS"
@@ -109,6 +109,21 @@ def to_host(tensor: torch.Tensor) -> Any:
     host = tensor.cpu()
     with host_side():
         return host.tolist()
+
+
+def upload(values: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A few host values (a list, or a host tensor) as a ``dtype`` tensor on ``device``, with no
+    synchronisation: the mirror of :func:`to_host`.
+
+    PyTorch copies pageable host memory to a GPU with a stream synchronisation (unless
+    ``non_blocking``, which only pinned memory honours), so a CUDA upload goes through pinned
+    memory, asynchronously; PyTorch's pinned allocator keeps the buffer until the copy is done.
+    """
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:

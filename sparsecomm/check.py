@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import registry
+from . import kernels, registry
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError, NonFiniteError
@@ -265,7 +265,7 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     else:
         sig.carried = int(carried is not None)
         pad = [] if carried is not None else [0] * carried_words(comm.size)
-        ctrl = torch.tensor(sig.row() + pad, dtype=torch.int64, device=comm.control_device)
+        ctrl = kernels.dispatch.upload(sig.row() + pad, torch.int64, comm.control_device)
         if pending is not None and not sig.problem:  # minus the count: not yet told apart
             ctrl[_NONFINITE:_NONFINITE + 1].copy_(pending.reshape(1).neg())
         if carried is not None:

@@ -287,7 +287,7 @@ class State:
             capacity = self.GUIDE_CAPACITY * topk_count(self.density, self.n)
             grid, rungs = self._guide_rungs(residual.dtype)
             sel = kernels.ef_select_counted(flat, residual, self.topk_guide, capacity, zero_selected=False,
-                                            zero_out=zero_out, rungs=grid.to(residual.device))
+                                            zero_out=zero_out, rungs=kernels.dispatch.upload(grid, grid.dtype, residual.device))
             return Compensated.counted(residual, sel, capacity, zero_out is not None, rungs, self.topk_guide)
         return self._accumulate(flat, residual)
 

@@ -99,7 +99,8 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
         return local_idx, codec.decode(wire, scale, work_dtype)
     # One read gives the host this rank's cuts and what every peer sends it: the cuts' sizes
     # go out from the device (the control device, where that differs) and come back with them.
-    cuts = kernels.split_by_boundaries(local_idx, torch.tensor(starts, device=local_idx.device), on_device=True)
+    cuts = kernels.split_by_boundaries(local_idx, kernels.dispatch.upload(starts, torch.int64, local_idx.device),
+                                       on_device=True)
     if check is not None:
         rows = check(cuts)  # every rank's cuts: what each peer sends here is the width of its cut
         off, recv_counts = rows[me], [row[me + 1] - row[me] for row in rows]

@@ -162,7 +162,7 @@ class OkTopkState(State):
         floor = self.local_floor()
         grid, rungs = rung_grid(floor, self.local_spacing, 0, LOCAL_BELOW + LOCAL_ABOVE, self.residual.dtype)
         sel = kernels.ef_select_counted(flat, self.residual, floor, capacity, zero_selected=False,
-                                        zero_out=zero_out, rungs=grid.to(self.residual.device))
+                                        zero_out=zero_out, rungs=kernels.dispatch.upload(grid, grid.dtype, self.residual.device))
         return Compensated.counted(self.residual, sel, capacity, zero_out is not None, rungs)
 
     def fuses_next(self) -> bool:
@@ -433,7 +433,7 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
     elif not periodic:
         s = st.global_spacing
         grid, rungs = rung_grid(st.global_threshold, s, -GRID_HALF, GRID_HALF, mag.dtype)
-        edges = grid.to(mag.device)
+        edges = kernels.dispatch.upload(grid, grid.dtype, mag.device)
         # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
         # would leave it out of the mask but not of the count), and zeros fall below every edge.

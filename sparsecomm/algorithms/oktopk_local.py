@@ -221,7 +221,7 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
         rungs, above, top, bucket = ladder.rungs, list(ladder.above), ladder.top, ladder.bucket
     else:
         grid, rungs = rung_grid(floor, s, 0, LOCAL_BELOW + LOCAL_ABOVE, mag.dtype)
-        bucket, hist = kernels.bucketize(mag, grid.to(mag.device))
+        bucket, hist = kernels.bucketize(mag, kernels.dispatch.upload(grid, grid.dtype, mag.device))
         # One read for the counts (above[j]: candidates at or above rung j) and the largest
         # candidate (the ceiling of the next threshold): float64 holds both exactly.
         *above, top = torch.cat([hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64),

@@ -274,3 +274,28 @@ def test_an_operation_can_prefer_its_own_order():
             == ("cpu" if HAVE_NUMBA else "torch")  # a CUDA order leaves the CPU's alone
     finally:
         del dispatch.OPS["toy_prefer"]
+
+
+def test_upload_builds_the_tensor_a_to_host_read_gives_back():
+    from sparsecomm.kernels import dispatch
+
+    got = dispatch.upload([3, 1, 2], torch.int64, "cpu")
+    assert got.dtype == torch.int64 and dispatch.to_host(got) == [3, 1, 2]
+    grid = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    assert torch.equal(dispatch.upload(grid, torch.float32, "cpu"), grid.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
+def test_upload_to_a_gpu_does_not_synchronise():
+    # A pageable copy would wait for the stream (PyTorch's memcpy_and_sync): the sync debug
+    # mode raises on it. The pinned, asynchronous copy must not.
+    from sparsecomm.kernels import dispatch
+
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        busy @ busy  # the stream has work queued
+        got = dispatch.upload(list(range(17)), torch.int64, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.cpu().tolist() == list(range(17))
