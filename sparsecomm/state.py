@@ -13,7 +13,6 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from types import EllipsisType
 from typing import Any
 
 import torch
@@ -139,20 +138,6 @@ class Compensated:
     ``preselected``: a :class:`Preselection`, when the state selected while
     accumulating, else None.
     """
-
-    @classmethod
-    def fused(cls, acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, count: int,
-              capacity: int, out_zeroed: bool = False, nonfinite: "int | None | EllipsisType" = ...
-              ) -> "Compensated":
-        """What ``kernels.ef_select`` returned (buffers, true count, and the non-finite count
-        when it was asked for it: read with the count) as a compensation."""
-        kept = min(count, capacity)
-        val = val[:kept]
-        if nonfinite is ...:
-            nonfinite = None  # the buffer overflowed: the pass cannot tell
-            if count <= capacity:  # O(k): a finite float sum has only finite terms (one read, no mask)
-                nonfinite = 0 if bool(torch.isfinite(val.sum())) else int((~torch.isfinite(val)).sum())
-        return cls(acc, Preselection(idx[:kept], count, val), nonfinite=nonfinite, out_zeroed=out_zeroed)
 
     @classmethod
     def counted(cls, acc: torch.Tensor, sel: "kernels.Selected", capacity: int, out_zeroed: bool = False,

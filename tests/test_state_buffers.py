@@ -177,18 +177,12 @@ def test_fused_pass_is_the_finite_check(algorithm, monkeypatch):
     reads, overflowed = [], []
     real = check.all_finite
     monkeypatch.setattr(check, "all_finite", lambda t: reads.append(t.numel()) or real(t))
-    fused_result = sparsecomm.state.Compensated.fused.__func__
     counted_result = sparsecomm.state.Compensated.counted.__func__
 
-    def spy(cls, acc, idx, val, count, capacity, out_zeroed=False, nonfinite=...):
-        overflowed.append(count > capacity)  # the buffer cannot tell: the check must read
-        return fused_result(cls, acc, idx, val, count, capacity, out_zeroed, nonfinite)
-
     def spy_counted(cls, acc, sel, capacity, out_zeroed=False, rungs=None, threshold=None):
-        overflowed.append(sel.count > capacity)
+        overflowed.append(sel.count > capacity)  # the buffer cannot tell: the check must read
         return counted_result(cls, acc, sel, capacity, out_zeroed, rungs, threshold)
 
-    monkeypatch.setattr(sparsecomm.state.Compensated, "fused", classmethod(spy))
     monkeypatch.setattr(sparsecomm.state.Compensated, "counted", classmethod(spy_counted))
 
     def body(rank):
