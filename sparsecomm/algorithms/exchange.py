@@ -1,6 +1,8 @@
 """Communication stages shared by several algorithms.
 
 * ``equal_boundaries``: P regions of (almost) equal size.
+* ``carry_or_run``: the collective check, left for the first exchange of sizes to carry
+  (``check.CarriedCheck``), or run first where something collective comes before it.
 * ``peak_bits`` / ``peak_of``: a rank's largest magnitude as integer bits that
   travel with its counts, and the largest over ranks, which bounds a result.
 * ``split_and_reduce``: the sparse reduce-scatter of Ok-Topk and TopkDSA. Each
@@ -22,9 +24,9 @@ import torch
 from .. import kernels
 from ..check import CarriedCheck
 from ..comm.base import Communicator, Request
-from ..compress import Encoded
+from ..compress import Compressor, Encoded
 
-__all__ = ["equal_boundaries", "equal_starts", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P", "peak_bits", "peak_of"]
+__all__ = ["carry_or_run", "equal_boundaries", "equal_starts", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P", "peak_bits", "peak_of"]
 
 _TAG_SPLIT = 0x5C01
 #: Up to this many ranks, a region's parts are merged (``kernels.sum_sorted_runs``, O(P k)
@@ -48,6 +50,16 @@ def equal_boundaries(n: int, P: int, device: torch.device) -> torch.Tensor:
 def equal_starts(n: int, P: int) -> list[int]:
     """:func:`equal_boundaries` on the host (nothing to read back)."""
     return [j * n // P for j in range(P + 1)]
+
+
+def carry_or_run(check: CarriedCheck | None, codec: Compressor, carries: bool = True) -> CarriedCheck | None:
+    """``check``, for the call's first exchange of sizes to carry; or None, having run it, when
+    something collective comes first: a call that repartitions (``carries`` False), or values
+    whose scale the ranks agree on."""
+    if check is not None and (not carries or codec.needs_scale):
+        check()
+        return None
+    return check
 
 
 def peak_bits(mag: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .topka import allgather_and_sum, carry_or_run
+from .exchange import carry_or_run
+from .topka import allgather_and_sum
 
 __all__ = ["GaussiankState", "gaussiank", "gaussian_threshold"]
 

@@ -21,7 +21,7 @@ from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, count_dtype, global_topk_mask
-from .exchange import equal_boundaries, peak_bits, peak_of, region_sizes, split_and_reduce
+from .exchange import carry_or_run, equal_boundaries, peak_bits, peak_of, region_sizes, split_and_reduce
 from .oktopk_local import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
                            rung_grid)
 
@@ -207,9 +207,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
     stats = CallStats(algorithm="oktopk", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     repartition = state.boundaries is None or (t - 1) % state.tau_prime == 0 or state.boundaries.numel() != P + 1
-    if check is not None and (repartition or codec.needs_scale):
-        check()
-        check = None
+    check = carry_or_run(check, codec, carries=not repartition)
     with rec.phase("local_select"):
         local_idx, local_val, local_peak = local_select(acc, k, state, t, stats, preselected)
     stats.local_selected = local_idx.numel()

@@ -14,9 +14,9 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .exchange import merges, peak_bits, peak_of
+from .exchange import carry_or_run, merges, peak_bits, peak_of
 
-__all__ = ["TopkAState", "topka", "allgather_and_sum", "carry_or_run"]
+__all__ = ["TopkAState", "topka", "allgather_and_sum"]
 
 
 class TopkAState(State):
@@ -53,15 +53,6 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
         idx, val = state.exact_topk(acc, k, preselected, stats)
     peak = preselected.peak if preselected is not None else None
     return allgather_and_sum(acc, idx, comm, codec, stats, rec, state, val, check, peak)
-
-
-def carry_or_run(check: CarriedCheck | None, codec: Compressor) -> CarriedCheck | None:
-    """``check``, for :func:`allgather_and_sum`'s exchange of counts to carry; or None, having
-    run it, when values need a scale the ranks agree on (a collective before the counts)."""
-    if check is not None and codec.needs_scale:
-        check()
-        return None
-    return check
 
 
 def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,

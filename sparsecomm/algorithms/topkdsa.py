@@ -21,8 +21,7 @@ from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
-from .exchange import equal_starts, peak_bits, peak_of, region_sizes, split_and_reduce
-from .topka import carry_or_run
+from .exchange import carry_or_run, equal_starts, peak_bits, peak_of, region_sizes, split_and_reduce
 
 __all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
