@@ -48,11 +48,12 @@ PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
              12: "the error-feedback accumulation failed", 13: "the algorithm failed before the check"}
 
 #: Worlds up to this size carry ``P + 1`` words of an algorithm in the check's row: the
-#: allgather's volume grows as P squared, and each rank's row stays under 512 bytes here
-#: (one small message a peer, as the row alone would be). Larger worlds check with one
-#: allreduce of each field's largest and smallest value (O(1) words, O(log P) messages a
-#: rank), and gather the rows only to name the ranks of a refusal.
-CARRY_MAX_P = 32
+#: allgather's volume grows as P squared (21 words from each of 7 peers at P = 8, 0.8x the
+#: data bound of an exact Ok-Topk call at k = 201; at P = 12 the row alone was 1.5x it).
+#: Larger worlds check with one allreduce of each field's largest and smallest value
+#: (O(1) words, O(log P) messages a rank), and gather the rows only to name the ranks of a
+#: refusal; the algorithm's sizes then travel in its own exchange.
+CARRY_MAX_P = 8
 
 
 def carried_words(P: int) -> int:

@@ -7,26 +7,31 @@ patterns read as integers, so a most-significant-digit radix select finds the
 k-th largest exactly:
 
 1. key = bits of |v| (int32 for float32, int64 for float64); zeros are ignored.
-2. For each byte of the key from the top: every rank histograms the byte of
-   its keys that still match the prefix found so far (256 counts), the
-   histograms are summed with one allreduce, and the bin holding the k-th
-   largest is appended to the prefix.
-3. After 4 (float32) or 8 (float64) rounds the prefix is the k-th largest key.
-   Ties at that key are broken by global index: regions are ordered by rank,
-   so a second small allgather of (count above, count equal) per rank tells
-   each rank how many of its ties to keep.
+2. The key's bits below the sign are cut into digits of 4 to 8 bits (:func:`radix_widths`):
+   as few rounds as keep their bins within a budget of words that grows with k
+   (``max(128, k / 2)``), so that the counts are sized by what the call carries. For
+   each digit from the top, every rank histograms the digit of its keys that still
+   match the prefix found so far, the histograms are summed with one allreduce, and
+   the bin holding the k-th largest is appended to the prefix.
+3. After the last digit the prefix is the k-th largest key. Ties at that key are
+   broken by global index: regions are ordered by rank. Every rank's count travels
+   in one small allgather; where the last bin holds more keys than the k-th largest
+   needs (ties to split), every rank's (count above, count equal) instead, which
+   tells each rank how many of its ties to keep.
 
-Cost: 4 allreduces of 256 counts plus one allgather of 2P counts, i.e. a
-constant 8 KiB of traffic per rank (int32 counts where a bound on the candidates,
-``candidates_at_most``, fits them; else 16 KiB of int64) plus O(P) words,
-independent of k and n, in 5 rounds. When the candidates are few that constant dominates (k = 200 at
-P = 6: 6.4x the 2k(P-1)/P bound for the whole call), so ``method="gather"``
-allgathers every rank's count of positive magnitudes, then the magnitudes,
-and selects locally: two rounds and T values. ``method="auto"`` decides
-without a message, from a bound on T every rank knows (Ok-Topk's hard cap:
-P ranks contribute at most floor(hi k) entries each): gather when T values
-take fewer bytes than the radix rounds and the two allgathers take no more
-messages. Every method gives the same keys, ties and masks.
+Cost: at most 896 counts in 4 rounds (k of 1792 and more), down to 120 counts in 8
+rounds (k up to 256); int32 where a bound on the candidates, ``candidates_at_most``,
+fits their totals (else int64); then one allgather of P counts (16-bit below k = 2^15),
+or of 2P. Its 8 KiB of
+8-bit digits were most of an exact Ok-Topk call's traffic at k = 200 (5.1x the
+2k(P-1)/P bound by themselves at P = 12; 0.6x with 4-bit digits). When the candidates
+are few, ``method="gather"`` allgathers every rank's count of positive magnitudes,
+then the magnitudes, and selects locally: two rounds and T values.
+``method="auto"`` decides without a message, from a bound on T every rank knows
+(Ok-Topk's hard cap: P ranks contribute at most floor(hi k) entries each): gather
+when T values take at most ``GATHER_BYTES_PER_K`` bytes a selected entry and the two
+allgathers take no
+more messages than the radix rounds. Every method gives the same keys, ties and masks.
 """
 
 from __future__ import annotations
@@ -35,19 +40,45 @@ import torch
 
 from ..comm.base import Communicator
 
-__all__ = ["magnitude_keys", "global_topk_mask", "count_dtype", "METHODS"]
+__all__ = ["magnitude_keys", "global_topk_mask", "count_dtype", "radix_widths", "METHODS", "GATHER_BYTES_PER_K"]
 
 METHODS = ("auto", "radix", "gather")
 
 
-def gather_is_cheaper(candidates_at_most: int, value_bytes: int, bits: int, P: int) -> bool:
-    """Whether gathering at most ``candidates_at_most`` values beats the radix rounds, in
-    bytes received (a ring allreduce of 256 counts per round receives about twice
-    that) and in messages (two allgathers of P - 1 against ``bits / 8`` allreduces of
-    2 log2 P and one allgather)."""
-    rounds = bits // 8
-    count_bytes = count_dtype(candidates_at_most).itemsize
-    fewer_bytes = candidates_at_most * value_bytes <= rounds * 2 * 256 * count_bytes
+#: ``auto`` gathers at most this many bytes of candidates a selected entry: twice the data
+#: bound of 2k words. Gathering more made an exact Ok-Topk call receive up to 6.3x that bound
+#: at k = 201 (P = 7), in 2 rounds where the radix select takes 9.
+GATHER_BYTES_PER_K = 16
+#: The radix rounds' counts take at most max(RADIX_WORDS_MIN, k / 2) words where digits of
+#: 4 bits or more allow: half a word per selected entry (a ring allreduce receives about
+#: twice its words, so the counts stay within half of the 2k words of data).
+RADIX_WORDS_MIN = 128
+
+
+def radix_widths(key_bits: int, k: int) -> list[int]:
+    """The radix select's digit widths from the top, for keys of ``key_bits`` significant bits:
+    the fewest rounds (digits of 8 bits at most) whose bins together fit in
+    max(``RADIX_WORDS_MIN``, k / 2) words, or digits of 4 bits where none do.
+
+    31-bit keys (float32): 8, 8, 8, 7 (896 bins) from k = 1792; 8 rounds of 4 bits or 3
+    (120 bins) for k up to 256.
+    """
+    budget = max(RADIX_WORDS_MIN, k // 2)
+    widest, narrowest = -(-key_bits // 8), -(-key_bits // 4)
+    for rounds in range(widest, narrowest + 1):
+        base, extra = divmod(key_bits, rounds)
+        widths = [base + 1] * extra + [base] * (rounds - extra)
+        if sum(1 << w for w in widths) <= budget or rounds == narrowest:
+            return widths
+    raise AssertionError("unreachable")
+
+
+def gather_is_cheaper(candidates_at_most: int, value_bytes: int, bits: int, P: int, k: int) -> bool:
+    """Whether gathering at most ``candidates_at_most`` values beats the radix rounds: at most
+    ``GATHER_BYTES_PER_K`` bytes a selected entry, and no more messages (two allgathers of
+    P - 1 against one allreduce of 2 log2 P per digit, ``radix_widths``, and one allgather)."""
+    rounds = len(radix_widths(bits - 1, k))
+    fewer_bytes = candidates_at_most * value_bytes <= GATHER_BYTES_PER_K * k
     no_more_messages = P - 1 <= rounds * 2 * max(1, (P - 1).bit_length())
     return fewer_bytes and no_more_messages
 
@@ -58,6 +89,14 @@ def count_dtype(most: int | None) -> torch.dtype:
     return torch.int32 if most is not None and most < 2**31 else torch.int64
 
 
+def _allgather_counts(comm: Communicator, count: torch.Tensor, most: int | None) -> list[int]:
+    """Every rank's one ``count``, each at most ``most`` (None: no bound), in the narrowest
+    integers that hold it (sent as bytes: NCCL has no 16-bit integers)."""
+    width = torch.int16 if most is not None and most < 2**15 else count_dtype(most)
+    word = count.reshape(1).to(width).view(torch.uint8)
+    return comm.allgather(word).view(width).flatten().tolist()
+
+
 def magnitude_keys(mag: torch.Tensor) -> torch.Tensor:
     """Integer keys ordering like the non-negative float magnitudes ``mag``."""
     if mag.dtype == torch.float64:
@@ -66,28 +105,30 @@ def magnitude_keys(mag: torch.Tensor) -> torch.Tensor:
 
 
 def _kth_key(keys: torch.Tensor, k: int, bits: int, comm: Communicator,
-             dtype: torch.dtype = torch.int64) -> tuple[int, int] | None:
-    """Globally k-th largest positive key and the global count of keys above it (the
-    histograms summed in ``dtype``, which must hold the total).
+             dtype: torch.dtype = torch.int64) -> tuple[int, int, bool] | None:
+    """Globally k-th largest positive key, the global count of keys above it, and whether
+    ties at it must be split (more keys equal to it than the k-th largest needs); the
+    histograms summed in ``dtype``, which must hold the total.
 
     Returns None when there are at most k positive keys in all.
     """
     cand = keys[keys > 0]
-    prefix, above = 0, 0
-    for shift in range(bits - 8, -1, -8):
-        digit = (cand >> shift) & 255
-        hist = comm.allreduce(torch.bincount(digit, minlength=256).to(dtype), "sum").tolist()
-        if shift == bits - 8 and sum(hist) <= k:
+    prefix, above, shift, split = 0, 0, bits - 1, False
+    for i, width in enumerate(radix_widths(bits - 1, k)):
+        shift -= width
+        digit = (cand >> shift) & ((1 << width) - 1)
+        hist = comm.allreduce(torch.bincount(digit, minlength=1 << width).to(dtype), "sum").tolist()
+        if i == 0 and sum(hist) <= k:
             return None
         # Walk down from the top bin until the k-th largest is inside bin b.
-        b, remaining = 255, k - above
+        b, remaining = (1 << width) - 1, k - above
         while hist[b] < remaining:
             remaining -= hist[b]
             b -= 1
-        above = k - remaining
-        prefix = (prefix << 8) | b
+        above, split = k - remaining, hist[b] > remaining
+        prefix = (prefix << width) | b
         cand = cand[digit == b]
-    return prefix, above
+    return prefix, above, split
 
 
 def _kth_key_gathered(mag: torch.Tensor, positive: torch.Tensor, k: int, counts: list[int],
@@ -115,8 +156,9 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
 
     1. ``auto``: ``gather`` if :func:`gather_is_cheaper` for
        ``candidates_at_most`` positive magnitudes over all ranks, else ``radix``.
-    2. ``radix``: the k-th largest key by 8-bit digits (module docstring),
-       then one allgather of every rank's (above, equal) counts.
+    2. ``radix``: the k-th largest key digit by digit (module docstring), then
+       one allgather of every rank's count, or of its (above, equal) counts where
+       ties at the k-th largest must be split.
        ``gather``: one allgather of every rank's count of positive
        magnitudes, then the magnitudes themselves, in rank order; the k-th
        largest key and the (above, equal) table computed locally.
@@ -142,24 +184,30 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
     positive = keys > 0
     if method == "auto":
         cheaper = candidates_at_most is not None and gather_is_cheaper(
-            candidates_at_most, mag.element_size(), bits, comm.size)
+            candidates_at_most, mag.element_size(), bits, comm.size, k)
         method = "gather" if cheaper else "radix"
-    counts_pos, table = None, None
+    counts_pos, table, dtype = None, None, count_dtype(candidates_at_most)
     if method == "gather":
-        counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
+        counts_pos = _allgather_counts(comm, positive.sum(), candidates_at_most)
         # At most k positive entries in all: every one is selected, nothing to gather or rank.
         found, table = (None, None) if sum(counts_pos) <= k else _kth_key_gathered(mag, positive, k,
                                                                                     counts_pos, comm)
     else:
-        found = _kth_key(keys, k, bits, comm, count_dtype(candidates_at_most))
+        found = _kth_key(keys, k, bits, comm, dtype)
     if found is None:
-        if counts_pos is None:
-            counts_pos = comm.allgather(positive.sum().reshape(1).to(torch.int64)).flatten().tolist()
+        if counts_pos is None:  # (found by the radix: at most k in all)
+            counts_pos = _allgather_counts(comm, positive.sum(), k)
         return positive, counts_pos, None
-    th_key, above_global = found
+    th_key, above_global, split = found if table is None else (*found, True)
     gt, eq = keys > th_key, keys == th_key
+    th = float(torch.tensor([th_key], dtype=torch.int64 if bits == 64 else torch.int32)
+               .view(torch.float64 if bits == 64 else torch.float32))
+    if not split:  # every key at the threshold is selected: each rank's count is all the table needs
+        mask = gt | eq
+        counts = _allgather_counts(comm, mask.sum(), k)  # (k in all)
+        return mask, counts, th
     if table is None:
-        table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(count_dtype(candidates_at_most))).to(torch.int64)
+        table = comm.allgather(torch.stack([gt.sum(), eq.sum()]).to(dtype)).to(torch.int64)
     need = k - above_global
     eq_before = torch.cumsum(table[:, 1], 0) - table[:, 1]
     take = torch.clamp(need - eq_before, min=0)
@@ -167,6 +215,4 @@ def global_topk_mask(mag: torch.Tensor, k: int, comm: Communicator, method: str 
     mine = int(take[comm.rank])
     mask = gt | (eq & (torch.cumsum(eq, 0) <= mine))
     counts = (table[:, 0] + take).tolist()
-    th = float(torch.tensor([th_key], dtype=torch.int64 if bits == 64 else torch.int32)
-               .view(torch.float64 if bits == 64 else torch.float32))
     return mask, counts, th

@@ -117,9 +117,13 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
         rows = check(cuts)  # every rank's cuts: what each peer sends here is the width of its cut
         off, recv_counts = rows[me], [row[me + 1] - row[me] for row in rows]
     else:
+        # A part holds at most the n entries every rank agrees on (the check ran): in 16 bits
+        # where that fits, sent as bytes (NCCL has no 16-bit integers).
         sent = torch.cat([cuts, torch.diff(cuts)]).to(comm.control_device)
-        received = comm.alltoall(sent[P + 1:].reshape(P, 1)).flatten()
-        off, recv_counts = _split(torch.cat([sent[:P + 1], received]).tolist(), P + 1)
+        width = torch.int16 if starts[-1] < 2**15 else torch.int32 if starts[-1] < 2**31 else torch.int64
+        sizes = sent[P + 1:].to(width).reshape(P, 1).view(torch.uint8)
+        received = comm.alltoall(sizes).view(width).flatten()
+        off, recv_counts = _split(sent[:P + 1].tolist() + received.tolist(), P + 1)
     # A few parts (small worlds) are merged, summing in step order; more are added into a
     # dense accumulator of the region. The sums are the same bit for bit either way.
     merge = merges(P, wire.device)

@@ -67,11 +67,12 @@ class OkTopkState(State):
             few, the same call falls back to the exact select. The count bounds above still apply,
             so the hard cap holds either way.
         global_select: how the exact global threshold is found
-            (``algorithms.distselect``): ``"radix"`` in 5 rounds and a
-            constant ~16 KiB per rank, ``"gather"`` in 2 rounds moving every
-            candidate, ``"auto"`` (default) gather where the hard cap bounds
-            the candidates to fewer bytes than the radix rounds (small k,
-            P up to ~44), radix elsewhere. All three select the same entries.
+            (``algorithms.distselect``): ``"radix"`` in 5 to 9 rounds whose
+            counts grow with k (8 rounds of 4-bit digits, 480 bytes, at k = 201;
+            4 rounds, 3.5 KiB, from k = 1792), ``"gather"`` in 2 rounds moving
+            every candidate, ``"auto"`` (default) gather where the hard cap
+            bounds the candidates to at most 16 bytes a selected entry (P up to
+            3 at density 1%), radix elsewhere. All three select the same entries.
 
     Internal fields: ``local_threshold``, ``local_spacing`` (the local rungs' spacing,
     see ``checked_select``), ``global_threshold``,
@@ -318,9 +319,12 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
     return oktopk_gather(oktopk_reduce(acc, k, comm, state, codec, preselected, check), comm)
 
 
+#: Bins a region in the boundaries' histogram, up to 16 ranks.
 _BINS_PER_REGION = 16
-#: ...and never fewer bins than this in all (up to 16 ranks, 16 a region whatever k).
-_BINS_AT_LEAST = 256
+#: Past 16 ranks the bins are sized by k instead (one for two entries a rank may select),
+#: but never fewer than this: 134 bins at P = 256, k = 201, where 2 a region (512) were
+#: 2.5x the data bound by themselves.
+_BINS_AT_LEAST = 128
 
 
 def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
@@ -329,8 +333,9 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
 
     1. Histogram this rank's selected indexes over B = min(n, 16 P) equal bins; with
        ``most``, a bound on all ranks' selections together, past 256 bins at most one
-       for two entries one rank may select (but two a region), so that the histogram's
-       words grow with k, not with P (B = 666 instead of 4096 at P = 256, k = 1000).
+       for two entries one rank may select (at least 128), so that the histogram's
+       words grow with k, not with P (B = 666 instead of 4096 at P = 256, k = 1000;
+       134 at k = 201, fewer than the regions: cuts inside a bin are interpolated).
     2. Sum the histograms over ranks: one allreduce of B counts (int32 when ``most``
        fits: half the bytes).
     3. Cut j goes where the global cumulative count reaches j T / P, interpolated
@@ -344,8 +349,9 @@ def _balanced_boundaries(local_idx: torch.Tensor, n: int, comm: Communicator,
     P, dev = comm.size, local_idx.device
     if P == 1:
         return torch.tensor([0, n], dtype=torch.int64, device=dev)
-    B = _BINS_PER_REGION * P if most is None else min(_BINS_PER_REGION * P,
-                                                        max(_BINS_AT_LEAST, 2 * P, most // P // 2))
+    B = _BINS_PER_REGION * P
+    if most is not None and B > 256:
+        B = min(B, max(_BINS_AT_LEAST, most // P // 2))
     B = max(1, min(n, B))
     hist = torch.bincount(local_idx * B // n, minlength=B).to(count_dtype(most))
     total = comm.allreduce(hist, "sum").to(torch.int64)
