@@ -58,7 +58,9 @@ from .estimate import bucketize, count_above, count_on_device, estimate_threshol
 from .message import (
                   blocked,
                   message_bytes,
+                  messages_bytes,
                   pack_message,
+                  pack_messages,
                   unpack_message,
                   unpack_messages,
 )
@@ -77,7 +79,8 @@ from .select import kth_largest, nonzero, select_above, topk_indexes, topk_of_ca
 
 __all__ = ["kth_largest", "topk_indexes", "select_above", "topk_of_candidates", "nonzero",
            "split_by_boundaries", "pack_records", "unpack_records", "record_bytes",
-           "index_dtype_for", "pack_message", "unpack_message", "unpack_messages", "message_bytes", "blocked",
+           "index_dtype_for", "pack_message", "pack_messages", "unpack_message", "unpack_messages", "message_bytes",
+           "messages_bytes", "blocked",
            "scatter_add", "isin_sorted", "unique_indexes", "union_sorted_runs",
            "take_and_zero", "scatter_dense", "sum_sorted_runs", "ef_select", "ef_select_counted", "Selected", "tally",
            "ef_accumulate", "shares_memory",

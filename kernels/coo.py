@@ -43,7 +43,7 @@ def index_dtype_for(span: int) -> torch.dtype:
 
 def record_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
     """Bytes of one record."""
-    return torch.empty(0, dtype=index_dtype).element_size() + torch.empty(0, dtype=value_dtype).element_size()
+    return index_dtype.itemsize + value_dtype.itemsize
 
 
 # Integer dtypes carrying a value's bit pattern, by its width in bytes.

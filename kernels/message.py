@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from . import dispatch
 from .coo import _LITTLE, _PACK_RECORDS, _UNPACK_RECORDS, record_bytes, unpack_records
 
-__all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "pack_message", "unpack_message",
-           "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_cupy",
+__all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "messages_bytes", "pack_message",
+           "pack_messages", "unpack_message", "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_cupy",
            "unpack_blocked_cupy", "header_words"]
 
 #: Width of the blocks a blocked message counts its entries in; an index travels as its
@@ -47,8 +48,13 @@ def index_blocks(span: int) -> int:
 def blocked(count: int, span: int, index_dtype: torch.dtype) -> bool:
     """Whether a message of ``count`` entries in ``[0, span)`` is blocked: its header
     (4 bytes a block) is smaller than what 2-byte offsets save over ``index_dtype``."""
+    return bool(_blocks_pay(np.array([count]), np.array([span]), index_dtype)[0])
+
+
+def _blocks_pay(counts: np.ndarray, spans: np.ndarray, index_dtype: torch.dtype) -> np.ndarray:
+    """:func:`blocked` of many messages: the one rule every size and layout follows."""
     saved = index_dtype.itemsize - _OFFSET_DTYPE.itemsize
-    return count > 0 and _HEADER_DTYPE.itemsize * index_blocks(span) < saved * count
+    return (counts > 0) & (_HEADER_DTYPE.itemsize * (-(-spans // INDEX_BLOCK)) < saved * counts)
 
 
 def message_bytes(count: int, span: int, index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
@@ -56,6 +62,84 @@ def message_bytes(count: int, span: int, index_dtype: torch.dtype, value_dtype: 
     if blocked(count, span, index_dtype):
         return _HEADER_DTYPE.itemsize * index_blocks(span) + count * record_bytes(_OFFSET_DTYPE, value_dtype)
     return count * record_bytes(index_dtype, value_dtype)
+
+
+def _layout(counts: Sequence[int], spans: Sequence[int], index_dtype: torch.dtype,
+            value_dtype: torch.dtype) -> tuple[np.ndarray, ...]:
+    """Per message, as arrays: counts, whether blocked, header bytes, record bytes, total bytes."""
+    c = np.asarray(counts, dtype=np.int64).reshape(-1)
+    spans_a = np.asarray(spans, dtype=np.int64).reshape(-1)
+    blocks = -(-spans_a // INDEX_BLOCK)
+    is_blocked = _blocks_pay(c, spans_a, index_dtype)
+    head = np.where(is_blocked, _HEADER_DTYPE.itemsize * blocks, 0)
+    rec = np.where(is_blocked, _OFFSET_DTYPE.itemsize, index_dtype.itemsize) + value_dtype.itemsize
+    return c, is_blocked, head, rec, head + c * rec
+
+
+def messages_bytes(counts: Sequence[int], spans: Sequence[int], index_dtype: torch.dtype,
+                   value_dtype: torch.dtype) -> list[int]:
+    """:func:`message_bytes` of many messages at once (no Python work per message)."""
+    return _layout(counts, spans, index_dtype, value_dtype)[-1].tolist()
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(sizes, dtype=np.int64)[:-1]])
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray, device: torch.device, step: int = 1) -> torch.Tensor:
+    """starts[m] + step * i for i < lengths[m], every segment end to end (one tensor)."""
+    lengths_t = torch.from_numpy(np.ascontiguousarray(lengths))
+    total = int(lengths.sum())
+    first = torch.from_numpy(np.ascontiguousarray(starts - step * _starts(lengths)))
+    out = torch.repeat_interleave(first, lengths_t, output_size=total) + torch.arange(total) * step
+    return out.to(device)
+
+
+def pack_messages(idx: torch.Tensor, values: torch.Tensor, cuts: Sequence[int], spans: Sequence[int],
+                  bases: Sequence[int], index_dtype: torch.dtype, value_dtype: torch.dtype,
+                  skip: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Messages of every part ``idx[cuts[j]:cuts[j+1]]`` at once, end to end: what
+    :func:`pack_message` makes of each part (span ``spans[j]``, base ``bases[j]``), in one
+    buffer, with their sizes. Part ``skip`` is left out (size 0). For host memory: a few
+    operations over all entries, none per message (thousands of messages at P = 1024).
+
+    1. The layout (blocked or plain, header and record bytes) of every message, from the
+       counts alone; the byte where each record and header word goes.
+    2. The records of each layout packed in one call (``coo.pack_records``), the headers
+       counted in one ``bincount`` of (message, block).
+    3. Both scattered to their bytes.
+    """
+    counts = np.diff(np.asarray(cuts, dtype=np.int64))
+    if skip is not None:
+        counts[skip] = 0
+    c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
+    out = torch.empty(int(size.sum()), dtype=torch.uint8, device=values.device)
+    at = _starts(size)
+    firsts = np.asarray(cuts[:-1], dtype=np.int64)
+    bases_a = np.asarray(bases, dtype=np.int64)
+    for group, idt, in_blocks in ((~is_blocked & (c > 0), index_dtype, False), (is_blocked, _OFFSET_DTYPE, True)):
+        sel = np.flatnonzero(group)
+        if not sel.size:
+            continue
+        gc = c[sel]
+        take = _segments(firsts[sel], gc, values.device)  # entries of these messages, in order
+        rel = idx[take] - _segments(bases_a[sel], gc, values.device, step=0)
+        if dispatch.checks_values(rel) and rel.numel() and (int(rel.min()) < 0 or bool(
+                (rel >= _segments(np.asarray(spans, dtype=np.int64)[sel], gc, values.device, step=0)).any())):
+            raise ValueError("pack_messages: an index lies outside its part's span")
+        r = int(rec[sel[0]])
+        rows = torch.empty((rel.numel(), r), dtype=torch.uint8, device=values.device)
+        if in_blocks:
+            words = torch.bincount(_segments(_starts(-(-np.asarray(spans, dtype=np.int64)[sel] // INDEX_BLOCK)), gc,
+                                             values.device, step=0) + rel // INDEX_BLOCK,
+                                   minlength=int((head[sel] // _HEADER_DTYPE.itemsize).sum()))
+            hb = _segments(at[sel], head[sel], values.device)
+            out[hb] = words.to(_HEADER_DTYPE).view(torch.uint8)
+            rel = rel.bitwise_and(INDEX_BLOCK - 1)
+        _PACK_RECORDS(rel, values[take], idt, value_dtype, rows)
+        dest = _segments(at[sel] + head[sel], gc * r, values.device)
+        out[dest] = rows.reshape(-1)
+    return out, size.tolist()
 
 
 def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_dtype: torch.dtype,
@@ -151,23 +235,58 @@ def unpack_message(msg: torch.Tensor, count: int, span: int, index_dtype: torch.
 
 
 def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[int], bases: Sequence[int],
-                    index_dtype: torch.dtype, value_dtype: torch.dtype, backend: str | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Messages laid end to end in ``buf`` (an allgatherv's), decoded and concatenated.
+                    index_dtype: torch.dtype, value_dtype: torch.dtype, backend: str | None = None, *,
+                    starts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Messages in ``buf`` (an allgatherv's, an alltoallv's), decoded and concatenated.
 
     Message j has ``counts[j]`` entries in ``[0, spans[j])``; ``bases[j]`` is
     added to its indexes. Returns (int64 indexes, values) in message order.
+    ``starts``: where each message begins in ``buf`` (None: end to end, filling it).
+
+    In host memory all messages are decoded at once: the records of each layout in one
+    ``coo.unpack_records`` call, the blocked ones' blocks expanded from every header in one
+    ``repeat_interleave`` (no Python work per message: thousands at P = 1024). Elsewhere
+    each message is decoded by its kernel (``backend``).
     """
-    idx = torch.empty(sum(counts), dtype=torch.int64, device=buf.device)
-    vals = torch.empty(sum(counts), dtype=value_dtype, device=buf.device)
-    at, put = 0, 0
-    for count, span, base in zip(counts, spans, bases):
-        size = message_bytes(count, span, index_dtype, value_dtype)
-        _unpack_into(buf[at:at + size], count, span, base, index_dtype, value_dtype,
-                     idx[put:put + count], vals[put:put + count], backend)
-        at, put = at + size, put + count
-    if at != buf.numel():
-        raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages take {at}")
+    c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
+    if starts is None:
+        if int(size.sum()) != buf.numel():
+            raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages take {int(size.sum())}")
+        at = _starts(size)
+    else:
+        at = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if at.size and int((at + size).max()) > buf.numel():
+            raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages reach {int((at + size).max())}")
+    total = int(c.sum())
+    idx = torch.empty(total, dtype=torch.int64, device=buf.device)
+    vals = torch.empty(total, dtype=value_dtype, device=buf.device)
+    put = _starts(c)
+    if not dispatch.in_host_memory(buf):
+        for m in range(c.size):
+            _unpack_into(buf[at[m]:at[m] + size[m]], int(c[m]), spans[m], bases[m], index_dtype, value_dtype,
+                         idx[put[m]:put[m] + c[m]], vals[put[m]:put[m] + c[m]], backend)
+        return idx, vals
+    bases_a = np.asarray(bases, dtype=np.int64)
+    for group, idt, in_blocks in ((~is_blocked & (c > 0), index_dtype, False), (is_blocked, _OFFSET_DTYPE, True)):
+        sel = np.flatnonzero(group)
+        if not sel.size:
+            continue
+        gc, r = c[sel], int(rec[sel[0]])
+        rows = buf[_segments(at[sel] + head[sel], gc * r, buf.device)].view(-1, r)
+        got, v = unpack_records(rows, idt, value_dtype, backend=backend)
+        if in_blocks:
+            words = buf[_segments(at[sel], head[sel], buf.device)].view(_HEADER_DTYPE).to(torch.int64)
+            nwords = head[sel] // _HEADER_DTYPE.itemsize
+            if dispatch.checks_values(words) and (bool((words < 0).any()) or not np.array_equal(
+                    np.add.reduceat(words.numpy(), _starts(nwords)) if words.numel() else words.numpy(), gc)):
+                raise ValueError("unpack_messages: a header does not count its message's entries")
+            block_at = _segments(bases_a[sel], nwords, buf.device, step=INDEX_BLOCK)
+            got = got.bitwise_and_(INDEX_BLOCK - 1) + torch.repeat_interleave(block_at, words, output_size=got.numel())
+        else:
+            got = got + _segments(bases_a[sel], gc, buf.device, step=0)
+        where = _segments(put[sel], gc, buf.device)
+        idx[where] = got
+        vals[where] = v
     return idx, vals
 
 

@@ -31,6 +31,16 @@ def check_comm(comm: Communicator) -> dict:
     a = comm.alltoall((torch.arange(P) * 100 + r).reshape(P, 1))
     assert a.flatten().tolist() == [100 * r + i for i in range(P)], a
 
+    # alltoallv: rank i sends (i + 2 j) % 3 bytes of value 16 i + j to rank j (some parts empty).
+    def part(i: int, j: int) -> list[int]:
+        return [(16 * i + j) % 256] * ((i + 2 * j) % 3)
+
+    for bucket in (None, 2):
+        send = torch.tensor(sum((part(r, j) for j in range(P)), []), dtype=torch.uint8)
+        got = comm.alltoallv(send, [len(part(r, j)) for j in range(P)], [len(part(i, r)) for i in range(P)],
+                             bucket=bucket)
+        assert got.tolist() == sum((part(i, r) for i in range(P)), []), got
+
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):
         x = torch.tensor([r + 1, -r, 2 * r], dtype=dtype)
         assert comm.allreduce(x, "sum").tolist() == [P * (P + 1) // 2, -P * (P - 1) // 2, P * (P - 1)]

@@ -130,66 +130,70 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     if not merge:
         region = region() if region is not None else torch.zeros(starts[me + 1] - starts[me], dtype=work_dtype,
                                                                    device=wire.device)
-
-    def part(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return local_idx[off[j]:off[j + 1]] - starts[j], wire[off[j]:off[j + 1]]
-
-    own_idx, own_wire = part(me)
-    touched = [own_idx]
-    decoded = [codec.decode(own_wire, scale, work_dtype)]
-    if not merge:  # (each part's indexes are unique: cut from one rank's selection)
-        kernels.scatter_add(region, own_idx, decoded.pop(), unique=True)
     span = region_sizes(starts)
-
-    def post(steps: Sequence[int]) -> tuple[list[Request], list[tuple[Request, torch.Tensor, int]]]:
-        sends, recvs = [], []
-        for s in steps:
-            dst, src = (me + s) % P, (me - s) % P
-            if recv_counts[src]:
-                size = kernels.message_bytes(recv_counts[src], span[me], index_dtype, codec.wire_dtype)
-                buf = torch.empty(size, dtype=torch.uint8, device=wire.device)
-                recvs.append((comm.irecv(buf, src, _TAG_SPLIT), buf, recv_counts[src]))
-            if off[dst + 1] > off[dst]:  # (the region's start subtracted in the pack)
-                msg = kernels.pack_message(local_idx[off[dst]:off[dst + 1]], wire[off[dst]:off[dst + 1]], span[dst],
-                                           index_dtype, codec.wire_dtype, base=starts[dst])
-                sends.append(comm.isend(msg, dst, _TAG_SPLIT))
-        return sends, recvs
-
-    buckets = [range(b, min(b + bucket, P)) for b in range(1, P, bucket)]
-    all_sends: list[Request] = []
-    pending = post(buckets[0])
-    for b in range(len(buckets)):
-        nxt = post(buckets[b + 1]) if b + 1 < len(buckets) else ([], [])
-        all_sends += pending[0]
-        for req, buf, count in pending[1]:  # reduce bucket b while bucket b+1 is in flight
-            req.wait()
+    host = kernels.dispatch.in_host_memory(wire)
+    # Every part in one exchange: on the host packed at once, on a device one kernel a part.
+    if host:
+        send, send_sizes = kernels.pack_messages(local_idx, wire, off, span, starts[:-1], index_dtype,
+                                                 codec.wire_dtype, skip=me)
+    else:
+        msgs = [kernels.pack_message(local_idx[off[j]:off[j + 1]], wire[off[j]:off[j + 1]], span[j], index_dtype,
+                                     codec.wire_dtype, base=starts[j]) if j != me and off[j + 1] > off[j] else None
+                for j in range(P)]
+        send_sizes = [0 if m is None else m.numel() for m in msgs]
+        send = torch.cat([m for m in msgs if m is not None]) if any(send_sizes) else wire.new_empty(0, dtype=torch.uint8)
+    counts_in = list(recv_counts)
+    counts_in[me] = 0
+    recv_sizes = kernels.messages_bytes(counts_in, [span[me]] * P, index_dtype, codec.wire_dtype)
+    received = comm.alltoallv(send, send_sizes, recv_sizes, bucket)
+    # Parts are added in step order (from rank - 1, rank - 2, ...), so the sums are the same
+    # whatever engine moved them.
+    at = [0]
+    for size in recv_sizes:
+        at.append(at[-1] + size)
+    order = [(me - s) % P for s in range(1, P) if counts_in[(me - s) % P]]
+    own_idx, own_wire = local_idx[off[me]:off[me + 1]] - starts[me], wire[off[me]:off[me + 1]]
+    in_counts = [counts_in[j] for j in order]
+    if host:
+        got_idx, got_codes = kernels.unpack_messages(received, in_counts, [span[me]] * len(order), [0] * len(order),
+                                                     index_dtype, codec.wire_dtype, starts=[at[j] for j in order])
+        touched = torch.cat([own_idx, got_idx])
+        decoded = codec.decode(torch.cat([own_wire, got_codes]), scale, work_dtype)
+        if not merge:
+            kernels.scatter_add(region, touched, decoded)  # in order: own part, then step order
+    else:
+        touched, decoded = [own_idx], [codec.decode(own_wire, scale, work_dtype)]
+        if not merge:  # (each part's indexes are unique: cut from one rank's selection)
+            kernels.scatter_add(region, own_idx, decoded.pop(), unique=True)
+        for j in order:
+            msg = received[at[j]:at[j + 1]]
             if not merge and codec.exact_for(work_dtype):  # values as they are: added while decoded
-                idx, _ = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype, add_into=region)
+                idx, _ = kernels.unpack_message(msg, counts_in[j], span[me], index_dtype, codec.wire_dtype,
+                                                add_into=region)
             else:
-                idx, codes = kernels.unpack_message(buf, count, span[me], index_dtype, codec.wire_dtype)
+                idx, codes = kernels.unpack_message(msg, counts_in[j], span[me], index_dtype, codec.wire_dtype)
                 if merge:
                     decoded.append(codec.decode(codes, scale, work_dtype))
                 else:
                     kernels.scatter_add(region, idx, codec.decode(codes, scale, work_dtype), unique=True)
             touched.append(idx)
-        pending = nxt
-    for req in all_sends:
-        req.wait()
-    # Every list ascends (cut from a sorted selection): merge them rather than sort.
-    runs = [0]
-    for part_idx in touched:
-        runs.append(runs[-1] + part_idx.numel())
+        touched = torch.cat(touched)
+        decoded = torch.cat(decoded) if merge else None
+    # Every part ascends (cut from a sorted selection): merge them rather than sort.
+    runs = [0, own_idx.numel()]
+    for count in in_counts:
+        runs.append(runs[-1] + count)
     if merge:
-        return kernels.sum_sorted_runs(torch.cat(touched), torch.cat(decoded), runs)
+        return kernels.sum_sorted_runs(touched, decoded, runs)
     if padded:  # every touched index, sorted; the sum at its first place, zeros at its repeats
-        rel = torch.sort(torch.cat(touched)).values
+        rel = torch.sort(touched).values
         first = torch.ones_like(rel, dtype=torch.bool)
         torch.ne(rel[1:], rel[:-1], out=first[1:])
         sums = torch.where(first, region.index_select(0, rel), torch.zeros((), dtype=region.dtype,
                                                                             device=region.device))
         region.index_fill_(0, rel, 0)  # all zero again for the next call
         return rel, sums
-    rel = kernels.union_sorted_runs(torch.cat(touched), runs)
+    rel = kernels.union_sorted_runs(touched, runs)
     sums = kernels.take_and_zero(region, rel)  # O(k): the buffer is all zero again for the next call
     return rel, sums
 

@@ -93,7 +93,7 @@ def allgather_and_sum(acc: torch.Tensor, idx: torch.Tensor, comm: Communicator,
         # Each rank's list as one message (16-bit offsets within blocks where that is smaller);
         # its size follows from its count, which every rank now knows.
         msg = kernels.pack_message(idx, mine.wire, n, index_dtype, codec.wire_dtype)
-        sizes = [kernels.message_bytes(c, n, index_dtype, codec.wire_dtype) for c in counts]
+        sizes = kernels.messages_bytes(counts, [n] * P, index_dtype, codec.wire_dtype)
         gathered = comm.allgatherv(msg, sizes)
     with rec.phase("sum"):
         gidx, gwire = kernels.unpack_messages(gathered, counts, [n] * P, [0] * P, index_dtype, codec.wire_dtype)

@@ -14,6 +14,7 @@ operation           bytes sent = bytes received   messages sent
 ==================  ============================  ==========================
 allgather(v)        total - own (ring)            P - 1
 alltoall            (P - 1) * chunk               P - 1
+alltoallv           each part (point to point)    one a nonempty part
 allreduce           2 m (P - 1) / P (Rabenseifner)  2 ceil(log2 P)
 reduce_scatter      m (P - 1) / P                 ceil(log2 P)
 all_gather (dense)  m (P - 1) / P                 ceil(log2 P)
@@ -47,6 +48,8 @@ def default_timeout() -> float:
     value = os.environ.get("SPARSECOMM_TIMEOUT")
     return float(value) if value else DEFAULT_TIMEOUT
 
+
+_TAG_ALLTOALLV = 0xA11A
 
 _COUNTERS = ("bytes_sent", "bytes_received", "messages_sent", "messages_received")
 
@@ -201,6 +204,63 @@ class Communicator(abc.ABC):
             raise ValueError(f"alltoall: first dimension {t.shape[0]} != world size {self.size}")
         self._count(_nbytes(t) // self.size * (self.size - 1), self.size - 1)
         return self._alltoall(t.contiguous())
+
+    def alltoallv(self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
+                  bucket: int | None = None) -> torch.Tensor:
+        """Rank r gets ``send_sizes[r]`` bytes of ``send`` (1-D uint8, the parts end to end in
+        rank order); returns what every rank sent here, end to end in rank order
+        (``recv_sizes[r]`` bytes from rank r, which both ends know).
+
+        Counted as the point-to-point messages it is: one a peer with something to send.
+        Backends move them with point-to-point sends in a rotation (step s: to rank + s,
+        from rank - s), ``bucket`` steps in flight at once (None: all), so that no rank is
+        every peer's first destination; the simulated world moves them in one rendezvous
+        and models each message's time as those sends would take.
+        """
+        send_sizes, recv_sizes = [int(x) for x in send_sizes], [int(x) for x in recv_sizes]
+        if (send.dim() != 1 or send.dtype != torch.uint8 or len(send_sizes) != self.size
+                or len(recv_sizes) != self.size or sum(send_sizes) != send.numel()
+                or send_sizes[self.rank] != recv_sizes[self.rank]):
+            raise ValueError(f"alltoallv: need 1-D uint8 bytes of {self.size} parts (own part the same size "
+                             f"both ways), got {tuple(send.shape)} {send.dtype}, sizes {len(send_sizes)} and "
+                             f"{len(recv_sizes)} summing to {sum(send_sizes)}")
+        return self._alltoallv(send.contiguous(), send_sizes, recv_sizes, bucket or self.size)
+
+    def _alltoallv(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                   bucket: int) -> torch.Tensor:
+        """The rotation of point-to-point sends (a backend may override it with its own)."""
+        P, me = self.size, self.rank
+        out_at = [0]
+        for size in recv_sizes:
+            out_at.append(out_at[-1] + size)
+        send_at = [0]
+        for size in send_sizes:
+            send_at.append(send_at[-1] + size)
+        out = torch.empty(out_at[-1], dtype=torch.uint8, device=send.device)
+        out[out_at[me]:out_at[me + 1]] = send[send_at[me]:send_at[me + 1]]
+        sends: list[Request] = []
+
+        def post(first: int) -> list[Request]:
+            recvs = []
+            for s in range(first, min(first + bucket, P)):
+                dst, src = (me + s) % P, (me - s) % P
+                if recv_sizes[src]:
+                    recvs.append(self.irecv(out[out_at[src]:out_at[src + 1]], src, _TAG_ALLTOALLV))
+                if send_sizes[dst]:
+                    sends.append(self.isend(send[send_at[dst]:send_at[dst + 1]], dst, _TAG_ALLTOALLV))
+            return recvs
+
+        # Bucket b + 1 is posted before bucket b is waited for: one bucket always in flight.
+        firsts = list(range(1, P, bucket))
+        pending = post(firsts[0]) if firsts else []
+        for b in range(len(firsts)):
+            following = post(firsts[b + 1]) if b + 1 < len(firsts) else []
+            for req in pending:
+                req.wait()
+            pending = following
+        for req in sends:
+            req.wait()
+        return out
 
     def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
         """Elementwise ``op`` ("sum", "max", "min") of ``t`` over all ranks.

@@ -30,6 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import CommTimeoutError, PeerError
@@ -39,6 +40,9 @@ from .base import Communicator, Request, default_timeout
 __all__ = ["SimCommunicator", "SimResult", "simulate", "current_sim_comm", "single_rank"]
 
 _local = threading.local()
+#: A waiting rank of a world of up to 64 ranks looks for a timeout or a failed peer this
+#: often (seconds); in larger worlds proportionally less often.
+_POLL_SECONDS = 0.5
 
 
 def current_sim_comm() -> "SimCommunicator | None":
@@ -56,6 +60,8 @@ class _Slot:
         self.arrived = 0
         self.read = 0
         self.combined: Any = None
+        self.same = True  # every rank called the same operation
+        self.start = 0.0  # the last entry clock: when the collective starts
 
 
 class _World:
@@ -86,6 +92,9 @@ class _World:
         self.failure: tuple[int, BaseException] | None = None
         self.last_progress = time.monotonic()
         self.run_holder: int | None = None
+        # How often a waiting rank wakes to look for a timeout: every wake-up takes the GIL
+        # from the rank that runs, and a thousand ranks waking twice a second slowed it.
+        self.poll = _POLL_SECONDS * max(1.0, size / 64)
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()
@@ -115,7 +124,7 @@ class _World:
                     return value
                 idle = self.check_waiting(rank, what, start)
                 held = _release_run(self)
-                cond.wait(min(self.timeout - idle, 0.5))
+                cond.wait(min(self.timeout - idle, self.poll))
             if held:
                 _acquire_run(self, rank, what)
 
@@ -157,7 +166,7 @@ def _acquire_run(world: _World, rank: int, what: Callable[[], str] = lambda: "it
     fails makes this raise instead of waiting forever.
     """
     start = time.monotonic()
-    while not world.run.acquire(timeout=0.5):
+    while not world.run.acquire(timeout=world.poll):
         world.check_waiting(rank, what, start, f": rank {world.run_holder} has not reached a "
                             "communicator call in that time (blocked outside sparsecomm?)")
     _local.holds_run = True
@@ -266,27 +275,31 @@ class SimCommunicator(Communicator):
                 world.cond.notify_all()
         world.progress()
 
-        def leave() -> tuple | None:
+        def leave() -> _Slot | None:
             if slot.arrived < self.size:
                 return None
-            if combine is not None and slot.read == 0 and all(o == op for o in slot.ops):
-                slot.combined = combine(slot.items)
+            if slot.read == 0:  # the first to leave looks at every rank's entry, once for all
+                slot.same = all(o == op for o in slot.ops)
+                slot.start = max(slot.clocks)
+                if combine is not None and slot.same:
+                    slot.combined = combine(slot.items)
             slot.read += 1
             if slot.read == self.size:
                 del world.slots[(self.channel, seq)]
-            return list(slot.items), list(slot.ops), max(slot.clocks), slot.combined
+            return slot
 
         def waiting() -> str:
             missing = [r for r, o in enumerate(slot.ops) if o is None]
             return f"{op} (collective #{seq}) waiting for rank(s) {missing}"
 
-        items, ops, start, combined = world.wait_for(world.cond, leave, self.rank, waiting)
-        if any(o != op for o in ops):
-            raise ValueError(f"rank {self.rank}: collective #{seq} mismatched across ranks: {ops}")
+        done = world.wait_for(world.cond, leave, self.rank, waiting)
+        if not done.same:
+            raise ValueError(f"rank {self.rank}: collective #{seq} mismatched across ranks: {done.ops}")
         if world.network is not None:
             nbytes, messages = self._cost
-            self.clock = start + world.network.time(messages, nbytes)
-        return combined if combine is not None else items
+            self.clock = done.start + world.network.time(messages, nbytes)
+        # (every rank's payloads in one list the ranks share: read, never changed)
+        return done.combined if combine is not None else done.items
 
     # Gathered results are shared by all ranks (read-only by convention, as the
     # algorithms treat them); reduced results are copied per rank.
@@ -309,8 +322,51 @@ class SimCommunicator(Communicator):
         return _raise_if_message(self._exchange("allgatherv", t, cat))
 
     def _alltoall(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange("alltoall", t)
-        return torch.stack([p[self.rank] for p in parts])
+        # Stacked once for the world (P x P rows), each rank takes its column.
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor | str:
+            if any(p.shape != t.shape or p.dtype != t.dtype for p in parts):
+                return f"alltoall: shapes or dtypes differ across ranks: {[(tuple(p.shape), p.dtype) for p in parts]}"
+            return torch.stack(parts)
+
+        return _raise_if_message(self._exchange("alltoall", t, stack))[:, self.rank].clone()
+
+    def _alltoallv(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                   bucket: int) -> torch.Tensor:
+        """All parts in one rendezvous: every byte moved by one gather over the whole world, each
+        rank's clock as the rotation of point-to-point sends would leave it (:func:`_rotation_clocks`)."""
+        me, net = self.rank, self._world.network
+        for peer in range(self.size):
+            if peer != me:
+                self.stats.bytes_sent += send_sizes[peer]
+                self.stats.messages_sent += send_sizes[peer] > 0
+                self.stats.bytes_received += recv_sizes[peer]
+                self.stats.messages_received += recv_sizes[peer] > 0
+        self._cost = (0, 0)
+
+        def combine(parts: list[tuple]) -> tuple | str:
+            sizes = np.array([p[1] for p in parts], dtype=np.int64)  # sizes[i, j]: bytes from i to j
+            for j, p in enumerate(parts):
+                if not np.array_equal(sizes[:, j], p[2]):
+                    return (f"alltoallv: rank {j} expects {p[2].tolist()} bytes from ranks 0..{self.size - 1}, "
+                            f"they send {sizes[:, j].tolist()}")
+            flat = torch.cat([p[0].to("cpu") for p in parts])
+            rank_at = np.concatenate([[0], np.cumsum(sizes.sum(axis=1))[:-1]])
+            part_at = rank_at[:, None] + np.cumsum(sizes, axis=1) - sizes
+            lengths = sizes.T.reshape(-1)  # by receiver, then sender
+            starts = part_at.T.reshape(-1)
+            total = int(lengths.sum())
+            first = torch.from_numpy(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+            where = torch.repeat_interleave(first, torch.from_numpy(lengths), output_size=total) + torch.arange(total)
+            recv = sizes.sum(axis=0)
+            clocks = (_rotation_clocks(sizes, [p[3] for p in parts], p[4], net.alpha, net.beta)
+                      if net is not None else None)
+            return flat[where], np.concatenate([[0], np.cumsum(recv)]), clocks
+
+        payload = (send, list(send_sizes), np.asarray(recv_sizes, dtype=np.int64), self.clock, bucket)
+        gathered, at, clocks = _raise_if_message(self._exchange("alltoallv", payload, combine))
+        if clocks is not None:
+            self.clock = float(clocks[me])
+        return gathered[at[me]:at[me + 1]].to(send.device, copy=True)
 
     def _allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         fn = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
@@ -332,6 +388,47 @@ class SimCommunicator(Communicator):
 
     def _barrier(self) -> None:
         self._exchange("barrier", None)
+
+
+def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, alpha: float,
+                     beta: float) -> np.ndarray:
+    """Every rank's clock after the point-to-point rotation of ``Communicator._alltoallv``.
+
+    Each rank posts bucket b + 1 before it waits for bucket b. A send of m bytes occupies
+    its sender for beta m and arrives alpha + beta m after it starts; a receive completes
+    no earlier than its arrival: the model of ``isend``/``irecv``, with the same floating
+    point operations in the same order (so the same times to the bit), over the whole
+    world at once.
+    """
+    P = len(clocks)
+    clock = np.array(clocks, dtype=np.float64)
+    ranks = np.arange(P)[:, None]
+    arrivals: dict[int, np.ndarray] = {}
+
+    def send(first: int) -> None:
+        nonlocal clock
+        steps = np.arange(first, min(first + bucket, P))[None, :]
+        nbytes = sizes[ranks, (ranks + steps) % P]
+        acc = np.cumsum(np.concatenate([clock[:, None], beta * nbytes], axis=1), axis=1)
+        clock = acc[:, -1]
+        arrivals[first] = acc[:, :-1] + alpha + beta * nbytes  # [sender, step]
+
+    def wait(first: int) -> None:
+        nonlocal clock
+        steps = np.arange(first, min(first + bucket, P))[None, :]
+        src = (ranks - steps) % P
+        arrived = arrivals.pop(first)[src, steps - first]
+        arrived = np.where(sizes[src, ranks] > 0, arrived, -np.inf)
+        clock = np.maximum(clock, arrived.max(axis=1))
+
+    firsts = list(range(1, P, bucket))
+    if firsts:
+        send(firsts[0])
+    for b, first in enumerate(firsts):
+        if b + 1 < len(firsts):
+            send(firsts[b + 1])
+        wait(first)
+    return clock
 
 
 def _fold(fn: Callable, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -173,7 +173,7 @@ def test_wide_index_path_gives_the_same_result(monkeypatch):
         return res.to_dense(torch.float32), phases["split_reduce"].bytes_received, phases["allgatherv"].bytes_received
 
     packed = sparsecomm.simulate(3, body).results
-    monkeypatch.setattr(kernels.message, "blocked", lambda count, span, index_dtype: False)
+    monkeypatch.setattr(kernels.message, "_blocks_pay", lambda counts, spans, index_dtype: counts < 0)
     narrow = sparsecomm.simulate(3, body).results
     monkeypatch.setattr(kernels, "index_dtype_for", lambda span: torch.int64)
     wide = sparsecomm.simulate(3, body).results

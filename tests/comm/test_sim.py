@@ -97,3 +97,63 @@ def test_sixty_four_ranks_one_million_elements():
     for idx, val in sim.results:  # the whole result, bitwise, on every rank
         assert torch.equal(idx, idx0) and torch.equal(val, val0)
     assert all(t > 0 for t in sim.time)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("bucket", [1, 2, 4, None])
+def test_alltoallv_in_one_rendezvous_moves_counts_and_times_as_point_to_point_sends(P, bucket):
+    # The simulated world's alltoallv (one gather over the world) against the backends' rotation
+    # of isend/irecv: the same bytes, counters and modelled clocks, to the bit. Ranks enter at
+    # different clocks (an allgather of unequal sizes first is not enough: a p2p send is).
+    gen = torch.Generator().manual_seed(P)
+    sizes = torch.randint(0, 4, (P, P), generator=gen) * torch.randint(0, 3000, (P, P), generator=gen)
+
+    def body(rank, native):
+        c = resolve()
+        if P > 1:  # skew the clocks: rank r sends r * 1000 bytes to its neighbour first
+            nxt, prv = (rank + 1) % P, (rank - 1) % P
+            req = c.isend(torch.zeros(rank * 1000 + 1, dtype=torch.uint8), nxt, 7)
+            c.irecv(torch.empty(prv * 1000 + 1, dtype=torch.uint8), prv, 7).wait()
+            req.wait()
+        send = torch.cat([torch.full((int(sizes[rank, j]),), (rank * 7 + j) % 256, dtype=torch.uint8)
+                          for j in range(P)])
+        before = c.stats.snapshot()
+        ss, rs = sizes[rank].tolist(), sizes[:, rank].tolist()
+        if native:
+            got = c.alltoallv(send, ss, rs, bucket)
+        else:
+            got = sparsecomm.comm.Communicator._alltoallv(c, send, ss, rs, bucket or P)
+        return got, c.stats - before, c.clock
+
+    native = sparsecomm.simulate(P, body, True, network="pizdaint")
+    p2p = sparsecomm.simulate(P, body, False, network="pizdaint")
+    for rank, ((got, stats, clock), (want, want_stats, want_clock)) in enumerate(zip(native.results, p2p.results)):
+        assert torch.equal(got, want) and got.numel() == int(sizes[:, rank].sum())
+        assert stats == want_stats and clock == want_clock, (rank, stats, want_stats, clock, want_clock)
+
+
+def test_alltoallv_refuses_sizes_the_ranks_disagree_on():
+    def body(rank):
+        c = resolve()
+        send = torch.zeros(2, dtype=torch.uint8)
+        return c.alltoallv(send, [1, 1], [2, 1] if rank else [1, 1])  # rank 1 expects 2 bytes from 0
+
+    with pytest.raises(ValueError, match="alltoallv: rank 1 expects"):
+        sparsecomm.simulate(2, body, timeout=5)
+
+
+def test_an_exact_oktopk_call_posts_no_message_of_its_own_in_the_simulated_world(monkeypatch):
+    # The split's parts travel in one alltoallv, which the simulated world moves without an
+    # isend per part: P - 1 Python sends a rank made P = 1024 take minutes.
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a point-to-point send")
+
+    monkeypatch.setattr(sparsecomm.comm.sim.SimCommunicator, "isend", refuse)
+
+    def body(rank):
+        st = sparsecomm.OkTopkState(0.01, tau=1, tau_prime=1, error_feedback=False)
+        sparsecomm.allreduce(torch.randn(20_000, generator=torch.Generator().manual_seed(rank)), state=st)
+        return st.last.events
+
+    events = sparsecomm.simulate(16, body).results
+    assert not any("balanced" in e for e in events)  # (a rebalance moves its slices by p2p)

@@ -39,7 +39,7 @@ def every_rank(P, body, timeout=5.0):
 @pytest.mark.parametrize("P,allreduce_above", [(2, None), (3, None), (5, None), (3, 2), (5, 2)])
 def test_every_bad_input_case_raises_on_every_rank_of_the_simulated_world(P, allreduce_above, monkeypatch):
     # allreduce_above: worlds larger than this check with one allreduce of each field's extremes
-    # (as over 32 ranks), and gather the rows only to name the ranks of a refusal.
+    # (as over 8 ranks), and gather the rows only to name the ranks of a refusal.
     if allreduce_above is not None:
         monkeypatch.setattr(sparsecomm.check, "CARRY_MAX_P", allreduce_above)
     results, seconds = every_rank(P, lambda r: cases.bad_input_cases(r, P), timeout=5)

@@ -18,11 +18,12 @@ import torch
 import sparsecomm
 from sparsecomm.tools.audit import audit_steady
 
-#: algorithm -> {P: (host syncs, device operations)} per steady call, at most.
+#: algorithm -> {P: (host syncs, device operations)} per steady call, at most. (The split's
+#: parts go out as one alltoallv: one copy of them into its buffer on a device.)
 BUDGET = {
-    "oktopk": {1: (1, 48), 3: (3, 181), 8: (3, 366)},  # (the Triton chain: TRITON_BUDGET)
+    "oktopk": {1: (1, 48), 3: (3, 182), 8: (3, 367)},  # (the Triton chain: TRITON_BUDGET)
     "topka": {1: (1, 49), 3: (3, 106), 8: (3, 166)},
-    "topkdsa": {1: (1, 49), 3: (4, 167), 8: (4, 357)},
+    "topkdsa": {1: (1, 49), 3: (4, 168), 8: (4, 358)},
     "gtopk": {1: (1, 49), 3: (12, 162), 8: (15, 212)},
     "gaussiank": {1: (2, 54), 3: (3, 113), 8: (3, 173)},
     "cltk": {1: (2, 39), 3: (2, 40), 8: (2, 40)},
@@ -67,8 +68,9 @@ def test_every_algorithm_has_a_budget():
 #: The chain an H100 runs (``audit(kernels="triton")``: Triton's kernels, each launch one
 #: operation, torch where an operation has none), Ok-Topk's steady call: (syncs, operations).
 #: Goals: at most 20 operations at P = 1, 60 + 2 (P - 1) per rank at P = 3 and 8 (P = 8 makes
-#: 74, measured by ``benchmarks/audit_calls.py``: over two minutes in the interpreter).
-TRITON_BUDGET = {1: (1, 14), 3: (3, 57)}
+#: 74, measured by ``benchmarks/audit_calls.py``: over two minutes in the interpreter). P = 3
+#: includes the copy of the split's parts into the alltoallv's buffer.
+TRITON_BUDGET = {1: (1, 14), 3: (3, 58)}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (its interpreter)")
