@@ -146,7 +146,7 @@ def rank_call(case: Case, rank: int, comm: Any = None, device: str = "cpu") -> t
     state = None
     if case.steps:
         kwargs: dict[str, Any] = {"error_feedback": not (mine and case.perturb == "state")}
-        if case.algorithm == "oktopk":
+        if case.algorithm in ("oktopk", "oktopk2d"):
             kwargs["tau"] = 3 if mine and case.perturb == "state" else 2
         state = sparsecomm.registry.get(case.algorithm).state_class(density, **kwargs)
     results, fed = [], torch.zeros(case.n, dtype=torch.float64)

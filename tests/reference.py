@@ -126,6 +126,7 @@ def _sum_of_local_topk(grads, density):
 #: whose sums are exact in any order (a new algorithm adds its line here).
 REFERENCES = {
     "oktopk": ref_oktopk,
+    "oktopk2d": ref_oktopk,  # (Ok-Topk on a grid of ranks: the same selection)
     "topka": _sum_of_local_topk,
     "topkdsa": _sum_of_local_topk,
     "gaussiank": lambda grads, density: ref_sum_of_selected(

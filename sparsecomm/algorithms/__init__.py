@@ -5,8 +5,9 @@ from .dense import DenseState, dense
 from .gaussiank import GaussiankState, gaussiank
 from .gtopk import GTopkState, gtopk
 from .oktopk import OkTopkState, oktopk
+from .oktopk_grid import OkTopkGridState, oktopk2d
 from .topka import TopkAState, topka
 from .topkdsa import TopkDSAState, topkdsa
 
-__all__ = ["OkTopkState", "oktopk", "TopkAState", "topka", "TopkDSAState", "topkdsa",
+__all__ = ["OkTopkState", "oktopk", "OkTopkGridState", "oktopk2d", "TopkAState", "topka", "TopkDSAState", "topkdsa",
            "GTopkState", "gtopk", "GaussiankState", "gaussiank", "DenseState", "dense", "CltkState", "cltk"]

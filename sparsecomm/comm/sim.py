@@ -335,16 +335,16 @@ class SimCommunicator(Communicator):
         """All parts in one rendezvous: every byte moved by one gather over the whole world, each
         rank's clock as the rotation of point-to-point sends would leave it (:func:`_rotation_clocks`)."""
         me, net = self.rank, self._world.network
-        for peer in range(self.size):
-            if peer != me:
-                self.stats.bytes_sent += send_sizes[peer]
-                self.stats.messages_sent += send_sizes[peer] > 0
-                self.stats.bytes_received += recv_sizes[peer]
-                self.stats.messages_received += recv_sizes[peer] > 0
+        out, inn = np.asarray(send_sizes, dtype=np.int64), np.asarray(recv_sizes, dtype=np.int64)
+        out[me] = inn[me] = 0  # (a rank's part for itself is no message)
+        self.stats.bytes_sent += int(out.sum())
+        self.stats.messages_sent += int(np.count_nonzero(out))
+        self.stats.bytes_received += int(inn.sum())
+        self.stats.messages_received += int(np.count_nonzero(inn))
         self._cost = (0, 0)
 
         def combine(parts: list[tuple]) -> tuple | str:
-            sizes = np.array([p[1] for p in parts], dtype=np.int64)  # sizes[i, j]: bytes from i to j
+            sizes = np.stack([p[1] for p in parts])  # sizes[i, j]: bytes from i to j
             for j, p in enumerate(parts):
                 if not np.array_equal(sizes[:, j], p[2]):
                     return (f"alltoallv: rank {j} expects {p[2].tolist()} bytes from ranks 0..{self.size - 1}, "
@@ -362,7 +362,8 @@ class SimCommunicator(Communicator):
                       if net is not None else None)
             return flat[where], np.concatenate([[0], np.cumsum(recv)]), clocks
 
-        payload = (send, list(send_sizes), np.asarray(recv_sizes, dtype=np.int64), self.clock, bucket)
+        payload = (send, np.asarray(send_sizes, dtype=np.int64), np.asarray(recv_sizes, dtype=np.int64), self.clock,
+                   bucket)
         gathered, at, clocks = _raise_if_message(self._exchange("alltoallv", payload, combine))
         if clocks is not None:
             self.clock = float(clocks[me])
