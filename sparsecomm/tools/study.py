@@ -17,7 +17,8 @@ topka      2k(P-1)                          log P
 gaussiank  2k(P-1)                          log P
 topkdsa    4k(P-1)/P ... 2k(P-1)/P+n(P-1)/P  P + 2 log P
 gtopk      4k ceil(log P)                   2 ceil(log P)
-oktopk     2k(P-1)/P ... 6k(P-1)/P          2P + 3 log P
+oktopk     2k(P-1)/P ... 6k(P-1)/P          4P + O(log P)
+oktopk2d   3k(1-1/s) ... 7k(1-1/s)          7s + O(log P), s = ceil(sqrt P)
 =========  ===============================  ===================
 
 A word is 4 bytes (a COO entry, int32 index + float32 value, is 2 words; where
@@ -31,6 +32,7 @@ time on a network profile, scaling bytes linearly to a target model size.
 from __future__ import annotations
 
 import csv
+import inspect
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
@@ -104,7 +106,8 @@ def _measure(P: int, algorithm: str, n: int, density: float, kind: str, tau: int
 
     def body(rank: int):
         spec = registry.get(algorithm)
-        kwargs = {"tau": tau, "tau_prime": 2 * tau} if algorithm == "oktopk" else {}
+        takes_tau = "tau_prime" in inspect.signature(spec.state_class).parameters  # (Ok-Topk's and its grid's)
+        kwargs = {"tau": tau, "tau_prime": 2 * tau} if takes_tau else {}
         if algorithm != "dense":
             kwargs["error_feedback"] = error_feedback
         state = spec.state_class(density, **kwargs)
