@@ -9,9 +9,9 @@
   rank cuts its sorted selection by region, sends region j's part to rank j
   as a ``kernels.pack_message`` (indexes as 16-bit offsets within 65536-wide
   blocks where that is smaller) and sums what it receives for its own region.
-  Destination rotation (step s: send to i+s, receive from i-s) avoids hot
-  spots; ``bucket`` steps are posted at once and one bucket is reduced while
-  the next is in flight.
+  Every part travels in one ``Communicator.alltoallv``: in the destination
+  rotation (step s: send to i+s, receive from i-s, no hot spots), ``bucket``
+  steps in flight, on real engines; in one rendezvous in the simulated world.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..check import CarriedCheck
-from ..comm.base import Communicator, Request
+from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
 
 __all__ = ["carry_or_run", "equal_boundaries", "equal_starts", "region_sizes", "split_and_reduce", "merges", "MERGE_MAX_P", "peak_bits", "peak_of"]
@@ -96,9 +96,13 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     callers that drop zero sums anyway, as Ok-Topk's global selection does.
 
     ``values`` holds the encoded values of ``local_idx`` (with a scale every rank shares).
-    Parts are decoded and added into a dense accumulator of the region as they
-    arrive (in step order, so the sum is deterministic); the touched indexes
-    come from the received index lists, not from a scan of the whole region.
+    1. Cut the selection by region; every rank learns what each peer sends it (an
+       alltoall of sizes, or the carried check's row).
+    2. Pack every part (all at once in host memory), move them in one alltoallv.
+    3. Decode the parts and add them into a dense accumulator of the region (or merge
+       them, up to ``MERGE_MAX_P`` ranks) in step order: own part, then from rank - 1,
+       rank - 2, ..., so the sum is the same whatever engine moved them. The touched
+       indexes come from the parts, not from a scan of the whole region.
     ``region``: returns an all-zero accumulator of this rank's region (a
     state's scratch buffer), left all zero again; asked for only when the
     parts are not merged (more than ``MERGE_MAX_P`` ranks); None allocates one.
