@@ -29,18 +29,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..segments import positions
 from .base import Communicator, Request
 
 __all__ = ["GridCommunicator"]
-
-
-def _gather_index(starts: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
-    """Byte positions starts[i] + j for j < lengths[i], segment after segment."""
-    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    before = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    first = torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int64) - before)
-    return torch.repeat_interleave(first, torch.from_numpy(lengths), output_size=total) + torch.arange(total)
 
 
 class GridCommunicator(Communicator):
@@ -122,7 +114,7 @@ class GridCommunicator(Communicator):
 
         # 2. hop 1: the parts themselves.
         order = np.concatenate([ds for _, ds in hops] or [np.zeros(0, np.int64)])
-        out1 = send[_gather_index(at[order], sizes[order]).to(send.device)] if order.size else send[:0]
+        out1 = send[positions(at[order], sizes[order], device=send.device)] if order.size else send[:0]
         hop1_out = np.zeros(P, dtype=np.int64)
         for m, ds in hops:
             hop1_out[m] = sizes[ds].sum()
@@ -146,7 +138,7 @@ class GridCommunicator(Communicator):
         if pieces:
             source = torch.cat([hop1, send])
             where = np.array([p[3] if p[3] >= 0 else hop1.numel() - 1 - p[3] for p in pieces], dtype=np.int64)
-            out2 = source[_gather_index(where, np.array([p[2] for p in pieces])).to(send.device)]
+            out2 = source[positions(where, np.array([p[2] for p in pieces]), device=send.device)]
         else:
             out2 = send[:0]
         hop2_out = np.zeros(P, dtype=np.int64)
@@ -171,7 +163,7 @@ class GridCommunicator(Communicator):
         start[me], source_of[me] = at[me], 2
         offset = np.array([0, hop2.numel(), hop2.numel() + hop1.numel()], dtype=np.int64)
         everything = torch.cat([hop2, hop1, send])
-        return everything[_gather_index(start + offset[source_of], want).to(send.device)]
+        return everything[positions(start + offset[source_of], want, device=send.device)]
 
     def allgatherv(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """``Communicator.allgatherv`` in two hops: the row's blocks, then the rows'."""

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import CommTimeoutError, PeerError
 from ..network import Network, resolve_network
+from ..segments import positions
 from .base import Communicator, Request, default_timeout
 
 __all__ = ["SimCommunicator", "SimResult", "simulate", "current_sim_comm", "single_rank"]
@@ -352,11 +353,7 @@ class SimCommunicator(Communicator):
             flat = torch.cat([p[0].to("cpu") for p in parts])
             rank_at = np.concatenate([[0], np.cumsum(sizes.sum(axis=1))[:-1]])
             part_at = rank_at[:, None] + np.cumsum(sizes, axis=1) - sizes
-            lengths = sizes.T.reshape(-1)  # by receiver, then sender
-            starts = part_at.T.reshape(-1)
-            total = int(lengths.sum())
-            first = torch.from_numpy(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]))
-            where = torch.repeat_interleave(first, torch.from_numpy(lengths), output_size=total) + torch.arange(total)
+            where = positions(part_at.T.reshape(-1), sizes.T.reshape(-1))  # by receiver, then sender
             recv = sizes.sum(axis=0)
             clocks = (_rotation_clocks(sizes, [p[3] for p in parts], p[4], net.alpha, net.beta)
                       if net is not None else None)
