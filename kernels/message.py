@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..segments import positions, starts_of
 from . import dispatch
 from .coo import _LITTLE, _PACK_RECORDS, _UNPACK_RECORDS, record_bytes, unpack_records
 
@@ -82,19 +83,6 @@ def messages_bytes(counts: Sequence[int], spans: Sequence[int], index_dtype: tor
     return _layout(counts, spans, index_dtype, value_dtype)[-1].tolist()
 
 
-def _starts(sizes: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(sizes, dtype=np.int64)[:-1]])
-
-
-def _segments(starts: np.ndarray, lengths: np.ndarray, device: torch.device, step: int = 1) -> torch.Tensor:
-    """starts[m] + step * i for i < lengths[m], every segment end to end (one tensor)."""
-    lengths_t = torch.from_numpy(np.ascontiguousarray(lengths))
-    total = int(lengths.sum())
-    first = torch.from_numpy(np.ascontiguousarray(starts - step * _starts(lengths)))
-    out = torch.repeat_interleave(first, lengths_t, output_size=total) + torch.arange(total) * step
-    return out.to(device)
-
-
 def pack_messages(idx: torch.Tensor, values: torch.Tensor, cuts: Sequence[int], spans: Sequence[int],
                   bases: Sequence[int], index_dtype: torch.dtype, value_dtype: torch.dtype,
                   skip: int | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -114,7 +102,7 @@ def pack_messages(idx: torch.Tensor, values: torch.Tensor, cuts: Sequence[int], 
         counts[skip] = 0
     c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
     out = torch.empty(int(size.sum()), dtype=torch.uint8, device=values.device)
-    at = _starts(size)
+    at = starts_of(size)
     firsts = np.asarray(cuts[:-1], dtype=np.int64)
     bases_a = np.asarray(bases, dtype=np.int64)
     for group, idt, in_blocks in ((~is_blocked & (c > 0), index_dtype, False), (is_blocked, _OFFSET_DTYPE, True)):
@@ -122,22 +110,22 @@ def pack_messages(idx: torch.Tensor, values: torch.Tensor, cuts: Sequence[int], 
         if not sel.size:
             continue
         gc = c[sel]
-        take = _segments(firsts[sel], gc, values.device)  # entries of these messages, in order
-        rel = idx[take] - _segments(bases_a[sel], gc, values.device, step=0)
+        take = positions(firsts[sel], gc, device=values.device)  # entries of these messages, in order
+        rel = idx[take] - positions(bases_a[sel], gc, step=0, device=values.device)
         if dispatch.checks_values(rel) and rel.numel() and (int(rel.min()) < 0 or bool(
-                (rel >= _segments(np.asarray(spans, dtype=np.int64)[sel], gc, values.device, step=0)).any())):
+                (rel >= positions(np.asarray(spans, dtype=np.int64)[sel], gc, step=0, device=values.device)).any())):
             raise ValueError("pack_messages: an index lies outside its part's span")
         r = int(rec[sel[0]])
         rows = torch.empty((rel.numel(), r), dtype=torch.uint8, device=values.device)
         if in_blocks:
-            words = torch.bincount(_segments(_starts(-(-np.asarray(spans, dtype=np.int64)[sel] // INDEX_BLOCK)), gc,
-                                             values.device, step=0) + rel // INDEX_BLOCK,
-                                   minlength=int((head[sel] // _HEADER_DTYPE.itemsize).sum()))
-            hb = _segments(at[sel], head[sel], values.device)
+            nwords = head[sel] // _HEADER_DTYPE.itemsize  # (a word a block)
+            first_word = positions(starts_of(nwords), gc, step=0, device=values.device)
+            words = torch.bincount(first_word + rel // INDEX_BLOCK, minlength=int(nwords.sum()))
+            hb = positions(at[sel], head[sel], device=values.device)
             out[hb] = words.to(_HEADER_DTYPE).view(torch.uint8)
             rel = rel.bitwise_and(INDEX_BLOCK - 1)
         _PACK_RECORDS(rel, values[take], idt, value_dtype, rows)
-        dest = _segments(at[sel] + head[sel], gc * r, values.device)
+        dest = positions(at[sel] + head[sel], gc * r, device=values.device)
         out[dest] = rows.reshape(-1)
     return out, size.tolist()
 
@@ -252,7 +240,7 @@ def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[in
     if starts is None:
         if int(size.sum()) != buf.numel():
             raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages take {int(size.sum())}")
-        at = _starts(size)
+        at = starts_of(size)
     else:
         at = np.asarray(starts, dtype=np.int64).reshape(-1)
         if at.size and int((at + size).max()) > buf.numel():
@@ -260,7 +248,7 @@ def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[in
     total = int(c.sum())
     idx = torch.empty(total, dtype=torch.int64, device=buf.device)
     vals = torch.empty(total, dtype=value_dtype, device=buf.device)
-    put = _starts(c)
+    put = starts_of(c)
     if not dispatch.in_host_memory(buf):
         for m in range(c.size):
             _unpack_into(buf[at[m]:at[m] + size[m]], int(c[m]), spans[m], bases[m], index_dtype, value_dtype,
@@ -272,19 +260,19 @@ def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[in
         if not sel.size:
             continue
         gc, r = c[sel], int(rec[sel[0]])
-        rows = buf[_segments(at[sel] + head[sel], gc * r, buf.device)].view(-1, r)
+        rows = buf[positions(at[sel] + head[sel], gc * r, device=buf.device)].view(-1, r)
         got, v = unpack_records(rows, idt, value_dtype, backend=backend)
         if in_blocks:
-            words = buf[_segments(at[sel], head[sel], buf.device)].view(_HEADER_DTYPE).to(torch.int64)
+            words = buf[positions(at[sel], head[sel], device=buf.device)].view(_HEADER_DTYPE).to(torch.int64)
             nwords = head[sel] // _HEADER_DTYPE.itemsize
             if dispatch.checks_values(words) and (bool((words < 0).any()) or not np.array_equal(
-                    np.add.reduceat(words.numpy(), _starts(nwords)) if words.numel() else words.numpy(), gc)):
+                    np.add.reduceat(words.numpy(), starts_of(nwords)) if words.numel() else words.numpy(), gc)):
                 raise ValueError("unpack_messages: a header does not count its message's entries")
-            block_at = _segments(bases_a[sel], nwords, buf.device, step=INDEX_BLOCK)
+            block_at = positions(bases_a[sel], nwords, step=INDEX_BLOCK, device=buf.device)
             got = got.bitwise_and_(INDEX_BLOCK - 1) + torch.repeat_interleave(block_at, words, output_size=got.numel())
         else:
-            got = got + _segments(bases_a[sel], gc, buf.device, step=0)
-        where = _segments(put[sel], gc, buf.device)
+            got = got + positions(bases_a[sel], gc, step=0, device=buf.device)
+        where = positions(put[sel], gc, device=buf.device)
         idx[where] = got
         vals[where] = v
     return idx, vals
