@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch
 
-__all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_above_torch", "count_on_device",
+__all__ = ["estimate_threshold", "candidate_thresholds", "entries_read", "count_above", "count_above_torch", "count_on_device",
            "count_on_device_torch", "bucketize", "bucketize_torch", "GRID", "COUNT_TILE"]
 
 # Candidate count targets, as fractions of k. Spaced ~7% apart near 1 so the
@@ -24,6 +24,15 @@ __all__ = ["estimate_threshold", "candidate_thresholds", "count_above", "count_a
 GRID = (0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 1.0, 1.07, 1.15, 1.25, 1.4, 1.6, 2.0)
 #: A sampled count reads whole tiles of this many entries, one tile in ``every``.
 COUNT_TILE = 4096
+
+
+def entries_read(n: int, every: int, tile: int = COUNT_TILE) -> int:
+    """Entries in the tiles of ``tile`` that start at multiples of ``every`` tiles, of ``n``: what
+    a sampled count reads. (In closed form: a sum over the tiles was 3,052 Python steps a call
+    at n = 100M, about a third of the estimate's host time on an H100, ``benchmarks/gpu/profile_call.py``.)"""
+    stride = tile * every
+    started = -(-n // stride)  # tiles read, the last maybe partial
+    return 0 if n <= 0 else (started - 1) * tile + min(tile, n - (started - 1) * stride)
 
 
 def _ranks(k: int, m: int, n: int) -> list[int]:
@@ -129,12 +138,13 @@ def _estimate_on_device(x: torch.Tensor, k: int, sample_size: int, every: int, b
     top = torch.topk(sample, ranks[-1]).values
     raw = torch.stack([top[r - 1] for r in ranks])  # (views of one tensor, one copy)
     tiny = float(np.finfo(np.float32).tiny)
-    counts = count_on_device(flat, torch.where(raw > 0, raw, tiny), every, backend=backend)
+    # The device count has Triton and torch paths; a backend it lacks (cupy) counts the default way.
+    own = backend if backend in (None, "auto") or backend in _COUNT_ON_DEVICE.backends else None
+    counts = count_on_device(flat, torch.where(raw > 0, raw, tiny), every, backend=own)
     got = np.asarray(dispatch.to_host(torch.cat([raw.double(), counts[:len(ranks)].double()])))
     raw_h, counted = got[:len(ranks)], got[len(ranks):]
     if every > 1:
-        seen = sum(min(COUNT_TILE, n - t0) for t0 in range(0, n, COUNT_TILE * every))
-        counted = np.rint(counted * (n / seen))
+        counted = np.rint(counted * (n / entries_read(n, every)))
     keep = raw_h > 0
     if not keep.any():  # the sample is all zero: count the nonzeros
         return _interpolate(np.array([tiny]), counted[:1].astype(np.int64), k)

@@ -35,7 +35,10 @@ def run_mpi(size: int, case: str, timeout: float = 240) -> list:
         cmd = [exe, "-n", str(size), sys.executable, str(HERE / "mpi_worker.py"), case, outdir]
         # The worker imports test modules by name: tests/ and its folders (as pytest's sys.path has them).
         folders = [HERE, *sorted(d for d in HERE.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")]),
+                   # Open MPI's mpiexec refuses to run as root (containers, the GPU machines) unless
+                   # told; MPICH ignores these.
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

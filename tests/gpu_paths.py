@@ -23,10 +23,18 @@ import torch
 from sparsecomm import kernels
 from sparsecomm.kernels import dispatch
 
-__all__ = ["HAVE_NUMBA", "HAVE_TRITON", "cupy_ok", "missing", "backend_params", "interpret_triton", "runner"]
+__all__ = ["HAVE_NUMBA", "HAVE_TRITON", "cupy_ok", "missing", "backend_params", "interpret_triton", "runner",
+           "interpreter_only"]
 
 HAVE_NUMBA = dispatch.available("cpu", "cpu")  # imports numba: installed is not enough
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+#: For a test that audits the Triton chain in Triton's interpreter, on CPU tensors. The interpreter
+#: runs ``tl.*`` only where triton was first imported interpreted, and a process that sees a GPU
+#: imports it compiled: there ``benchmarks/audit_calls.py --device cuda`` counts the compiled chain.
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available() or not HAVE_TRITON,
+    reason="needs Triton's interpreter in a process without a GPU (triton installed, no CUDA)")
 
 
 def cupy_ok() -> bool:
@@ -110,6 +118,8 @@ def runner(backend: str, monkeypatch: pytest.MonkeyPatch):
         for a, m in zip(args, moved):
             if isinstance(a, torch.Tensor):
                 a.copy_(m)  # outputs written in place (residuals, buffers)
+                if result is m:  # an output returned as written: the caller's own tensor, as on the CPU
+                    return a
         return _to(result, "cpu")
 
     return run

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
 
-from gpu_paths import HAVE_NUMBA, backend_params, runner
+from gpu_paths import HAVE_NUMBA, backend_params, interpreter_only, runner
 
 from sparsecomm import kernels
 from sparsecomm.kernels import dispatch
@@ -58,7 +56,7 @@ def test_an_all_zero_tensor_estimates_the_smallest_float_off_the_host_too():
         assert kernels.estimate_threshold(x, 10) == kernels.estimate_threshold(x, 10, backend="torch")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (its interpreter)")
+@interpreter_only
 def test_the_estimate_on_a_gpu_reads_once_and_an_eighth_of_the_tensor():
     from sparsecomm.tools.audit import audit
 
@@ -72,3 +70,12 @@ def test_the_estimate_on_a_gpu_reads_once_and_an_eighth_of_the_tensor():
     every, tiles = launch[2][5], launch[2][6]
     assert every == 8 and tiles * COUNT_TILE * every == n  # 64 tiles of 4096 read: n / 8
     assert want is None or got == want
+
+
+@pytest.mark.parametrize("tile", [1, 3, 4096])
+@pytest.mark.parametrize("every", [1, 2, 8])
+def test_entries_read_counts_the_tiles_a_sampled_count_reads(tile, every):
+    # (the count scales by n / entries_read: a wrong share biases every estimate)
+    for n in [0, 1, tile - 1, tile, tile + 1, tile * every, tile * every + 1, 7 * tile * every - 1, 100_003]:
+        read = (torch.arange(max(n, 0)) // tile) % every == 0
+        assert kernels.estimate.entries_read(n, every, tile) == int(read.sum()), (n, every, tile)

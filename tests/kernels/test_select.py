@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from sparsecomm import kernels
 
+from gpu_paths import interpreter_only
 from reference import ref_topk
 
 
@@ -90,6 +91,7 @@ def test_triton_kth_largest_compacts_above_a_sampled_bound(monkeypatch, dtype, k
         assert stats["misses"] == 0
 
 
+@interpreter_only
 def test_the_exact_threshold_on_a_gpu_reads_the_tensor_once(monkeypatch):
     # Counted as a GPU runs it (Triton's launches with their arguments): one launch over all
     # n entries (the compaction); the radix select's four over the candidates only; one read.

@@ -10,6 +10,8 @@ from sparsecomm.comm.sim import current_sim_comm, simulate
 from sparsecomm.kernels import dispatch
 from sparsecomm.tools.audit import audit, audit_steady
 
+from gpu_paths import interpreter_only
+
 x = torch.arange(1.0, 7.0)
 
 SYNCS = {
@@ -98,10 +100,9 @@ def test_audit_restores_the_kernel_choice(monkeypatch):
     assert os.environ["SPARSECOMM_KERNELS"] == "cpu"
 
 
-HAVE_TRITON = __import__("importlib").util.find_spec("triton") is not None
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (its interpreter runs the kernels)")
+@interpreter_only
 def test_the_triton_view_counts_each_launch_once_and_nothing_inside_it():
     # The chain an H100 runs: the fused select is one launch however many programs the
     # interpreter steps through on the host; its wrapper's allocations and read still count.
@@ -121,7 +122,7 @@ def test_the_triton_view_counts_each_launch_once_and_nothing_inside_it():
     assert count == want and torch.equal(idx[:count], ri[:want]) and torch.equal(r, rr)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (its interpreter runs the kernels)")
+@interpreter_only
 def test_the_triton_view_runs_triton_where_an_op_has_it_and_torch_elsewhere():
     JIT = "sparsecomm.kernels._triton_jit"
     before = sys.modules.get(JIT)
