@@ -79,23 +79,59 @@ def _select_on_device(acc: torch.Tensor, k: int, density: float) -> tuple[torch.
     """Steps 1-3 of :func:`gaussiank` on the device, with one read: (indexes, lowerings, peak).
 
     1. The ladder th_j = th * 0.8^j, j = 0..20 (each the last times 0.8, as the host's loop
-       multiplies), and the smallest positive value below it: one bucketize of |acc|.
-    2. The counts at every rung from one histogram of the buckets (the lowest rung counts the
-       nonzero entries); the first rung j < 20 holding 3k/4 or every nonzero entry, else rung 20.
-    3. One read of (j, its count, the largest |acc|): the mask of the buckets above rung j
-       has exactly that many entries, so the indexes need no read of their own.
+       multiplies), on the device.
+    2. The counts at every rung, 16 rungs a pass (``kernels.count_on_device``: two passes
+       over |acc|), and the nonzero entries; the first rung j < 20 holding 3k/4 or every
+       nonzero entry, else rung 20.
+    3. One read of (j, its count, the largest |acc|): the mask |acc| >= th_j has exactly
+       that many entries, so the indexes need no read of their own.
     A CUDA run's path (:func:`_lowered_threshold` and ``select_above`` read the device four
-    times); on the host the loop stays, which is what this one matches.
+    times); on the host the loop stays, which is what this one matches. (A histogram of
+    bucketized |acc| counted all rungs in one pass, but its n atomic adds into 22 bins took
+    39.6 ms at 100M on an H100, 88x an add: ``benchmarks/test_steady_state.py``.)
     """
+    dt = acc.dtype
+    # Float64 rungs do not fit the count kernel's float32; its torch reference is ~50 operations.
+    if dt == torch.float64 or kernels.dispatch.OPS["count_on_device"].choice(acc, None, 1) != "triton":
+        return _select_on_device_bucketized(acc, k, density)
+    z = NormalDist().inv_cdf(1 - density / 2) if density < 1 else 0.0
+    std = acc.std() if acc.numel() > 1 else torch.zeros((), dtype=dt, device=acc.device)
+    steps = torch.full((MAX_LOWERINGS + 1,), LOWER_FACTOR, dtype=torch.float64, device=acc.device)
+    steps[0] = acc.mean().double().abs() + z * std.double()
+    least = torch.finfo(dt).smallest_normal * torch.finfo(dt).eps  # the smallest subnormal
+    # th_0 >= th_1 >= ... >= th_20 in float32, compared with |acc| in float32: as the host's
+    # kernels compare (fp16 and bf16 widened), not rounded to dt.
+    rungs = torch.cumprod(steps, 0).clamp_(min=least).float()
+    counts = torch.cat([kernels.count_on_device(acc, rungs[i:i + _BATCH])[:rungs[i:i + _BATCH].numel()]
+                        for i in range(0, rungs.numel(), _BATCH)])
+    stop = (counts >= 0.75 * k) | (counts >= torch.count_nonzero(acc))
+    stop[MAX_LOWERINGS] = True
+    j = torch.argmax(stop.to(torch.int8))  # the first rung that stops the lowering
+    mag = acc.abs()
+    peak = mag.max().to(torch.float64) if mag.numel() else torch.zeros((), dtype=torch.float64, device=acc.device)
+    count = counts.index_select(0, j.reshape(1)).reshape(())  # (counts[j] would read j)
+    lowered, count, top = torch.stack([j.double(), count.double(), peak]).tolist()  # the one read
+    idx = kernels.nonzero((mag if dt == torch.float32 else mag.float()) >= rungs[int(lowered)], int(count))
+    return idx, int(lowered), top
+
+
+def _select_on_device_bucketized(acc: torch.Tensor, k: int, density: float
+                                 ) -> tuple[torch.Tensor, int, float | None]:
+    """:func:`_select_on_device` without the count kernel (no Triton, or float64, whose rungs
+    float32 cannot hold): every rung counted from one histogram of |acc| bucketized by the
+    ladder (few operations, but slow on a GPU: n atomic adds into 22 bins), the lowest rung
+    counting the nonzero entries."""
     dt = acc.dtype
     z = NormalDist().inv_cdf(1 - density / 2) if density < 1 else 0.0
     std = acc.std() if acc.numel() > 1 else torch.zeros((), dtype=dt, device=acc.device)
     steps = torch.full((MAX_LOWERINGS + 1,), LOWER_FACTOR, dtype=torch.float64, device=acc.device)
     steps[0] = acc.mean().double().abs() + z * std.double()
     least = torch.finfo(dt).smallest_normal * torch.finfo(dt).eps  # the smallest subnormal
-    ladder = torch.cumprod(steps, 0).clamp_(min=least).to(dt)  # th_0 >= th_1 >= ... >= th_20
+    # Compared in float32 (float64 for float64), as the host's kernels compare.
+    wide = torch.float64 if dt == torch.float64 else torch.float32
+    ladder = torch.cumprod(steps, 0).clamp_(min=least).to(wide)  # th_0 >= th_1 >= ... >= th_20
     edges = torch.cat([ladder.new_full((1,), least), ladder.flip(0)])  # ascending; th_j at 21 - j
-    mag = acc.abs()
+    mag = acc.abs().to(wide)
     bucket = torch.bucketize(mag, edges, right=True)  # rungs at or below |acc|
     hist = torch.zeros(edges.numel() + 1, dtype=torch.int64, device=acc.device).index_add_(
         0, bucket, torch.ones_like(bucket))

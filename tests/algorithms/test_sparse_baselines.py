@@ -8,9 +8,11 @@ import importlib
 import pytest
 import torch
 from conservation import assert_conserved
+from gpu_paths import HAVE_TRITON
 from reference import (k_of, ref_cltk, ref_gaussian_selection, ref_gtopk, ref_sum_of_selected, ref_topk)
 
 import sparsecomm
+from sparsecomm.tools.audit import triton_view
 
 #: The sparse algorithms besides Ok-Topk (which has its own files).
 SPARSE = [a for a in sparsecomm.algorithms() if a not in ("dense", "oktopk")]
@@ -101,14 +103,19 @@ def test_gaussiank_lowers_the_threshold_on_light_tailed_data():
     assert st.last.events["lowered"] > 0 and st.last.local_selected >= 0.75 * 200
 
 
-@pytest.mark.parametrize("data", ["integers", "uniform", "sparse", "zeros", "one entry"])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("data", ["integers", "uniform", "normal", "sparse", "zeros", "one entry"])
 @pytest.mark.parametrize("P", [1, 3])
-def test_gaussiank_on_a_gpus_path_selects_what_the_hosts_loop_selects(P, data, monkeypatch):
-    # A CUDA run's path counts a ladder of every lowering in one histogram and reads the
-    # device once (``_select_on_device``): the same selections, lowerings and sums.
+def test_gaussiank_on_a_gpus_path_selects_what_the_hosts_loop_selects(P, data, path, monkeypatch):
+    # A CUDA run's path counts a ladder of every lowering (Triton's count kernel, 16 rungs a
+    # pass; without Triton one histogram) and reads the device once (``_select_on_device``):
+    # the same selections, lowerings and sums.
+    if path == "triton" and (torch.cuda.is_available() or not HAVE_TRITON):
+        pytest.skip("runs Triton's interpreter on CPU tensors: needs triton, and no GPU")
     gen = torch.Generator().manual_seed(P)
-    n = 1 if data == "one entry" else 4000
-    grads = {"integers": lambda: int_grads(P, n, P, levels=1000),
+    n = {"one entry": 1, "normal": 50_000}.get(data, 4000)
+    grads = {"normal": lambda: [torch.randn(n, generator=gen) for _ in range(P)],
+             "integers": lambda: int_grads(P, n, P, levels=1000),
              "uniform": lambda: [torch.rand(n, generator=gen) * 2 - 1 for _ in range(P)],
              "sparse": lambda: [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < 0.005)
                                 for _ in range(P)],
@@ -116,13 +123,16 @@ def test_gaussiank_on_a_gpus_path_selects_what_the_hosts_loop_selects(P, data, m
              "one entry": lambda: [torch.randn(1, generator=gen) for _ in range(P)]}[data]()
 
     def body(rank, gpu):
-        with sparsecomm.kernels.dispatch.gpu_path() if gpu else contextlib.nullcontext():
+        forced = "triton" if path == "triton" else None
+        with sparsecomm.kernels.dispatch.gpu_path(forced) if gpu else contextlib.nullcontext():
             st = sparsecomm.GaussiankState(0.01, error_feedback=False)
             return sparsecomm.allreduce(grads[rank], state=st), st.last.events["lowered"], st.last.local_selected
 
     host = sparsecomm.simulate(P, lambda r: body(r, False)).results
-    monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
-    gpu = sparsecomm.simulate(P, lambda r: body(r, True)).results
+    if path == "torch":
+        monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
+    with triton_view(path == "triton"):
+        gpu = sparsecomm.simulate(P, lambda r: body(r, True)).results
     for (a, lowered_a, kept_a), (b, lowered_b, kept_b) in zip(host, gpu):
         assert torch.equal(a, b) and lowered_a == lowered_b and kept_a == kept_b
     if data == "uniform":
