@@ -199,9 +199,9 @@ _REGISTRY: dict[str, tuple[str | None, Callable[[], bool] | None, str]] = {
 _AUTO = {"cuda": ("triton", "cupy", "torch"), "cpu": ("cpu", "torch")}
 # The passes over the whole tensor, where CuPy measured fastest on an H100
 # (benchmarks/results/2026-11-23-h100/, float32, 100M / 1B elements): fused
-# select at 54% / 70% of the copy bandwidth (Triton 28%, torch 27%), radix
-# select 2.0x / 3.1x torch.topk (Triton 1.3x / 1.5x), the thresholds' counts
-# 1.1x / 5.7x (Triton 1.0x / 1.9x). Their tables use this order on CUDA.
+# select at 54% / 70% of the copy bandwidth (Triton 28%, torch 27%), the
+# thresholds' counts 1.1x / 5.7x torch.topk (Triton 1.0x / 1.9x). Their tables use
+# this order on CUDA. (The exact threshold no longer does: see kernels.select.)
 CUDA_SCANS = {"cuda": ("cupy", "triton", "torch")}
 
 BACKENDS = (*_REGISTRY, "auto")
