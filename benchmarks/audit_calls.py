@@ -24,15 +24,15 @@ from sparsecomm.tools.audit import audit_steady  # noqa: E402
 
 
 def rows(world_sizes: list[int], n: int, density: float, kernels: str = "torch",
-         algorithms: list[str] | None = None) -> list[dict]:
+         algorithms: list[str] | None = None, device: str = "cpu") -> list[dict]:
     """One row per (algorithm, world size): the busiest rank's counts of one steady call."""
     out = []
     for P in world_sizes:
         for name in algorithms or sparsecomm.registry.names():
-            per_rank = audit_steady(name, P, n=n, density=density, kernels=kernels)
+            per_rank = audit_steady(name, P, n=n, density=density, kernels=kernels, device=device)
             first = [calls[0] for calls in per_rank]
             busiest = max(first, key=lambda a: (a.n_syncs, a.n_ops))
-            out.append({"algorithm": name, "P": P, "n": n, "density": density, "kernels": kernels,
+            out.append({"algorithm": name, "P": P, "n": n, "density": density, "kernels": kernels, "device": device,
                         "ops": max(a.n_ops for a in first), "syncs": max(a.n_syncs for a in first),
                         "dynamic_allocs": max(a.n_dynamic for a in first),
                         "comm_ops": max(a.comm_ops for a in first),
@@ -57,16 +57,18 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
+    parser.add_argument("--device", default="cpu", help="where the tensors live: cuda audits the chain a GPU "
+                        "runs, Triton compiled (set TRITON_INTERPRET=0)")
     parser.add_argument("--algorithms", nargs="+", choices=sparsecomm.registry.names(), default=None)
     parser.add_argument("--out", default=None, help="folder for audit_KERNELS.json and audit_KERNELS.md")
     args = parser.parse_args()
-    data = rows(args.sizes, args.n, args.density, args.kernels, args.algorithms)
+    data = rows(args.sizes, args.n, args.density, args.kernels, args.algorithms, args.device)
     print(table(data))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"audit_{args.kernels}.json"), "w") as f:
+        with open(os.path.join(args.out, f"audit_{args.kernels}{'' if args.device == 'cpu' else '_' + args.device}.json"), "w") as f:
             json.dump(data, f, indent=1)
-        with open(os.path.join(args.out, f"audit_{args.kernels}.md"), "w") as f:
+        with open(os.path.join(args.out, f"audit_{args.kernels}{'' if args.device == 'cpu' else '_' + args.device}.md"), "w") as f:
             f.write(table(data) + "\n")
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, on one machine with one or more CUDA GPUs, in stages:
 #
-#   benchmarks/gpu/run.sh [install] [tests] [tune] [kernels] [steady] [allreduce]   (default: all)
+#   benchmarks/gpu/run.sh [install] [tests] [tune] [kernels] [steady] [audit] [profile] [graph] [allreduce]
+#   (default: all)
 #
 #   install    the project, editable, into the current Python without touching its torch
 #              (no index: works on a machine cut off from the network); wheels found in
@@ -13,6 +14,13 @@
 #              sizes SPARSECOMM_BENCH_SIZES (default 25M,100M,1B)
 #   steady     benchmarks/test_steady_state.py on CUDA: time / add, kernels, copies and
 #              host synchronisations per call
+#   audit      benchmarks/audit_calls.py on CUDA, Triton compiled: device operations and host
+#              synchronisations per steady call at P = 1, 3, 8 (the simulated world's threads
+#              share the GPU), the same counts the CPU audit asserts
+#   profile    benchmarks/gpu/profile_call.py: the profiler's kernels of a steady call and of the
+#              thresholds, by device time, beside the synchronised wall time
+#   graph      benchmarks/gpu/graph_probe.py: whether a steady world-size-1 call can be captured
+#              in a CUDA graph, and what stops it
 #   allreduce  benchmarks/test_allreduce.py: NCCL, a world of one (one GPU); gloo with
 #              CUDA tensors, two ranks sharing it
 #
@@ -24,7 +32,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install tests tune kernels steady allreduce)
+[ ${#stages[@]} -eq 0 ] && stages=(install tests tune kernels steady audit profile graph allreduce)
 has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 status=0
 
@@ -55,7 +63,7 @@ EOF
 fi
 
 if has tests; then
-    workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 4" || echo "")
+    workers=$($PY -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-4}" || echo "")
     timeout "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider $workers -rfEs \
         ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -60 || status=1
 fi
@@ -66,7 +74,7 @@ fi
 
 if has kernels; then
     SPARSECOMM_BENCH_SIZES=${SPARSECOMM_BENCH_SIZES:-25000000,100000000,1000000000} \
-    SPARSECOMM_BENCH_DTYPES=float32,bfloat16 SPARSECOMM_BENCH_BACKENDS=${BACKENDS:-auto,triton,cupy,torch} \
+    SPARSECOMM_BENCH_DTYPES=${SPARSECOMM_BENCH_DTYPES:-float32,bfloat16} SPARSECOMM_BENCH_BACKENDS=${BACKENDS:-auto,triton,cupy,torch} \
     SPARSECOMM_BENCH_ROUNDS=${SPARSECOMM_BENCH_ROUNDS:-10} \
         timeout "${KERNELS_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -s benchmarks/test_kernels.py \
         --benchmark-json "$OUT/kernels.json" >"$OUT/kernels.log" 2>&1 || status=1
@@ -78,6 +86,19 @@ if has steady; then
         timeout "${STEADY_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider benchmarks/test_steady_state.py \
         --benchmark-json "$OUT/steady.json" 2>&1 | grep -v "^test_\|^---\|^Name\|^Legend\|^$" \
         | tee "$OUT/steady.log" | tail -40 || status=1
+fi
+
+if has audit; then
+    TRITON_INTERPRET=0 timeout "${AUDIT_TIMEOUT:-120}" $PY benchmarks/audit_calls.py --device cuda --kernels triton \
+        --sizes ${AUDIT_SIZES:-1 3 8} --out "$OUT" 2>&1 | tee "$OUT/audit.log" | tail -40 || status=1
+fi
+
+if has profile; then
+    timeout "${PROFILE_TIMEOUT:-120}" $PY benchmarks/gpu/profile_call.py 2>&1 | tee "$OUT/profile.log" || status=1
+fi
+
+if has graph; then
+    timeout "${GRAPH_TIMEOUT:-60}" $PY benchmarks/gpu/graph_probe.py 2>&1 | tee "$OUT/graph.log" || status=1
 fi
 
 if has allreduce; then
