@@ -86,19 +86,25 @@ def ef_select_kernel(g_ptr, r_ptr, out_idx_ptr, out_val_ptr, status_ptr, ticket_
 
 
 @triton.jit
-def compact_above_kernel(x_ptr, th_ptr, out_ptr, status_ptr, ticket_ptr, n, capacity, BLOCK: tl.constexpr):
-    """|x| of the entries not below ``*th_ptr`` (NaN too: it ranks above all), compacted in
-    index order into ``out`` (the first ``capacity``), in one pass: the exact k-th largest's
-    candidates (``triton_backend.kth_largest``). Tiles and look-back as in ``ef_select_kernel``.
+def compact_above_kernel(x_ptr, th_ptr, out_ptr, count_ptr, n, capacity, BLOCK: tl.constexpr):
+    """|x| of the entries not below ``*th_ptr`` (NaN too: it ranks above all), compacted into
+    ``out`` (the first ``capacity``) in one pass, ``*count_ptr`` += their count: the exact
+    k-th largest's candidates (``triton_backend.kth_largest``).
+
+    The candidates' order does not matter (a select runs over them), so each tile takes its
+    slots with one atomic add on the count, in no order, instead of the decoupled look-back
+    of ``ef_select_kernel``: on an H100 that chain of 6,104 tiles kept the pass at 0.71 ms
+    for 100M float32 entries, a fifth of the copy bandwidth; 0.38 ms without it
+    (``benchmarks/gpu/profile_call.py``).
     """
-    tile = tl.atomic_add(ticket_ptr, 1)
-    offs = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     mag = tl.abs(tl.load(x_ptr + offs, mask=m, other=0.0))
     sel = m & ~(mag < tl.load(th_ptr))
     s = sel.to(tl.int32)
-    excl = _look_back(status_ptr, tile, tl.sum(s, axis=0).to(tl.int64))
-    pos = excl + (tl.cumsum(s, axis=0) - s).to(tl.int64)
+    base = tl.atomic_add(count_ptr, tl.sum(s, axis=0).to(tl.int64))
+    pos = base + (tl.cumsum(s, axis=0) - s).to(tl.int64)
     tl.store(out_ptr + pos, mag, mask=sel & (pos < capacity))
 
 

@@ -58,7 +58,7 @@ def _radix_dtype(mag: torch.Tensor, k: int, use_abs: bool) -> bool:
 # triton/cupy: radix selects over 16/32-bit float keys only; other dtypes go to torch.
 # Triton first on CUDA (the default order): from 2^20 entries its select reads the tensor once
 # above a sampled bound, where CuPy's radix makes four full passes (0.71 ms of device time at
-# 100M on an H100; 1.14 against 1.19 ms a call: benchmarks/results/2026-11-26-h100-hot-path).
+# 100M on an H100; 0.77 against 2.09 ms a call: benchmarks/results/2026-11-26-h100-hot-path).
 _KTH_LARGEST = dispatch.KernelOp(
     "kth_largest", kth_largest_torch, cpu="numba_backend:kth_largest",
     triton="triton_backend:kth_largest", cupy="cupy_backend:kth_largest",

@@ -152,7 +152,8 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
        r = e + 4 sqrt(e) + 4, e = k m / n, so that at least k entries lie at or above it
        unless the sample is off by four standard deviations.
     3. One pass (``compact_above_kernel``) writes every |x| at or above the bound into a
-       zeroed buffer of 2 r n / m + 4096 entries, counting them on the device.
+       zeroed buffer of 2 r n / m + 4096 entries, in no particular order, counting them on
+       the device.
     4. The radix select of step 1 over that buffer (O(k) per digit): when the candidates
        number between k and the buffer's size, the k largest of x are all among them and
        the zeros past them rank below, so its k-th largest is x's.
@@ -172,12 +173,12 @@ def kth_largest(x: torch.Tensor, k: int, use_abs: bool = False) -> float:
     BOUNDED["calls"] += 1
     bound = torch.topk(sample.abs(), r, sorted=False).values.amin().reshape(1)
     tiles = -(-n // SELECT_BLOCK)
-    status = torch.zeros(tiles + 1, dtype=torch.int64, device=flat.device)
+    count = torch.zeros(1, dtype=torch.int64, device=flat.device)
     candidates = torch.zeros(capacity, dtype=flat.dtype, device=flat.device)
-    dispatch.launch(_jit().compact_above_kernel, (tiles,), flat, bound, candidates, status,
-                    status[tiles:].view(torch.int32), n, capacity, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+    dispatch.launch(_jit().compact_above_kernel, (tiles,), flat, bound, candidates, count, n, capacity,
+                    BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
     key = radix_prefix(candidates, k, _histogram(candidates), _choose)
-    got, count = dispatch.to_host(torch.stack([key, status[tiles - 1] >> 2]))
+    got, count = dispatch.to_host(torch.stack([key, count[0]]))
     if k <= count <= capacity:
         return key_to_float(got, flat.dtype)
     BOUNDED["misses"] += 1

@@ -30,7 +30,7 @@ _COUNT_SIG = {"x_ptr": "*{x}", "n": "i64", "th_ptr": "*fp32", "nt": "i32", "coun
 _TALLY_SIG = {"val_ptr": "*{v}", "count_ptr": "*i64", "capacity": "i64", "rungs_ptr": "*{v}", "nr": "i32",
               "bucket_ptr": "*i64", "words_ptr": "*i64", "NT": "constexpr", "BLOCK": "constexpr",
               "FMAX": "constexpr", "IBITS": "constexpr"}
-_COMPACT_SIG = {"x_ptr": "*{x}", "th_ptr": "*{x}", "out_ptr": "*{x}", "status_ptr": "*i64", "ticket_ptr": "*i32",
+_COMPACT_SIG = {"x_ptr": "*{x}", "th_ptr": "*{x}", "out_ptr": "*{x}", "count_ptr": "*i64",
                 "n": "i64", "capacity": "i64", "BLOCK": "constexpr"}
 _BLOCKED_SIG = {"idx_ptr": "*i64", "bits_ptr": "*{b}", "header_ptr": "*i32", "rows_ptr": "*u8", "count": "i64",
                 "nblocks": "i64", "base": "i64", "VB": "constexpr", "BLOCK": "constexpr"}
@@ -114,7 +114,8 @@ for arch in (80, 90):
         sig = {k: v.format(x=x) for k, v in COMPACT_SIG.items()}
         k = triton.compile(ASTSource(impl.compact_above_kernel, sig, {"BLOCK": SELECT_BLOCK}), target=target,
                            options={"num_warps": SELECT_WARPS})
-        assert k.asm["cubin"] and "atom.global" in k.asm["ptx"]  # the ticket and the look-back
+        # One atomic a tile takes its slots; no look-back loop waits on other tiles.
+        assert k.asm["cubin"] and k.asm["ptx"].count("atom.global") == 1
         record(k, arch)
     for x, bits in (("fp32", 32), ("bf16", 16), ("fp16", 16)):
         sig = {k: v.format(x=x) for k, v in HIST_SIG.items()}
