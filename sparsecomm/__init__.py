@@ -5,6 +5,7 @@ Entry points::
     sparsecomm.allreduce(tensor, density=0.01)        # Ok-Topk by default
     sparsecomm.sparse_allreduce(tensor, density=0.01)  # the sparse result and stats
     sparsecomm.algorithms()                            # registered algorithm names
+    sparsecomm.allreduce(tensor, algorithm="auto")     # the one the network model favours
     sparsecomm.simulate(P, fn)                         # P virtual ranks in one process
 """
 
@@ -27,6 +28,7 @@ from .algorithms import (
     TopkDSAState,
 )
 from .api import Pending, algorithms, allreduce, begin_allreduce, sparse_allreduce
+from .choice import auto_state, choose
 from .comm import Communicator, SimResult, resolve, simulate
 from .errors import (
     CommTimeoutError,
@@ -42,7 +44,8 @@ from .state import CallStats, State
 
 __version__ = "0.1.0"
 
-__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "simulate", "SimResult",
+__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "choose", "auto_state",
+           "simulate", "SimResult",
            "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
            "CallStats", "SparseResult",
            "Communicator", "resolve", "Network", "PROFILES",

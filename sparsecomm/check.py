@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import kernels, registry
+from . import choice, kernels, registry
 from .comm import Communicator, resolve
 from .compress import Compressor, get_compressor
 from .errors import InputError, NonFiniteError
@@ -80,6 +80,8 @@ class Call:
     out: Any = None
     #: Set when the call's fused pass left ``out`` all zero (see :func:`_zero_target`).
     out_zeroed: bool = False
+    #: Why ``algorithm="auto"`` could not choose (a bad network profile), reported by the check.
+    auto_error: str | None = None
 
     @classmethod
     def resolve(cls, tensor: Any, density: Any, algorithm: Any, op: Any, state: State | None,
@@ -88,11 +90,16 @@ class Call:
             algorithm = state.algorithm if state is not None and state.algorithm else "oktopk"
         if density is None:
             density = state.density if isinstance(state, State) else 0.01
-        return cls(tensor, density, algorithm, op, state, compressor, resolve(group=group, comm=comm), out)
+        c, auto_error = resolve(group=group, comm=comm), None
+        if algorithm == choice.AUTO:
+            algorithm, auto_error = _auto(tensor, density, state, compressor, c)
+        return cls(tensor, density, algorithm, op, state, compressor, c, out, auto_error=auto_error)
 
     @functools.cached_property
     def spec(self) -> AlgorithmSpec:
         """The registered algorithm, looked up once (ValueError if there is none)."""
+        if self.algorithm == choice.AUTO:
+            raise ValueError(f"algorithm='auto' could not choose: {self.auto_error}")
         return registry.get(self.algorithm)
 
     @functools.cached_property
@@ -104,6 +111,24 @@ class Call:
         """
         return get_compressor(self.compressor, self.tensor.dtype,
                               divisor=self.comm.size if self.op == "avg" else 1)
+
+
+def _auto(tensor: Any, density: Any, state: State | None, compressor: Any, comm: Communicator
+          ) -> tuple[str, str | None]:
+    """``algorithm="auto"`` resolved: a state's own algorithm (the choice was made when it was),
+    else :func:`choice.choose` for the tensor. Input the check refuses anyway (not a tensor,
+    a bad density or compressor) leaves the default, for the check to name."""
+    if isinstance(state, State) and state.algorithm:
+        return state.algorithm, None
+    try:
+        prof = choice.profile(comm=comm)
+    except ValueError as exc:  # a bad $SPARSECOMM_AUTO_NETWORK: refused on every rank by the check
+        return choice.AUTO, str(exc)
+    try:
+        return choice.choose(tensor.numel(), density, comm.size, tensor.dtype, compressor, prof,
+                             tensor.device.type, comm), None
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return "oktopk", None
 
 
 def _crc(text: str) -> int:

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from . import registry
+from .choice import AUTO, CANDIDATES
 from .state import State
 
 __all__ = ["HookCheckpoints"]
@@ -49,13 +51,12 @@ class HookCheckpoints:
            the checkpoint; DDP's initial buckets are staged into them.
         """
         self._check_checkpoint(d)
-        mine = self._settings(self.spec.state_class(self.density, **self._state_kwargs()))
-        kept = {key: st for key, st in d["algorithm_states"].items() if self._settings(st) == mine}
+        kept = {key: st for key, st in d["algorithm_states"].items() if self._settings(st) == self._mine(st)}
         if len(kept) < len(d["algorithm_states"]):
-            other = next(st for st in d["algorithm_states"].values() if self._settings(st) != mine)
+            other = next(st for st in d["algorithm_states"].values() if self._settings(st) != self._mine(st))
             warnings.warn(f"SparseHookState.load_state_dict: the checkpoint's bucket states were made with "
-                          f"{self._settings(other)}, this hook makes {mine}: their residuals carry over, their "
-                          "thresholds and boundaries start afresh", stacklevel=2)
+                          f"{self._settings(other)}, this hook makes {self._mine(other)}: their residuals carry "
+                          "over, their thresholds and boundaries start afresh", stacklevel=2)
         self.step = d["step"]
         self.totals = {"refused_steps": 0, **d["totals"]}
         self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
@@ -80,6 +81,15 @@ class HookCheckpoints:
         self._orders_last = None if orders is None else [tuple(o) for o in orders]
         self._scale = d.get("scale")
         self._resumed = True
+
+    def _mine(self, saved: State) -> tuple:
+        """The settings of the state this hook would make where ``saved`` was made. With
+        ``"auto"`` the saved choice of algorithm stands (a layout keeps its algorithm) if it is
+        one ``auto`` chooses from."""
+        name = self.algorithm
+        if name == AUTO:
+            name = saved.algorithm if saved.algorithm in CANDIDATES else "oktopk"
+        return self._settings(registry.get(name).state_class(self.density, **self._state_kwargs(name)))
 
     @staticmethod
     def _settings(state: State) -> tuple:

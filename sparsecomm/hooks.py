@@ -59,7 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import registry
+from . import choice, registry
 from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
@@ -108,7 +108,8 @@ class SparseHookState(HookCheckpoints):
     Args:
         model: the DDP model (or its module): its parameter order names the
             residuals, so that they survive bucket rebuilds and checkpoints.
-        algorithm: a name from ``sparsecomm.algorithms()``.
+        algorithm: a name from ``sparsecomm.algorithms()``, or ``"auto"``: per layout, the one
+            ``sparsecomm.choose`` picks for its size, kept (in checkpoints too); no options then.
         density: fraction of entries selected per layout.
         compressor: how values travel (see ``sparsecomm.compress``), or None.
         op: "avg" (DDP's convention: the sum divided by the world size) or "sum".
@@ -128,6 +129,7 @@ class SparseHookState(HookCheckpoints):
         algorithm_options: extra keyword arguments of the algorithm's State
             (e.g. ``{"tau": 32, "tau_prime": 64}`` for Ok-Topk).
         group, comm: which ranks (default: DDP's default process group).
+        network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
         scaler: the ``torch.amp.GradScaler`` that scales the loss, or None. With
             it, NaN/Inf in a gradient gives Inf results (the scaler skips the step
             on every rank) instead of a :class:`~sparsecomm.errors.NonFiniteError`,
@@ -142,10 +144,11 @@ class SparseHookState(HookCheckpoints):
                  compressor: Any = None, op: str = "avg", warmup_steps: int = 0,
                  min_bucket_elements: int = 16384, error_feedback: bool = True,
                  algorithm_options: Optional[dict] = None, group: Any = None, comm: Any = None,
-                 overlap: bool = False, engine_threads: int = 1, scaler: Any = None) -> None:
+                 overlap: bool = False, engine_threads: int = 1, scaler: Any = None,
+                 network: Any = None) -> None:
         # Set by the user.
-        self.spec = registry.get(algorithm)
-        self.algorithm, self.density = algorithm, check_density(density)
+        self.algorithm, self.density, self.network = algorithm, check_density(density), network
+        self.spec = registry.get(choice.validated(algorithm, algorithm_options, network))
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         for name, value in (("warmup_steps", warmup_steps), ("min_bucket_elements", min_bucket_elements)):
@@ -188,13 +191,20 @@ class SparseHookState(HookCheckpoints):
         self.stats: List[List[dict]] = [[]]
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0, "refused_steps": 0}
 
-    def _state_kwargs(self) -> dict:
+    def _state_kwargs(self, algorithm: Optional[str] = None) -> dict:
         kwargs = dict(self.algorithm_options)
         # Dense keeps a residual only when a compressor loses something (q8, fp16, ...):
         # without one it would hold zeros, one more pass per bucket for nothing.
-        if self.algorithm != "dense" or self.compressor is not None:
+        if (algorithm or self.algorithm) != "dense" or self.compressor is not None:
             kwargs.setdefault("error_feedback", self.error_feedback)
         return kwargs
+
+    def _new_state(self, key: Layout, device: torch.device, dtype: torch.dtype) -> State:
+        """A fresh state for layout ``key``: of this hook's algorithm, or of the one chosen for its size."""
+        name = self.algorithm if self.algorithm != choice.AUTO else choice.choose(
+            sum(self._numel[i] for i in key), self.density, self.comm.size, dtype, self.compressor, self.network,
+            device.type, self.comm)
+        return registry.get(name).state_class(self.density, **self._state_kwargs(name))
 
     @property
     def comm(self) -> Communicator:
@@ -203,12 +213,12 @@ class SparseHookState(HookCheckpoints):
         return self._comm
 
     # ---- per-parameter memory -----------------------------------------------------
-    def _bucket_state(self, key: Layout, device: torch.device) -> State:
+    def _bucket_state(self, key: Layout, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """The algorithm state of held layout ``key``, made (with its parameters' residuals) when missing."""
         state = self.buckets.get(key)
         if state is not None:
             return state
-        state = self.spec.state_class(self.density, **self._state_kwargs())
+        state = self._new_state(key, device, dtype)
         if self.error_feedback and any(i in self._pending for i in key):
             parts = [self._pending.pop(i, None) for i in key]
             state.residual = torch.cat([torch.zeros(self._numel[i], device=device) if r is None
@@ -484,7 +494,7 @@ class SparseHookState(HookCheckpoints):
                 allreduce(buf, algorithm="dense", op=self.op, comm=comm, out=buf)
                 selected = buf.numel()
             else:
-                st = self._bucket_state(key, buf.device)
+                st = self._bucket_state(key, buf.device, buf.dtype)
                 allreduce(buf, state=st, op=self.op, compressor=self.compressor, comm=comm, out=buf)
                 selected = st.last.global_selected
         except InputError as exc:

@@ -44,6 +44,7 @@ import torch
 
 from .. import __version__, registry
 from ..api import allreduce
+from ..choice import AUTO, auto_state
 from ..comm.base import Communicator
 from ..state import topk_count
 from .launch import local_rank
@@ -126,9 +127,11 @@ class Workload:
         self.device = device or bench_device(comm)
         dtype = getattr(torch, case.dtype)
         self.grads = [gradient(comm.rank, s, case.n, case.kind, dtype).to(self.device) for s in range(variants)]
-        self.state = registry.get(case.algorithm).state_class(case.density)
-        self.out = torch.empty_like(self.grads[0])
         self.compressor = None if case.compressor in (None, "none") else case.compressor
+        # "auto": the state of the algorithm chosen for this size, as a user's auto_state gives.
+        self.state = (auto_state(self.grads[0], case.density, comm=comm, compressor=self.compressor)
+                      if case.algorithm == AUTO else registry.get(case.algorithm).state_class(case.density))
+        self.out = torch.empty_like(self.grads[0])
         self.calls: list[dict] = []
         self._g: torch.Tensor = self.grads[0]
         self._checked = 0
@@ -190,7 +193,7 @@ class Workload:
         return Row(case.algorithm, comm.name, P, case.n, case.density, size, t * 1e3, algbw,
                    algbw * 2 * (P - 1) / P if P > 1 else algbw, sums[0] / P,
                    selected_over_k=sums[1] / P / topk_count(case.density, case.n)
-                   if case.algorithm != "dense" else 1.0,
+                   if self.state.algorithm != "dense" else 1.0,
                    compressor=self.compressor or "none", dtype=case.dtype, kind=case.kind,
                    critical_bytes=crit[0], critical_messages=crit[1],
                    select_ms=select_ms, comm_ms=comm_ms,

@@ -225,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=at.positive_int, default=10, help="timed calls per algorithm")
     b.add_argument("--warmup", type=at.nonnegative_int, default=3, help="untimed calls first")
     b.add_argument("--kind", choices=KINDS, default="model", help="synthetic gradient")
-    b.add_argument("--algorithms", type=_names(algorithms, "algorithm"), default=["oktopk", "dense"],
-                   help=f"comma-separated, from {', '.join(algorithms())}")
+    b.add_argument("--algorithms", type=_names(lambda: [*algorithms(), "auto"], "algorithm"),
+                   default=["oktopk", "dense"],
+                   help=f"comma-separated, from {', '.join(algorithms())}, auto (the one the network model "
+                        "favours for --n: sparsecomm.choose)")
     b.add_argument("--compressors", type=_names(["none", *COMPRESSORS], "compressor"), default=["none"],
                    help=f"comma-separated, from none, {', '.join(COMPRESSORS)}")
     b.add_argument("--launcher", choices=["spawn", "sim", "external"], default="spawn",
