@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import registry
+from .comm import resolve
 from .compress import get_compressor
 from .network import PROFILES, Network, profile_dir, resolve_network
 from .state import State, check_density, topk_count
@@ -211,8 +212,6 @@ def auto_state(tensor: torch.Tensor, density: float = 0.01, *, comm: Any = None,
         st = sparsecomm.auto_state(grad, density=0.01)
         out = sparsecomm.allreduce(grad, state=st)
     """
-    from .comm import resolve  # here: the communicators sit above the registries in the import graph
-
     c = resolve(group=group, comm=comm)
     name = choose(tensor.numel(), density, c.size, tensor.dtype, compressor, network, tensor.device.type, c)
     # Dense keeps a residual only when a compressor loses something (as the DDP hook decides).
