@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .errors import InputFileError
 
-__all__ = ["Network", "PROFILES", "resolve_network", "profile_dir", "load_profile"]
+__all__ = ["Network", "TwoLevel", "PROFILES", "resolve_network", "profile_dir", "load_profile", "ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,63 @@ class Network:
         return messages * self.alpha + nbytes * self.beta
 
 
-PROFILES: dict[str, Network] = {
+@dataclass(frozen=True)
+class TwoLevel:
+    """A machine of nodes of ``ranks_per_node`` ranks (ranks ``g G .. g G + G - 1`` share node g):
+    a message between two ranks of a node costs ``intra``'s alpha and beta, one between nodes
+    ``inter``'s (each rank's own share of its node's link).
+
+    Where one network is asked for (``alpha``, ``beta``, ``time``: a collective over ranks of
+    several nodes), it answers as ``inter``, the slower link any such exchange crosses.
+    """
+
+    intra: Network
+    inter: Network
+    ranks_per_node: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"network: ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
+
+    @property
+    def alpha(self) -> float:
+        return self.inter.alpha
+
+    @property
+    def beta(self) -> float:
+        return self.inter.beta
+
+    def time(self, messages: int, nbytes: int) -> float:
+        return self.inter.time(messages, nbytes)
+
+    def between(self, a: int, b: int) -> Network:
+        """The link from rank ``a`` to rank ``b``."""
+        return self.intra if a // self.ranks_per_node == b // self.ranks_per_node else self.inter
+
+    def spanning(self, ranks: "list[int] | range") -> Network:
+        """The network of a collective over ``ranks``: ``intra`` when they share one node."""
+        nodes = {r // self.ranks_per_node for r in ranks}
+        return self.intra if len(nodes) <= 1 else self.inter
+
+
+def ranks_per_node(network: "Network | TwoLevel | None") -> int | None:
+    """G of a two-level network, None for one level."""
+    return network.ranks_per_node if isinstance(network, TwoLevel) else None
+
+
+PROFILES: dict[str, "Network | TwoLevel"] = {
     "pizdaint": Network(1.5e-6, 1 / 10e9, "pizdaint"),  # Cray Aries, ~10 GB/s injection
     "1gbe": Network(50e-6, 1 / 125e6, "1gbe"),
     "10gbe": Network(30e-6, 1 / 1.25e9, "10gbe"),
     "56gbib": Network(2e-6, 1 / 6e9, "56gbib"),
     "100gbib": Network(1.5e-6, 1 / 12e9, "100gbib"),
+    # Nodes of 8 GPUs: NVLink within (~150 GB/s a GPU, ~3 us), a 200 Gbit/s NIC a GPU between
+    # (25 GB/s, ~5 us): today's 8-GPU nodes (H100 with NVLink 4 and NDR InfiniBand).
+    "nvl8": TwoLevel(Network(3e-6, 1 / 150e9, "nvlink"), Network(5e-6, 1 / 25e9, "ndr200"), 8, "nvl8"),
+    # The same nodes on 10 Gbit/s Ethernet shared by the node's 8 ranks.
+    "nvl8-10gbe": TwoLevel(Network(3e-6, 1 / 150e9, "nvlink"), Network(30e-6, 8 / 1.25e9, "10gbe/8"), 8,
+                           "nvl8-10gbe"),
 }
 
 
@@ -75,10 +126,10 @@ def _saved_profile(name: str) -> Network | None:
     return load_profile(path, name)
 
 
-def resolve_network(network: "str | tuple[float, float] | Network | None") -> Network | None:
+def resolve_network(network: "str | tuple[float, float] | Network | TwoLevel | None") -> "Network | TwoLevel | None":
     """A Network from a profile name (built in, or saved by ``sparsecomm calibrate --save``), a
     profile's .json path, "alpha:beta", an (alpha, beta) pair or a Network; None stays None."""
-    if network is None or isinstance(network, Network):
+    if network is None or isinstance(network, (Network, TwoLevel)):
         return network
     if isinstance(network, str) and ":" in network:  # "alpha:beta" from a command line
         alpha, beta = network.split(":", 1)

@@ -93,6 +93,22 @@ def check_comm(comm: Communicator) -> dict:
         for q in reqs:
             q.wait()
         assert up.tolist() == [float(prv)] * 3 and down.tolist() == [nxt, P]
+    # split: the odd and the even ranks (keys in rank order, which torch.distributed's groups
+    # keep), their traffic counted as this rank's.
+    before = comm.stats.bytes_sent
+    part = comm.split(r % 2, 10 * r)
+    mates = [q for q in range(P) if q % 2 == r % 2]
+    assert (part.size, part.rank) == (len(mates), mates.index(r)), (part.size, part.rank)
+    assert part.allgather(torch.tensor([r])).reshape(-1).tolist() == mates
+    assert part.allreduce(torch.tensor([float(r)])).item() == sum(mates)
+    if part.size > 1:
+        got = torch.empty(1, dtype=torch.int64)
+        reqs = [part.irecv(got, (part.rank + 1) % part.size, tag=7),
+                part.isend(torch.tensor([r]), (part.rank - 1) % part.size, tag=7)]
+        for q in reqs:
+            q.wait()
+        assert got.item() == mates[(part.rank + 1) % part.size]
+        assert part.stats is comm.stats and comm.stats.bytes_sent > before
     comm.barrier()
     stats = comm.stats.as_dict()
     if P > 1:
@@ -136,7 +152,10 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     out["dense/q4/avg"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", compressor="q4",
                                                op="avg", comm=comm)
     for name in [a for a in sparsecomm.algorithms() if a not in ("dense", "oktopk")]:
-        st = sparsecomm.registry.get(name).state_class(0.01, error_feedback=True)
+        # (two-level Ok-Topk in nodes of two where it can: G = 2 sums commute, so every engine
+        # agrees bit for bit; and never from the launcher's variables, which differ by engine)
+        node = {"ranks_per_node": 2 if size % 2 == 0 else 1} if name == "oktopk2l" else {}
+        st = sparsecomm.registry.get(name).state_class(0.01, error_feedback=True, **node)
         for step in range(2):
             out[f"{name}/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st, comm=comm)
         out[f"{name}/residual"] = st.residual.clone()

@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Communicator", "Request", "CommStats", "DEFAULT_TIMEOUT", "default_timeout"]
+__all__ = ["Communicator", "Request", "CommStats", "DEFAULT_TIMEOUT", "default_timeout", "launcher_node_size"]
 
 #: Seconds any blocking wait may take before it raises CommTimeoutError.
 DEFAULT_TIMEOUT = 300.0
@@ -47,6 +47,23 @@ def default_timeout() -> float:
     """The wait timeout in seconds: ``$SPARSECOMM_TIMEOUT`` or DEFAULT_TIMEOUT."""
     value = os.environ.get("SPARSECOMM_TIMEOUT")
     return float(value) if value else DEFAULT_TIMEOUT
+
+
+#: Launcher variables holding the ranks on this rank's node, read in this order: torchrun,
+#: Open MPI, MPICH's Hydra, Slurm (with --ntasks-per-node).
+NODE_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def launcher_node_size() -> int | None:
+    """The ranks on this rank's node as the launcher says (:data:`NODE_SIZE_VARS`), or None."""
+    for var in NODE_SIZE_VARS:
+        try:
+            value = int(os.environ.get(var, ""))
+        except ValueError:
+            continue
+        if value >= 1:
+            return value
+    return None
 
 
 _TAG_ALLTOALLV = 0xA11A
@@ -156,6 +173,12 @@ class Communicator(abc.ABC):
         return device.type == "cpu"
 
     @property
+    def node_size(self) -> int | None:
+        """Ranks per node where the backend itself knows it (a simulated world on a two-level
+        network), else None: ranks g G .. g G + G - 1 share node g."""
+        return None
+
+    @property
     def control_device(self) -> torch.device:
         """Where small control messages (signatures, counts, scales) are built and travel.
 
@@ -181,6 +204,34 @@ class Communicator(abc.ABC):
         never race the caller's (or DDP's) collectives.
         """
         raise NotImplementedError(f"{self.name}: this communicator cannot be duplicated")
+
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        """The ranks that pass the same ``color``, ordered by ``key`` then rank: MPI's Comm_split.
+
+        Collective: every rank calls it, in the same order relative to its other
+        collectives. The part's traffic is this rank's traffic: it is counted in this
+        communicator's counters (and, in the simulated world, on this rank's clock).
+        Each call makes a new communicator (a process group on torch.distributed): keep it.
+        torch.distributed orders a group by rank: there a key that orders a part otherwise
+        is refused (ValueError on the part's every rank).
+        """
+        part = self._split(int(color), self.rank if key is None else int(key))
+        part.stats = self.stats
+        return part
+
+    def _split(self, color: int, key: int) -> "Communicator":
+        """The backend's split (see :meth:`split`)."""
+        raise NotImplementedError(f"{self.name}: this communicator cannot be split")
+
+    def split_colors(self, color: int, key: int) -> list[list[int]]:
+        """Every part of a split, as lists of ranks in their new order, in color order: one
+        allgather of (color, key) pairs, the same on every rank."""
+        pairs = self.allgather(torch.tensor([color, key], dtype=torch.int64, device=self.control_device))
+        rows = pairs.reshape(self.size, 2).tolist()
+        parts: dict[int, list[tuple[int, int]]] = {}
+        for rank, (c, k) in enumerate(rows):
+            parts.setdefault(int(c), []).append((int(k), rank))
+        return [[rank for _, rank in sorted(members)] for _, members in sorted(parts.items())]
 
     # ---- public collectives: accounting around the backend calls ----------
     def allgather(self, t: torch.Tensor) -> torch.Tensor:

@@ -258,6 +258,9 @@ class GridCommunicator(Communicator):
     def dup(self) -> "GridCommunicator":
         return GridCommunicator(self.inner.dup())
 
+    def _split(self, color: int, key: int) -> Communicator:
+        return self.inner.split(color, key)
+
     # (the public methods above never reach these)
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

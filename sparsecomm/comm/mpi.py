@@ -69,6 +69,11 @@ class MPICommunicator(Communicator):
         """``MPI_Comm_dup``: the same ranks in a new communication context."""
         return MPICommunicator(self.comm.Dup(), self.timeout)
 
+    def _split(self, color: int, key: int) -> "MPICommunicator":
+        """``MPI_Comm_split``, counted as the allgather of (color, key) pairs it makes."""
+        self._count(16 * (self.size - 1), self.size - 1)
+        return MPICommunicator(self.comm.Split(color, key), self.timeout)
+
     def supports_device(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import CommTimeoutError, PeerError
-from ..network import Network, resolve_network
+from ..network import Network, TwoLevel, resolve_network
 from ..segments import positions
 from .base import Communicator, Request, default_timeout
 
@@ -81,7 +81,7 @@ class _World:
     out, while a deadlock does after ``timeout`` seconds.
     """
 
-    def __init__(self, size: int, timeout: float, network: Network | None) -> None:
+    def __init__(self, size: int, timeout: float, network: "Network | TwoLevel | None") -> None:
         self.size = size
         self.timeout = timeout
         self.network = network
@@ -185,29 +185,78 @@ class _SimRequest(Request):
 
 
 class SimCommunicator(Communicator):
-    """Rank ``rank`` of an in-process simulated world."""
+    """Rank ``rank`` of an in-process simulated world, or of a part of it (:meth:`split`).
+
+    ``members``: the world ranks of this communicator's ranks, in its rank order (None: the
+    whole world). A part shares its rank's clock (``clock_box``) with the communicator it
+    was split from: one rank has one timeline.
+    """
 
     name = "sim"
 
-    def __init__(self, rank: int, world: _World, channel: tuple = ()) -> None:
-        super().__init__(rank, world.size, world.timeout)
+    def __init__(self, rank: int, world: _World, channel: tuple = (), members: list[int] | None = None,
+                 clock_box: list[float] | None = None) -> None:
+        self.members = list(range(world.size)) if members is None else list(members)
+        super().__init__(rank, len(self.members), world.timeout)
         self._world = world
-        self.channel = channel  # () for the world's own; dup() adds a number per duplicate
+        self._me = self.members[rank]  # this rank in the world (its inbox, its turn to run)
+        self.channel = channel  # () for the world's own; dup() and split() extend it
         self._dups = 0
         self._seq = 0
-        self.clock = 0.0
+        self._clock = [0.0] if clock_box is None else clock_box
         self._cost = (0, 0)
+        net = world.network
+        # The network of this communicator's collectives: within a node, or across nodes.
+        self._net = net.spanning(self.members) if isinstance(net, TwoLevel) else net
+
+    @property
+    def clock(self) -> float:
+        """This rank's modelled communication seconds so far."""
+        return self._clock[0]
+
+    @clock.setter
+    def clock(self, value: float) -> None:
+        self._clock[0] = value
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type != "meta"  # any device that holds values
 
     def idle(self) -> contextlib.AbstractContextManager:
-        return self._world.idle(self.rank)
+        return self._world.idle(self._me)
 
     def dup(self) -> "SimCommunicator":
         """The same ranks on a channel of their own (messages and collectives never mix)."""
         self._dups += 1
-        return SimCommunicator(self.rank, self._world, self.channel + (self._dups,))
+        return SimCommunicator(self.rank, self._world, self.channel + (self._dups,), self.members)
+
+    def _split(self, color: int, key: int) -> "SimCommunicator":
+        """This rank's part on a channel of its own, on this rank's clock."""
+        seq = self._seq  # (the split's own collective: every rank names the same one)
+        part = next(p for p in self.split_colors(color, key) if self.rank in p)
+        return SimCommunicator(part.index(self.rank), self._world, self.channel + ("split", seq, color),
+                               [self.members[r] for r in part], self._clock)
+
+    @property
+    def node_size(self) -> int | None:
+        """The two-level network's ranks per node, for the world's own ranks (None otherwise)."""
+        net = self._world.network
+        whole = len(self.members) == self._world.size and self.members == sorted(self.members)
+        return net.ranks_per_node if isinstance(net, TwoLevel) and whole else None
+
+    def _link(self, peer: int) -> Network | None:
+        """The network between this rank and ``peer`` (a rank of this communicator)."""
+        net = self._world.network
+        return net.between(self._me, self.members[peer]) if isinstance(net, TwoLevel) else net
+
+    def _links(self) -> tuple:
+        """(alpha, beta) of every message of an exchange among this communicator's ranks:
+        two numbers, or on a two-level network two matrices indexed [sender, receiver]."""
+        net = self._world.network
+        if not isinstance(net, TwoLevel):
+            return net.alpha, net.beta
+        node = np.asarray(self.members) // net.ranks_per_node
+        same = node[:, None] == node[None, :]
+        return (np.where(same, net.intra.alpha, net.inter.alpha), np.where(same, net.intra.beta, net.inter.beta))
 
     # ---- accounting hook: remember the cost of the collective being run ----
     def _count(self, nbytes: int, messages: int) -> None:
@@ -218,7 +267,7 @@ class SimCommunicator(Communicator):
     def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
         self._check_peer(dst, "isend")
         self._count_p2p_send(buf)
-        net, nbytes = self._world.network, buf.numel() * buf.element_size()
+        net, nbytes = self._link(dst), buf.numel() * buf.element_size()
         start = self.clock
         if net is not None:
             self.clock += net.beta * nbytes
@@ -226,7 +275,7 @@ class SimCommunicator(Communicator):
         else:
             arrival = 0.0
         data = buf.detach().clone()
-        inbox = self._world.inbox[dst]
+        inbox = self._world.inbox[self.members[dst]]
         with inbox:
             self._world.mailbox[(self.channel, self.rank, dst, tag)].append((data, arrival))
             inbox.notify()
@@ -241,7 +290,7 @@ class SimCommunicator(Communicator):
             world = self._world
             box = world.mailbox[key]
             data, arrival = world.wait_for(
-                world.inbox[self.rank], lambda: box.popleft() if box else None, self.rank,
+                world.inbox[self._me], lambda: box.popleft() if box else None, self._me,
                 lambda: f"recv of {tuple(buf.shape)} {buf.dtype} from rank {src} (tag {tag})")
             if data.numel() * data.element_size() != buf.numel() * buf.element_size():
                 raise ValueError(f"rank {self.rank}: recv from rank {src} (tag {tag}) got "
@@ -293,12 +342,12 @@ class SimCommunicator(Communicator):
             missing = [r for r, o in enumerate(slot.ops) if o is None]
             return f"{op} (collective #{seq}) waiting for rank(s) {missing}"
 
-        done = world.wait_for(world.cond, leave, self.rank, waiting)
+        done = world.wait_for(world.cond, leave, self._me, waiting)
         if not done.same:
             raise ValueError(f"rank {self.rank}: collective #{seq} mismatched across ranks: {done.ops}")
-        if world.network is not None:
+        if self._net is not None:
             nbytes, messages = self._cost
-            self.clock = done.start + world.network.time(messages, nbytes)
+            self.clock = done.start + self._net.time(messages, nbytes)
         # (every rank's payloads in one list the ranks share: read, never changed)
         return done.combined if combine is not None else done.items
 
@@ -355,7 +404,7 @@ class SimCommunicator(Communicator):
             part_at = rank_at[:, None] + np.cumsum(sizes, axis=1) - sizes
             where = positions(part_at.T.reshape(-1), sizes.T.reshape(-1))  # by receiver, then sender
             recv = sizes.sum(axis=0)
-            clocks = (_rotation_clocks(sizes, [p[3] for p in parts], p[4], net.alpha, net.beta)
+            clocks = (_rotation_clocks(sizes, [p[3] for p in parts], p[4], *self._links())
                       if net is not None else None)
             return flat[where], np.concatenate([[0], np.cumsum(recv)]), clocks
 
@@ -388,15 +437,15 @@ class SimCommunicator(Communicator):
         self._exchange("barrier", None)
 
 
-def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, alpha: float,
-                     beta: float) -> np.ndarray:
+def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, alpha: "float | np.ndarray",
+                     beta: "float | np.ndarray") -> np.ndarray:
     """Every rank's clock after the point-to-point rotation of ``Communicator._alltoallv``.
 
     Each rank posts bucket b + 1 before it waits for bucket b. A send of m bytes occupies
     its sender for beta m and arrives alpha + beta m after it starts; a receive completes
     no earlier than its arrival: the model of ``isend``/``irecv``, with the same floating
     point operations in the same order (so the same times to the bit), over the whole
-    world at once.
+    world at once. ``alpha`` and ``beta``: numbers, or [sender, receiver] matrices (two levels).
     """
     P = len(clocks)
     clock = np.array(clocks, dtype=np.float64)
@@ -406,10 +455,12 @@ def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, al
     def send(first: int) -> None:
         nonlocal clock
         steps = np.arange(first, min(first + bucket, P))[None, :]
-        nbytes = sizes[ranks, (ranks + steps) % P]
-        acc = np.cumsum(np.concatenate([clock[:, None], beta * nbytes], axis=1), axis=1)
+        dst = (ranks + steps) % P
+        nbytes = sizes[ranks, dst]
+        a, b = (alpha[ranks, dst], beta[ranks, dst]) if np.ndim(alpha) else (alpha, beta)
+        acc = np.cumsum(np.concatenate([clock[:, None], b * nbytes], axis=1), axis=1)
         clock = acc[:, -1]
-        arrivals[first] = acc[:, :-1] + alpha + beta * nbytes  # [sender, step]
+        arrivals[first] = acc[:, :-1] + a + b * nbytes  # [sender, step]
 
     def wait(first: int) -> None:
         nonlocal clock
@@ -484,7 +535,7 @@ class SimResult:
 
 
 def simulate(world_size: int, fn: Callable[..., Any], *args: Any,
-             network: "str | tuple[float, float] | Network | None" = None,
+             network: "str | tuple[float, float] | Network | TwoLevel | None" = None,
              timeout: float | None = None, return_exceptions: bool = False,
              **kwargs: Any) -> SimResult:
     """Run ``fn(rank, *args, **kwargs)`` on every rank of a simulated world.

@@ -71,6 +71,18 @@ class TorchCommunicator(Communicator):
         ranks = self._dist.get_process_group_ranks(self.group)
         return TorchCommunicator(self._dist.new_group(ranks=ranks, backend=self.backend), self.timeout)
 
+    def _split(self, color: int, key: int) -> "TorchCommunicator":
+        """A process group of this rank's part (``dist.new_group`` with local synchronisation:
+        only the part's members create it, so parts need not be made in the same order)."""
+        parts = self.split_colors(color, key)
+        mine = next(part for part in parts if self.rank in part)
+        if mine != sorted(mine):  # (every rank of the part sees the same order, so all raise)
+            raise ValueError(f"split: torch.distributed orders a group's ranks by rank; keys that order "
+                             f"them otherwise ({mine}) cannot be honoured")
+        ranks = [self._global(r) for r in mine]
+        group = self._dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=True)
+        return TorchCommunicator(group, self.timeout)
+
     def supports_device(self, device: torch.device) -> bool:
         if self.backend == "gloo":
             return device.type in ("cpu", "cuda")

@@ -157,3 +157,34 @@ def test_an_exact_oktopk_call_posts_no_message_of_its_own_in_the_simulated_world
 
     events = sparsecomm.simulate(16, body).results
     assert not any("balanced" in e for e in events)  # (a rebalance moves its slices by p2p)
+
+
+def test_a_split_orders_its_part_by_key_and_shares_the_rank_s_clock():
+    def body(rank):
+        comm = sparsecomm.resolve()
+        part = comm.split(rank % 2, -rank)  # reversed: the simulated world and MPI honour keys
+        got = part.allgather(torch.tensor([rank])).reshape(-1).tolist()
+        return got, part.rank, part.clock == comm.clock > 0
+
+    res = sparsecomm.simulate(5, body, network="10gbe").results
+    assert [r[0] for r in res] == [[4, 2, 0], [3, 1], [4, 2, 0], [3, 1], [4, 2, 0]]
+    assert [r[1] for r in res] == [2, 1, 1, 0, 0] and all(r[2] for r in res)
+
+
+def test_two_level_network_charges_each_message_by_its_ends_nodes():
+    from sparsecomm.network import Network, TwoLevel
+
+    net = TwoLevel(Network(1e-6, 0.0), Network(1e-3, 0.0), 2)  # nodes {0, 1} and {2, 3}
+
+    def body(rank):
+        comm = sparsecomm.resolve()
+        buf = torch.empty(1)
+        reqs = {0: lambda: [comm.irecv(buf, 1)],  # within node 0
+                1: lambda: [comm.isend(torch.ones(1), 0), comm.irecv(buf, 2)],  # and from node 1
+                2: lambda: [comm.isend(torch.ones(1), 1)],
+                3: lambda: []}[rank]()
+        for q in reqs:
+            q.wait()
+        return comm.clock
+
+    assert sparsecomm.simulate(4, body, network=net).results[:2] == [pytest.approx(1e-6), pytest.approx(1e-3)]
