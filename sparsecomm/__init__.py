@@ -6,6 +6,7 @@ Entry points::
     sparsecomm.sparse_allreduce(tensor, density=0.01)  # the sparse result and stats
     sparsecomm.algorithms()                            # registered algorithm names
     sparsecomm.allreduce(tensor, algorithm="auto")     # the one the network model favours
+    sparsecomm.allreduce(tensor, algorithm="oktopk2l") # nodes of several GPUs: dense within, sparse between
     sparsecomm.simulate(P, fn)                         # P virtual ranks in one process
 """
 
@@ -24,6 +25,7 @@ from .algorithms import (
     GaussiankState,
     GTopkState,
     OkTopkState,
+    OkTopkTwoLevelState,
     TopkAState,
     TopkDSAState,
 )
@@ -38,7 +40,7 @@ from .errors import (
     ScheduleError,
     SparseCommError,
 )
-from .network import PROFILES, Network
+from .network import PROFILES, Network, TwoLevel
 from .result import SparseResult
 from .state import CallStats, State
 
@@ -46,7 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "choose", "auto_state",
            "simulate", "SimResult",
-           "OkTopkState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
+           "OkTopkState", "OkTopkTwoLevelState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
            "CallStats", "SparseResult",
-           "Communicator", "resolve", "Network", "PROFILES",
+           "Communicator", "resolve", "Network", "TwoLevel", "PROFILES",
            "SparseCommError", "InputError", "NonFiniteError", "CommTimeoutError", "PeerError", "ScheduleError"]

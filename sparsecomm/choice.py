@@ -39,7 +39,7 @@ import torch
 from . import registry
 from .comm import resolve
 from .compress import get_compressor
-from .network import PROFILES, Network, profile_dir, resolve_network
+from .network import PROFILES, Network, TwoLevel, profile_dir, resolve_network
 from .state import State, check_density, topk_count
 
 __all__ = ["AUTO", "CANDIDATES", "LOCAL_ADDS", "LOCAL_CALL_S", "ADD_S_PER_ELEMENT", "Traffic", "Profile",
@@ -64,22 +64,33 @@ LOCAL_CALL_S = {"dense": 0.2e-3, "oktopk": 0.7e-3, "oktopk2d": 0.8e-3}
 
 @dataclass(frozen=True)
 class Traffic:
-    """Critical-path messages and bytes of the busiest rank in one steady call."""
+    """Critical-path messages and bytes of the busiest rank in one steady call; ``intra_*``:
+    the part of them that stays within a node (two-level algorithms only)."""
 
     messages: float
     bytes: float
+    intra_messages: float = 0.0
+    intra_bytes: float = 0.0
+
+    def time(self, network: "Network | TwoLevel") -> float:
+        """Modelled seconds on ``network``: the node's part on a two-level network's ``intra``
+        link, everything else (all of it on one level) on the network's ``inter`` one."""
+        if isinstance(network, TwoLevel):
+            return network.inter.time(self.messages, self.bytes) + network.intra.time(self.intra_messages,
+                                                                                      self.intra_bytes)
+        return network.time(self.messages + self.intra_messages, self.bytes + self.intra_bytes)
 
 
 @dataclass(frozen=True)
 class Profile:
     """A network (alpha s/message, beta s/byte) and, when calibrated, local costs per algorithm."""
 
-    network: Network
+    network: "Network | TwoLevel"
     local_s_per_element: dict = field(default_factory=dict)
     local_s_per_call: dict = field(default_factory=dict)
 
 
-def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float) -> Traffic:
+def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1) -> Traffic:
     """Critical-path messages and bytes of a steady call of ``algorithm`` on the busiest rank.
 
     1. dense: reduce-scatter and allgather by recursive halving and doubling (the simulated
@@ -93,23 +104,49 @@ def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float) -> Traff
        r = ceil(P / c) rows: 6 (c + r - 2) messages, :data:`_GRID_DATA` times the data (an
        entry travels twice, a part of it combined on the way). Two ranks make no grid.
 
+    4. oktopk2l, G ranks a node: within the node a dense reduce-scatter in the work dtype
+       (ceil(log2 G) messages, 4 n (G - 1) / G bytes) and an all-gather of the shards'
+       results (2 (G - 1) messages, 8 k (G - 1) / G bytes and 16 a peer); between nodes
+       Ok-Topk's traffic on n/G entries, ceil(k/G) selected, P/G ranks.
+    5. The baselines, for projections (``benchmarks/two_level_projection.py``): gtopk, a tree
+       up and down (2 log2 P messages of k entries, 9 bytes each with a float32 value, and a
+       16-byte header); topka, an allgather of every rank's k entries (16-bit offsets) and of
+       the counts (2 (P - 1) messages, 6k + 24 bytes from each peer); cltk, the
+       leader's k indexes broadcast and an allreduce of k values (2.5 log2 P + 0.5
+       messages on average over a period of two calls, (log2 P + 1) 4k + 2k (P - 1)/P value bytes).
+
     Fitted to the simulated world at P = 2 to 16 (``tests/test_choice.py`` holds them within
     30%) and checked against its counts at P = 64 to 1024
     (``benchmarks/results/2026-11-26-cpu-vm-oktopk2d-at-scale/rows.csv``: within 21%).
     """
     if P <= 1:
         return Traffic(0.0, 0.0)
+    G = ranks_per_node if algorithm == "oktopk2l" else 1
+    if G > 1:
+        m, kk = -(-n // G), -(-k // G)
+        node = Traffic(0.0, 0.0, math.ceil(math.log2(G)) + 2.0 * (G - 1),
+                       4.0 * n * (G - 1) / G + 8.0 * kk * (G - 1) + 16.0 * (G - 1))
+        across = traffic("oktopk", m, kk, P // G, value_bytes)
+        return Traffic(across.messages, across.bytes, node.intra_messages, node.intra_bytes)
+    levels = math.ceil(math.log2(P))
+    entry = value_bytes + _INDEX_BYTES
     if algorithm == "dense":
-        return Traffic(2.0 * math.ceil(math.log2(P)), 2.0 * (P - 1) / P * n * value_bytes)
-    data = 2.0 * k * (P - 1) / P * (value_bytes + _INDEX_BYTES) * _ENTRY_SHARE
+        return Traffic(2.0 * levels, 2.0 * (P - 1) / P * n * value_bytes)
+    if algorithm == "gtopk":
+        return Traffic(2.0 * levels, 2.0 * levels * (k * (entry + 1) + 16))
+    if algorithm == "topka":
+        return Traffic(2.0 * (P - 1), (P - 1) * (k * (value_bytes + 2) + 24.0))
+    if algorithm == "cltk":
+        return Traffic(2.5 * levels + 0.5, (levels + 1) * 4.0 * k + 2.0 * k * (P - 1) / P * value_bytes)
+    data = 2.0 * k * (P - 1) / P * entry * _ENTRY_SHARE
     control = 800.0 + 50.0 * P
-    if algorithm == "oktopk" or (algorithm == "oktopk2d" and P <= 2):
+    if algorithm in ("oktopk", "oktopk2l") or (algorithm == "oktopk2d" and P <= 2):
         return Traffic(4.0 * (P - 1), data + control)
     if algorithm == "oktopk2d":
         cols = math.ceil(math.sqrt(P))
         rows = math.ceil(P / cols)
         return Traffic(6.0 * (cols + rows - 2), _GRID_DATA * data + control)
-    raise ValueError(f"auto: no traffic model for {algorithm!r}; candidates: {CANDIDATES}")
+    raise ValueError(f"no traffic model for {algorithm!r}")
 
 
 #: Bytes of an index on the wire, where it does not fit 16 bits.
@@ -164,7 +201,7 @@ def modelled_times(n: int, density: float, P: int, dtype: torch.dtype = torch.fl
         t = traffic(name, n, k, P, value_bytes)
         per_element = prof.local_s_per_element.get(label, LOCAL_ADDS[name] * add)
         per_call = prof.local_s_per_call.get(label, LOCAL_CALL_S[name])
-        times[name] = prof.network.time(t.messages, t.bytes) + per_element * n + per_call
+        times[name] = t.time(prof.network) + per_element * n + per_call
     return times
 
 

@@ -50,6 +50,11 @@ def _step(model, opt, rank, step):
     return grads
 
 
+def equals_ddp_each(rank: int, size: int, algorithms: list[str]) -> dict[str, tuple[float, dict]]:
+    """:func:`equals_ddp` for each algorithm, on one launch of the ranks."""
+    return {algorithm: equals_ddp(rank, size, algorithm) for algorithm in algorithms}
+
+
 def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tuple[float, dict]:
     """Largest gradient difference between DDP's allreduce and the hook at density 1,
     and the hook's totals (a hook DDP never called would match DDP too)."""

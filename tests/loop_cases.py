@@ -240,6 +240,11 @@ def random_events(seed: int, steps: int, size: int) -> list[str]:
     return out
 
 
+def property_cases(rank: int, size: int, algorithm: str, seed: int) -> dict:
+    """:func:`property_case` for every schedule, by name: one launch of the ranks for all."""
+    return {name: property_case(rank, size, name, algorithm, seed) for name in sorted(SCHEDULES)}
+
+
 def property_case(rank: int, size: int, name: str, algorithm: str, seed: int, steps: int = 10) -> dict:
     """One seeded case: the loop with its restarts, and the same loop without them."""
     events = random_events(seed, steps, size)

@@ -33,8 +33,7 @@ def main() -> None:
         "engine": lambda: cases.engine_cases(rank, size),
         "schedules": lambda: schedule_cases.schedule_cases(rank, size),
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),
-        "loops": lambda: {name: loop_cases.property_case(rank, size, name, "oktopk", 200)
-                          for name in sorted(loop_cases.SCHEDULES)},
+        "loops": lambda: loop_cases.property_cases(rank, size, "oktopk", 200),
     }
     save_result(outdir, rank, bodies[case])
 

@@ -27,7 +27,7 @@ import torch
 
 import sparsecomm
 
-from reference import REFERENCES
+from reference import REFERENCES, ref_oktopk2l
 
 ALGORITHMS = sparsecomm.algorithms()
 # Exact on the small integers the cases use: results can be compared bit for bit.
@@ -85,6 +85,7 @@ class Case:
     seed: int
     perturb: str | None = None
     perturbed: list[int] = field(default_factory=list)  # ranks that differ
+    node: int = 1  # two-level Ok-Topk's ranks per node (a divisor of P; 1 for the others)
 
     @property
     def must_fail(self) -> bool:
@@ -105,6 +106,8 @@ def build_case(draw: Any, P: int | None = None) -> Case:
     op = draw.choice(["sum", "avg"])
     steps = draw.choice([0, 0, 3])
     case = Case(P, algorithm, compressor, dtype, n, density, op, steps, draw.int(0, 2**31 - 1))
+    if algorithm == "oktopk2l":
+        case.node = draw.choice([g for g in range(1, P + 1) if P % g == 0])
     if draw.bool():
         perturb = draw.choice(PERTURBATIONS)
         if perturb == "state":
@@ -148,7 +151,12 @@ def rank_call(case: Case, rank: int, comm: Any = None, device: str = "cpu") -> t
         kwargs: dict[str, Any] = {"error_feedback": not (mine and case.perturb == "state")}
         if case.algorithm in ("oktopk", "oktopk2d"):
             kwargs["tau"] = 3 if mine and case.perturb == "state" else 2
+        if case.algorithm == "oktopk2l":
+            kwargs["ranks_per_node"] = case.node
         state = sparsecomm.registry.get(case.algorithm).state_class(density, **kwargs)
+    elif case.algorithm == "oktopk2l":  # a stateless call, with the case's ranks per node
+        state = sparsecomm.OkTopkTwoLevelState(density, tau=1, tau_prime=1, error_feedback=False,
+                                                          ranks_per_node=case.node)
     results, fed = [], torch.zeros(case.n, dtype=torch.float64)
     try:
         for step in range(max(1, case.steps)):
@@ -180,7 +188,8 @@ def reference(case: Case) -> torch.Tensor | None:
     if case.op == "avg" and fp16_wire:
         return None  # values travel divided by P: rounded, so ties may order differently
     grads = [gradient(case, r, 0).to(torch.float32) for r in range(case.P)]
-    out = REFERENCES[case.algorithm](grads, case.density)
+    out = (ref_oktopk2l(grads, case.density, case.node) if case.algorithm == "oktopk2l"
+           else REFERENCES[case.algorithm](grads, case.density))
     out = out.to(torch.float64)
     return out / case.P if case.op == "avg" else out
 

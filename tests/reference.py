@@ -46,6 +46,26 @@ def ref_oktopk(grads: list[torch.Tensor], density: float) -> torch.Tensor:
     return out.reshape(grads[0].shape)
 
 
+def ref_oktopk2l(grads: list[torch.Tensor], density: float, G: int) -> torch.Tensor:
+    """Two-level Ok-Topk: node j's sum S_j (ranks jG .. jG + G - 1); shard l (m = ceil(n/G)
+    entries) of the result is Ok-Topk's exact result over the nodes' shards S_j[l], with
+    ceil(k/G) entries. Float32 sums."""
+    n, P = grads[0].numel(), len(grads)
+    k, m = k_of(density, n), -(-n // G)
+    kk = min(m, -(-k // G))
+    sums = [sum(g.reshape(-1).float() for g in grads[j * G:(j + 1) * G]) for j in range(P // G)]
+    out = torch.zeros(n, dtype=torch.float32)
+    for lo in range(0, n, m):
+        total = torch.zeros(min(m, n - lo), dtype=torch.float32)
+        for s in sums:
+            part = s[lo:lo + m]
+            idx = torch.from_numpy(ref_topk(part.numpy(), kk))
+            total[idx] += part[idx]
+        keep = torch.from_numpy(ref_topk(total.numpy(), kk))
+        out[lo + keep] = total[keep]
+    return out.to(grads[0].dtype).reshape(grads[0].shape)
+
+
 def ref_cltk(grads: list[torch.Tensor], density: float, leader: int) -> torch.Tensor:
     """CLT-k: every rank's values summed at the leader's k largest |value|, ties (zeros too,
     when fewer than k are nonzero) to the lower index; zero elsewhere. Float32 sums."""
@@ -127,6 +147,8 @@ def _sum_of_local_topk(grads, density):
 REFERENCES = {
     "oktopk": ref_oktopk,
     "oktopk2d": ref_oktopk,  # (Ok-Topk on a grid of ranks: the same selection)
+    # (one rank a node where nothing says otherwise: Ok-Topk's selection; test_twolevel.py has G > 1)
+    "oktopk2l": lambda grads, density: ref_oktopk2l(grads, density, 1),
     "topka": _sum_of_local_topk,
     "topkdsa": _sum_of_local_topk,
     "gaussiank": lambda grads, density: ref_sum_of_selected(

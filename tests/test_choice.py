@@ -125,3 +125,19 @@ def test_the_hook_chooses_per_bucket_and_its_checkpoint_keeps_the_choice():
         assert kept == {(0,): ("OkTopkState", 3), (1,): ("DenseState", 3)}
     with pytest.raises(ValueError, match="algorithm_options"):
         SparseHookState(torch.nn.Linear(2, 2), "auto", algorithm_options={"tau": 4})
+
+
+@pytest.mark.parametrize("algorithm,G", [("gtopk", 1), ("topka", 1), ("cltk", 1), ("oktopk2l", 2), ("oktopk2l", 4)])
+@pytest.mark.parametrize("P", [4, 8])
+def test_the_projections_traffic_model_follows_the_simulated_world(algorithm, G, P, monkeypatch):
+    # The baselines' and two-level Ok-Topk's formulas (benchmarks/two_level_projection.py), within
+    # 30% of the simulated world's busiest rank; two levels: nodes of G from the launcher's variable.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(G))
+    n = 200_000
+    simulated_traffic.cache_clear()  # (it remembers by algorithm and size, not by G)
+    messages, nbytes = simulated_traffic(algorithm, None, P, n, 0.01)
+    model = choice.traffic(algorithm, n, sparsecomm.state.topk_count(0.01, n), P, 4, G)
+    assert model.messages + model.intra_messages == pytest.approx(messages, rel=0.3), (model, messages)
+    assert model.bytes + model.intra_bytes == pytest.approx(nbytes, rel=0.3), (model, nbytes)
+    if G > 1:  # the dense reduce-scatter within the node is most of it
+        assert model.intra_bytes > 10 * model.bytes

@@ -30,7 +30,7 @@ SAVED = torch.load(DATA / "states_06b5d47.pt")  # weights_only=True: torch's def
 
 
 #: Registered after the file was written: a state of each goes through a checkpoint below.
-ADDED_SINCE = {"oktopk2d"}
+ADDED_SINCE = {"oktopk2d", "oktopk2l"}
 
 
 def test_the_file_holds_every_algorithm():

@@ -23,6 +23,9 @@ from sparsecomm.tools.audit import audit_steady
 BUDGET = {
     "oktopk": {1: (1, 48), 3: (3, 182), 8: (3, 367)},  # (the Triton chain: TRITON_BUDGET)
     "oktopk2d": {1: (1, 48), 3: (3, 182), 8: (3, 367)},  # (its two hops are host work)
+    # (here one rank a node: Ok-Topk's steps without its fused pass, which reads a rank's own
+    # accumulator where the two-level call selects from the node's sum; nodes of two in test_twolevel.py)
+    "oktopk2l": {1: (3, 39), 3: (6, 177), 8: (6, 362)},
     "topka": {1: (1, 49), 3: (3, 106), 8: (3, 166)},
     "topkdsa": {1: (1, 49), 3: (4, 168), 8: (4, 358)},
     "gtopk": {1: (1, 49), 3: (12, 162), 8: (15, 212)},

@@ -257,11 +257,17 @@ def test_training_loop_property_in_the_simulated_world(name, seed):
     _check_property(results, P, name)
 
 
+@pytest.fixture(scope="module")
+def gloo_loops():
+    """Every schedule's case on one launch of three gloo ranks (a launch costs seconds)."""
+    return engines.run_gloo(3, loop_cases.property_cases, "oktopk", 100)
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", NAMES)
-def test_training_loop_property_on_gloo(name):
-    _check_property(engines.run_gloo(3, loop_cases.property_case, name, "oktopk", 100), 3, name)
+def test_training_loop_property_on_gloo(name, gloo_loops):
+    _check_property([o[name] for o in gloo_loops], 3, name)
 
 
 @pytest.mark.slow
