@@ -224,3 +224,43 @@ def test_mpi_ranks_cross_the_shaped_ports(tmp_path, capfd, no_leftovers):
     assert emulate.run(2, "1gbit", fail, timeout=60, prefix=PREFIX, mpi=True) == 3
     err = capfd.readouterr().err
     assert "rank 1 failed with exit status 3" in err and "rank 1 gives up" in err
+
+
+@needs_netns
+@pytest.mark.slow
+def test_ranks_of_a_node_share_its_namespace_and_two_level_ok_topk_runs(tmp_path, no_leftovers):
+    """Two nodes of two ranks: a node's ranks share a namespace (its one shaped port), the
+    launcher's variables say so, and two-level Ok-Topk finds its nodes from them."""
+    cmd = _script(tmp_path, f"""
+        import json, os
+        import torch
+        import torch.distributed as dist
+        import sparsecomm
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(10_000, generator=g)
+        st = sparsecomm.OkTopkTwoLevelState(0.01, tau=1, tau_prime=1, error_feedback=False)
+        out = sparsecomm.allreduce(x, state=st)
+        with open(os.path.join({str(tmp_path)!r}, f"{{rank}}.json"), "w") as f:
+            json.dump({{"netns": os.readlink("/proc/self/ns/net"), "local": os.environ["LOCAL_RANK"],
+                       "local_size": os.environ["LOCAL_WORLD_SIZE"], "label": os.environ["SPARSECOMM_NETWORK"],
+                       "node_bytes": st.last.phases["node_reduce_scatter"].bytes_received,
+                       "out": out.tolist()}}, f)
+        dist.destroy_process_group()
+    """)
+    assert emulate.run(4, "1gbit", cmd, timeout=120, prefix=PREFIX, ranks_per_node=2) == 0
+    import json
+
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    assert [g["local"] for g in got] == ["0", "1", "0", "1"] and {g["local_size"] for g in got} == {"2"}
+    assert got[0]["netns"] == got[1]["netns"] != got[2]["netns"] == got[3]["netns"]
+    assert {g["label"] for g in got} == {"emulated 1gbit tbf, P=4, 2 a node"}
+    assert all(g["node_bytes"] == 4 * 5_000 for g in got)  # a node of two: half the tensor each way
+    assert all(g["out"] == got[0]["out"] for g in got)
+
+
+def test_ranks_that_do_not_fill_their_nodes_are_a_clear_message(capfd):
+    assert emulate.run(3, "1gbit", ["true"], timeout=5, prefix=PREFIX, ranks_per_node=2) == 2
+    assert "not a multiple of --ranks-per-node 2" in capfd.readouterr().err

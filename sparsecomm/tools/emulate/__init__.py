@@ -16,6 +16,11 @@ From the command line (wired in ``sparsecomm.tools.cli``)::
 
     sparsecomm emulate --ranks 4 --rate 1gbit -- python -m pytest benchmarks/test_allreduce.py
 
+With ``--ranks-per-node G`` (``ranks_per_node=``) the cluster is P/G nodes: a namespace and
+one shaped port each, whose G ranks reach each other over the namespace's loopback (on this
+machine's cores, so its "fast fabric" is only as fast as they are), with ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` set as torchrun sets them.
+
 Every rank sees ``SPARSECOMM_LAUNCHER=emulate`` and
 ``SPARSECOMM_NETWORK="emulated 1gbit tbf, P=4"``, which the benchmarks record
 in their JSON so a result says which network it was measured on.

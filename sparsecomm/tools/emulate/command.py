@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``sparsecomm emulate`` to ``parser`` (the command is the REMAINDER after ``--``)."""
     parser.add_argument("--ranks", "-n", type=int_in(1, MAX_RANKS), required=True, metavar="P",
                         help=f"number of ranks, 1 to {MAX_RANKS} (one network namespace each)")
+    parser.add_argument("--ranks-per-node", type=int_in(1, MAX_RANKS), default=1, metavar="G",
+                        help="ranks sharing a node (a namespace, its one shaped port; their own traffic "
+                             "stays on its loopback); P must be a multiple of G (default: 1)")
     parser.add_argument("--rate", type=checked_by(tc_rate, "rate"), default="1gbit",
                         help="tbf rate of every port, both directions, in tc syntax (default: 1gbit)")
     parser.add_argument("--timeout", type=positive_float, default=3600.0, metavar="S",
@@ -38,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
         command = command[1:]
     try:
         return run(args.ranks, args.rate, command, args.timeout, threads=args.threads,
-                   logs=args.logs, port=args.port, mpi=args.mpi)
+                   logs=args.logs, port=args.port, mpi=args.mpi, ranks_per_node=args.ranks_per_node)
     except KeyboardInterrupt:
         # run() has stopped the ranks and removed the cluster on the way out; no traceback.
         say("interrupted; ranks stopped and the emulated cluster removed")

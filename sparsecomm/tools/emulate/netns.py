@@ -47,9 +47,10 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-def network_label(P: int, rate: str) -> str:
-    """The ``SPARSECOMM_NETWORK`` label of an emulated cluster, e.g. ``"emulated 1gbit tbf, P=4"``."""
-    return f"emulated {rate} tbf, P={P}"
+def network_label(P: int, rate: str, ranks_per_node: int = 1) -> str:
+    """The ``SPARSECOMM_NETWORK`` label of an emulated cluster, e.g. ``"emulated 1gbit tbf, P=4"``
+    (``"..., P=4, 2 a node"`` with nodes of several ranks)."""
+    return f"emulated {rate} tbf, P={P}" + (f", {ranks_per_node} a node" if ranks_per_node > 1 else "")
 
 
 def preflight(P: int, rate: str | None = None) -> None:

@@ -18,20 +18,20 @@ from .netns import (EXIT_PRECONDITION, EXIT_TIMEOUT, SUBNET, EmulateError, clust
 __all__ = ["run", "say"]
 
 
-def _common_env(P: int, rate: str, port: int, threads: int) -> dict[str, str]:
-    """Variables every rank gets in both modes (on top of the caller's environment)."""
-    return dict(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(port),
+def _common_env(P: int, rate: str, port: int, threads: int, G: int = 1) -> dict[str, str]:
+    """Variables every rank gets in both modes (on top of the caller's environment); G ranks a node."""
+    return dict(LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(G), MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(port),
                 OMP_NUM_THREADS=str(threads),
-                SPARSECOMM_LAUNCHER="emulate", SPARSECOMM_NETWORK=network_label(P, rate))
+                SPARSECOMM_LAUNCHER="emulate", SPARSECOMM_NETWORK=network_label(P, rate, G))
 
 
 def _rank_env(r: int, P: int, rate: str, port: int, threads: int, prefix: str,
-              extra: dict[str, str] | None) -> dict[str, str]:
+              extra: dict[str, str] | None, G: int = 1) -> dict[str, str]:
     """The environment of gloo rank r: the caller's, the launcher's variables, then ``extra``."""
     env = dict(os.environ)
-    env.update(_common_env(P, rate, port, threads), RANK=str(r), WORLD_SIZE=str(P),
+    env.update(_common_env(P, rate, port, threads, G), RANK=str(r), WORLD_SIZE=str(P), LOCAL_RANK=str(r % G),
                # gloo would otherwise pick the interface of the host name's address.
-               GLOO_SOCKET_IFNAME=f"{prefix}v{r}")
+               GLOO_SOCKET_IFNAME=f"{prefix}v{r // G}")
     env.update(extra or {})
     return env
 
@@ -104,7 +104,7 @@ class _GlooRanks:
     signals = (signal.SIGTERM, signal.SIGKILL)
 
     def __init__(self, P: int, rate: str, command: list[str], threads: int, env: dict[str, str] | None,
-                 logdir: Path, port: int, prefix: str, files: list[IO[bytes]]) -> None:
+                 logdir: Path, port: int, prefix: str, files: list[IO[bytes]], G: int = 1) -> None:
         self.procs: list[subprocess.Popen] = []
         for r in range(P):
             out: IO[bytes] | None = None
@@ -114,8 +114,8 @@ class _GlooRanks:
             # ip netns exec execs the command, so the Popen pid is the rank itself,
             # and start_new_session makes it the leader of a group we can kill whole.
             self.procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", f"{prefix}{r}", *command],
-                env=_rank_env(r, P, rate, port, threads, prefix, env),
+                ["ip", "netns", "exec", f"{prefix}{r // G}", *command],
+                env=_rank_env(r, P, rate, port, threads, prefix, env, G),
                 stdout=out, stderr=subprocess.STDOUT if out else None,
                 stdin=subprocess.DEVNULL, start_new_session=True))
 
@@ -182,7 +182,7 @@ class _MPIRanks:
     signals = (signal.SIGKILL,)
 
     def __init__(self, P: int, rate: str, command: list[str], threads: int, env: dict[str, str] | None,
-                 logdir: Path, port: int, prefix: str, state: Path) -> None:
+                 logdir: Path, port: int, prefix: str, state: Path, G: int = 1) -> None:
         exe = _mpiexec()
         self.P, self.state = P, state
         ssh, rank_sh = state / "netns-ssh", state / "rank.sh"
@@ -191,15 +191,16 @@ class _MPIRanks:
             path.chmod(0o755)
         extra = dict(env or {})
         mpi_env = dict(os.environ)
-        mpi_env.update(_common_env(P, rate, port, threads),
+        mpi_env.update(_common_env(P, rate, port, threads, G),
                        MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
                        # never shared memory between the "nodes", whatever MPICH thinks of the host names
                        MPIR_CVAR_NOLOCAL="1")
         mpi_env.update(extra)
-        hosts = ",".join(f"{prefix}{r}:1" for r in range(P))
+        hosts = ",".join(f"{prefix}{g}:{G}" for g in range(P // G))
         args = [exe, "-launcher", "ssh", "-launcher-exec", str(ssh), "-iface", f"{prefix}v0", "-hosts", hosts]
         for r in range(P):
-            per_rank = {"GLOO_SOCKET_IFNAME": f"{prefix}v{r}", "FI_TCP_IFACE": f"{prefix}v{r}"}
+            per_rank = {"GLOO_SOCKET_IFNAME": f"{prefix}v{r // G}", "FI_TCP_IFACE": f"{prefix}v{r // G}",
+                        "LOCAL_RANK": str(r % G)}
             if r > 0:
                 args.append(":")
             args += ["-n", "1"]
@@ -236,7 +237,7 @@ class _MPIRanks:
 
 def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int = 1,
         env: dict[str, str] | None = None, *, logs: str | os.PathLike | None = None,
-        port: int = 29600, mpi: bool = False, prefix: str = "sc") -> int:
+        port: int = 29600, mpi: bool = False, prefix: str = "sc", ranks_per_node: int = 1) -> int:
     """Run ``command`` as P ranks of an emulated cluster at ``rate``; return the exit status.
 
     1. Check the preconditions; if one fails, print why and return 2.
@@ -270,6 +271,10 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
             (for MPI programs, e.g. mpi4py; ``RANK``/``WORLD_SIZE`` are then not set,
             so torchrun-style code does not mistake the job for a torchrun one).
         prefix: namespace and interface name prefix.
+        ranks_per_node: G, ranks sharing a namespace (a node): ranks g G .. g G + G - 1 run
+            in namespace ``{prefix}{g}``, behind its one shaped port, and reach each other
+            over its loopback (unshaped: the node's fabric, as fast as the cores allow);
+            ``LOCAL_RANK`` is r mod G and ``LOCAL_WORLD_SIZE`` G. P must be a multiple of G.
 
     Returns:
         0 when every rank succeeded; the failing rank's status (128 + N for
@@ -279,7 +284,10 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
         say("no command given (usage: sparsecomm emulate --ranks P --rate RATE -- COMMAND...)")
         return EXIT_PRECONDITION
     try:
-        preflight(P, rate)
+        if ranks_per_node < 1 or P % ranks_per_node:
+            raise EmulateError(f"sparsecomm emulate: --ranks {P} is not a multiple of --ranks-per-node "
+                               f"{ranks_per_node}")
+        preflight(P // ranks_per_node, rate)
         if mpi:
             _mpiexec()
     except EmulateError as e:
@@ -290,9 +298,10 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
     logdir.mkdir(parents=True, exist_ok=True)
     status = 1
     try:
-        with cluster(P, rate, prefix), tempfile.TemporaryDirectory(prefix="sparsecomm-emulate-state-") as state:
+        with cluster(P // ranks_per_node, rate, prefix), \
+                tempfile.TemporaryDirectory(prefix="sparsecomm-emulate-state-") as state:
             status = _launch_and_wait(P, rate, list(command), timeout, threads, env, logdir, port, prefix,
-                                      Path(state) if mpi else None)
+                                      Path(state) if mpi else None, ranks_per_node)
     except EmulateError as e:
         print(e, file=sys.stderr, flush=True)
         status = e.exit_code
@@ -306,16 +315,16 @@ def run(P: int, rate: str, command: Sequence[str], timeout: float, threads: int 
 
 def _launch_and_wait(P: int, rate: str, command: list[str], timeout: float, threads: int,
                      env: dict[str, str] | None, logdir: Path, port: int, prefix: str,
-                     mpi_state: Path | None) -> int:
+                     mpi_state: Path | None, G: int = 1) -> int:
     """Start the ranks inside their namespaces and wait for them (steps 2-4 of :func:`run`)."""
     files: list[IO[bytes]] = []
-    namespaces = [f"{prefix}{r}" for r in range(P)]
+    namespaces = [f"{prefix}{g}" for g in range(P // G)]
     ranks: _GlooRanks | _MPIRanks | None = None
     try:
         if mpi_state is None:
-            ranks = _GlooRanks(P, rate, command, threads, env, logdir, port, prefix, files)
+            ranks = _GlooRanks(P, rate, command, threads, env, logdir, port, prefix, files, G)
         else:
-            ranks = _MPIRanks(P, rate, command, threads, env, logdir, port, prefix, mpi_state)
+            ranks = _MPIRanks(P, rate, command, threads, env, logdir, port, prefix, mpi_state, G)
         deadline = time.monotonic() + timeout
         while True:
             codes = ranks.codes()
