@@ -55,6 +55,12 @@ def equals_ddp_each(rank: int, size: int, algorithms: list[str]) -> dict[str, tu
     return {algorithm: equals_ddp(rank, size, algorithm) for algorithm in algorithms}
 
 
+def each(rank: int, size: int, case: str, argsets: list[tuple]) -> list:
+    """The case named ``case`` (a function of this module) once per tuple of arguments, in
+    order, on one launch of the ranks: a launch costs seconds, the cases share nothing."""
+    return [globals()[case](rank, size, *args) for args in argsets]
+
+
 def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tuple[float, dict]:
     """Largest gradient difference between DDP's allreduce and the hook at density 1,
     and the hook's totals (a hook DDP never called would match DDP too)."""

@@ -93,18 +93,32 @@ def test_checkpoint_resumes_identically():
         assert same == [True] * 4
 
 
-@pytest.mark.slow
-@pytest.mark.gloo
-@pytest.mark.parametrize("make, cap_mb, overlap, at", [
+def launched_once(size: int, case: str, argsets: list[tuple]) -> dict:
+    """Every rank's result of ``hook_cases.<case>(*args)`` by args, all on one launch of the ranks."""
+    runs = engines.run_gloo(size, hook_cases.each, case, argsets)
+    return {args: [run[i] for run in runs] for i, args in enumerate(argsets)}
+
+
+SEVERAL_BUCKETS = [
     ("shuffled", 0.01, False, 6),  # the rebuilt buckets hold other parameter sets than the initial ones
     ("mlp", 0.02, True, 6),
     ("shuffled", 0.01, True, 2),  # taken before the rebuilt buckets became the layouts
     ("shuffled", 0.01, False, 3),  # taken the step they did
-])
-def test_checkpoint_resumes_identically_with_several_buckets(make, cap_mb, overlap, at):
+]
+
+
+@pytest.fixture(scope="module")
+def several_buckets():
+    return launched_once(3, "save_restore", SEVERAL_BUCKETS)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("args", SEVERAL_BUCKETS)
+def test_checkpoint_resumes_identically_with_several_buckets(args, several_buckets):
     # The resumed run's first step has DDP's initial buckets: they are staged into the
     # saved layouts, whose saved states reduce them as the uninterrupted run did.
-    for same in engines.run_gloo(3, hook_cases.save_restore, make, cap_mb, overlap, at):
+    for same in several_buckets[args]:
         assert same == [True] * 4
 
 
@@ -284,16 +298,21 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
             torch.testing.assert_close(got[i] + left, fed, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def refusals():
+    return launched_once(3, "refusal_carry", [(False,), (True,)])
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("overlap", [False, True])
-def test_refused_step_loses_nothing_and_ddp_goes_on(overlap):
+def test_refused_step_loses_nothing_and_ddp_goes_on(overlap, refusals):
     # A NaN in rank 1's gradient of one layer at step 3, several buckets. The loop catches
     # the NonFiniteError (its own type, on every rank: not DDP's RuntimeError), zero_grads
     # and skips the step; DDP's next iterations work. The step's other reductions gave up
     # their residuals: their results are carried into the next step, so everything fed but
     # the refused layout's gradients is applied or still in a residual, on every rank alike.
-    out = engines.run_gloo(3, hook_cases.refusal_carry, overlap)
+    out = refusals[(overlap,)]
     for o in out:
         assert o["errors"] == [(3, "NonFiniteError", [1])]
         assert o["refused"][3] and not any(o["refused"][s] for s in o["refused"] if s != 3)
@@ -319,15 +338,20 @@ def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap,
         assert "simulated" in seen[2] and seen[3:] == [seen[2]] * 2, seen
 
 
+@pytest.fixture(scope="module")
+def scaled():
+    return launched_once(3, "amp_scaler", [(False,), (True,)])
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("overlap", [False, True])
-def test_grad_scaler_skips_the_overflowing_step_on_every_rank(overlap):
+def test_grad_scaler_skips_the_overflowing_step_on_every_rank(overlap, scaled):
     # With scaler=, a NaN in one rank's gradient is no error: the refused layout's results are
     # Inf on every rank, so GradScaler skips the step everywhere and halves its scale. The
     # step's other results are carried; residuals and carried results follow the scale (down
     # after the skip, up every growth_interval steps), so in unscaled units nothing is lost.
-    out = engines.run_gloo(3, hook_cases.amp_scaler, overlap)
+    out = scaled[(overlap,)]
     s0 = 2.0 ** 12
     for o in out:
         assert o["scales"] == [s0, s0, s0, 2 * s0, 2 * s0, s0, s0, s0, 2 * s0, 2 * s0]
@@ -341,11 +365,19 @@ def test_grad_scaler_skips_the_overflowing_step_on_every_rank(overlap):
                          rtol=1e-4)
 
 
+ACCUMULATIONS = [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)]
+
+
+@pytest.fixture(scope="module")
+def accumulations():
+    return launched_once(3, "accumulate", ACCUMULATIONS)
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("algorithm, density", [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)])
-def test_no_sync_accumulation_equals_one_reduction_of_the_accumulated_gradient(algorithm, density):
-    for o in engines.run_gloo(3, hook_cases.accumulate, algorithm, density):
+@pytest.mark.parametrize("algorithm, density", ACCUMULATIONS)
+def test_no_sync_accumulation_equals_one_reduction_of_the_accumulated_gradient(algorithm, density, accumulations):
+    for o in accumulations[(algorithm, density)]:
         assert o["no_sync"]["steps"] == o["local"]["steps"] == 4  # one hook step per optimizer step
         for a, b in zip(o["no_sync"]["grads"], o["local"]["grads"]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -42,7 +42,9 @@ def _bad_input_case(rank, size):
 def _dead_peer_case(rank, size):
     from sparsecomm.comm.torchdist import TorchCommunicator
 
-    comm = TorchCommunicator(timeout=3)
+    # A group of its own: the default group, which the launcher's teardown barrier uses, stays
+    # clean (an allreduce left pending on it held that barrier for its 30 s timeout).
+    comm = TorchCommunicator(timeout=3).dup()
     if rank == size - 1:
         time.sleep(6)  # never joins the call
         return "absent"
