@@ -53,6 +53,20 @@ def _starts_processes_only_when_marked(request, monkeypatch):
         monkeypatch.setattr(engines, "run_mpi", refuse("runs mpiexec", ("slow", "mpi")))
 
 
+#: The MPI cases of four ranks, run together on one ``mpiexec -n 4`` by :func:`mpi4`.
+MPI4_CASES = ("comm", "resolve", "allreduce", "bad_input", "properties", "schedules", "engine")
+
+
+@pytest.fixture(scope="session")
+def mpi4():
+    """Every rank's result of each of :data:`MPI4_CASES`, by case: one launch for all (a launch
+    of four ranks costs about 8 s on two cores). Only tests marked slow and mpi ask for it."""
+    if engines.mpiexec() is None:
+        pytest.skip("mpi4py/mpiexec not installed")
+    runs = engines.run_mpi(4, ",".join(MPI4_CASES), timeout=900)
+    return {name: [run[name] for run in runs] for name in MPI4_CASES}
+
+
 @pytest.fixture
 def zero_out_calls(monkeypatch):
     """For each ``kernels.ef_select`` or ``kernels.ef_select_counted`` call the test makes,

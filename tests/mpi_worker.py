@@ -1,4 +1,4 @@
-"""Entry point run under mpiexec by the MPI engine tests: ``mpi_worker.py CASE OUTDIR``."""
+"""Entry point run under mpiexec by the MPI engine tests: ``mpi_worker.py CASE[,CASE...] OUTDIR``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,10 @@ def main() -> None:
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),
         "loops": lambda: loop_cases.property_cases(rank, size, "oktopk", 200),
     }
-    save_result(outdir, rank, bodies[case])
+    if "," in case:  # several cases on one launch: each rank's result is a dict by case
+        save_result(outdir, rank, lambda: {name: bodies[name]() for name in case.split(",")})
+    else:
+        save_result(outdir, rank, bodies[case])
 
 
 if __name__ == "__main__":

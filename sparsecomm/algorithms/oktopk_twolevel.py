@@ -50,7 +50,7 @@ from ..comm.base import Communicator, launcher_node_size
 from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
-from ..state import PhaseStats, Preselection, State
+from ..state import Compensated, PhaseStats, Preselection, State
 from .exchange import peak_bits, peak_of
 from .oktopk import OkTopkState, _Reduced, oktopk_gather, oktopk_reduce, oktopk_volume
 
@@ -81,7 +81,7 @@ class OkTopkTwoLevelState(OkTopkState):
 
     # Ok-Topk's fused accumulate-and-select reads the rank's own accumulator; here the
     # selection runs on the node's sum, after the reduce-scatter: accumulate plainly.
-    def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None):  # noqa: ANN201
+    def compensate(self, flat: torch.Tensor, zero_out: torch.Tensor | None = None) -> Compensated:
         return State.compensate(self, flat, zero_out)
 
     def fuses_next(self) -> bool:
@@ -131,7 +131,6 @@ class _Half:
     """oktopk2l after the node's reduce-scatter and the shard's Ok-Topk steps 1-4."""
 
     acc: torch.Tensor
-    k: int
     shard: torch.Tensor  # this rank's shard of the node's sum (m entries)
     reduced: _Reduced
     node: Communicator
@@ -163,7 +162,7 @@ def oktopk2l_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopk
     stats = reduced.stats
     stats.algorithm, stats.n, stats.k = "oktopk2l", n, k
     stats.phases = {"node_reduce_scatter": phase, **stats.phases}
-    return _Half(acc, k, shard, reduced, node, across, limit)
+    return _Half(acc, shard, reduced, node, across, limit)
 
 
 def oktopk2l_gather(h: _Half, comm: Communicator) -> SparseResult:

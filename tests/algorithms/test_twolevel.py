@@ -231,3 +231,19 @@ def test_a_result_refused_for_overflow_keeps_every_input_in_the_residual():
 
     for msg, residual in sparsecomm.simulate(4, body).results:
         assert "overflows" in msg and torch.equal(residual, big.float())
+
+
+def test_dear_runs_its_halves_apart_as_the_synchronous_calls_of_its_groups(monkeypatch):
+    """A schedule takes two-level Ok-Topk like any algorithm: DeAR (the reduction in backward,
+    the gather before the next forward) on a model in nodes of two, bit for bit the
+    synchronous calls of its groups."""
+    from schedule_cases import run_dear, synchronous_reference
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def body(rank):
+        got, groups = run_dear(rank, "sgd", "oktopk2l", 0.05, 5_000)
+        want = synchronous_reference(rank, "sgd", groups, "oktopk2l", 0.05, as_given=True)
+        return all(torch.equal(a, b) for a, b in zip(got, want))
+
+    assert all(sparsecomm.simulate(4, body, timeout=60).results)

@@ -167,7 +167,10 @@ def test_state_checkpoint_loads_with_torch_defaults(algorithm):
 
 # ---- 6: torch.compile in a fresh process ------------------------------------------------
 @pytest.mark.slow  # a fresh Python process each
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+# (Dynamo's graph break around the call, which sparsecomm controls, is the same whatever the
+# backend compiles the rest with: aot_eager traces it as inductor does, without inductor's C++
+# build, which took 42 s of the suite.)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_torch_compile_of_a_function_calling_allreduce_in_a_fresh_process(backend, tmp_path):
     script = textwrap.dedent(f"""
         import torch, sparsecomm

@@ -78,5 +78,5 @@ def test_seeded_slice_on_gloo():
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
-def test_seeded_slice_on_mpi():
-    check_seeded(engines.run_mpi(4, "properties"), 4, SEEDS)
+def test_seeded_slice_on_mpi(mpi4):
+    check_seeded(mpi4["properties"], 4, SEEDS)

@@ -90,8 +90,8 @@ def test_engine_on_gloo():
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
-def test_engine_on_mpi():
-    cases.check_engine_cases(engines.run_mpi(4, "engine"))
+def test_engine_on_mpi(mpi4):
+    cases.check_engine_cases(mpi4["engine"])
 
 
 def test_a_program_that_returns_with_jobs_running_exits_cleanly():

@@ -28,8 +28,8 @@ def test_schedules_on_gloo():
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(engines.mpiexec() is None, reason="mpi4py/mpiexec not installed")
-def test_schedules_on_mpi():
-    assert engines.run_mpi(4, "schedules") == [CASES_PASS] * 4
+def test_schedules_on_mpi(mpi4):
+    assert mpi4["schedules"] == [CASES_PASS] * 4
 
 
 @pytest.mark.parametrize("schedule", ["pipesgd", "wfbp", "synceasgd", "dear"])
