@@ -326,14 +326,21 @@ def test_refused_step_loses_nothing_and_ddp_goes_on(overlap, refusals):
                          rtol=1e-4)
 
 
+FATAL = [(overlap, error) for error in ("CommTimeoutError", "PeerError") for overlap in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def fatal():
+    return launched_once(2, "fatal_error", FATAL)
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("error", ["CommTimeoutError", "PeerError"])
-def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap, error):
+@pytest.mark.parametrize("overlap, error", FATAL)
+def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap, error, fatal):
     # Raised inside the hook, DDP's reducer asserted at every later iteration; with
     # overlap, DDP could not cast the failed future's value ("Unable to cast ... to Tensor").
-    for seen in engines.run_gloo(2, hook_cases.fatal_error, overlap, error):
+    for seen in fatal[(overlap, error)]:
         assert seen[:2] == ["ok", "ok"] and seen[2].startswith(f"{error}: simulated"), seen
         assert "simulated" in seen[2] and seen[3:] == [seen[2]] * 2, seen
 
