@@ -1,4 +1,4 @@
-"""Checkpoints of the DDP hook's state: what ``state_dict`` saves and how ``load_state_dict`` restores it.
+"""Checkpoints of the DDP hook's state: what ``state_dict`` saves, how ``load_state_dict`` restores it, pickling.
 
 A mixin of :class:`sparsecomm.hooks.SparseHookState` (the hook's own module
 keeps the buckets and the reductions): per-parameter residuals and carried
@@ -36,6 +36,25 @@ class HookCheckpoints:
                 "staged": list(self._staged_last),
                 "orders": None if self._orders_last is None else list(self._orders_last), "scale": self._scale}
 
+    def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
+        d = dict(self.__dict__)
+        d["_canonical"], d["_starts_cache"] = {}, {}
+        d["_comm"] = d["_engine"] = d["scaler"] = d["_calling"] = d["_live"] = d["_broken"] = None
+        d["group"] = d["_comm_arg"] = None
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        if "_layouts" not in d:  # pickled before layouts were held: its states' layouts
+            self._layouts, self._holder = {}, {}
+            for key in list(self.buckets):
+                self._hold(key)
+            self._carried, self._staged_last, self._orders_last = {}, [], None
+            self._resumed, self._scale, self.scaler = False, None, None
+            self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
+            self.totals.setdefault("refused_steps", 0)
+            self.__dict__.pop("_reordered", None)
+
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict`: the step, every parameter's residual, the layouts and their states.
 
@@ -71,9 +90,9 @@ class HookCheckpoints:
         saved = d["residuals"]
         for key, st in self.buckets.items():  # re-attach residuals to the saved layouts
             here = [saved[i] for i in key if i in saved]
-            if self.error_feedback and here:
+            if st.error_feedback and here:  # (else they wait, and the layout's next call adds them)
                 st.residual = torch.cat([saved[i] if i in saved else here[0].new_zeros(self._numel[i]) for i in key])
-        placed = {i for key in self.buckets for i in key}
+        placed = {i for key, st in self.buckets.items() if st.error_feedback for i in key}
         self._pending = {i: r.clone() for i, r in saved.items() if i not in placed}
         self._carried = {i: c.clone() for i, c in d.get("carried", {}).items()}
         self._staged_last = [tuple(o) for o in d.get("staged", [])]

@@ -219,12 +219,31 @@ class SparseHookState(HookCheckpoints):
         if state is not None:
             return state
         state = self._new_state(key, device, dtype)
-        if self.error_feedback and any(i in self._pending for i in key):
+        # A state without error feedback (dense, no compressor) would hold a residual it never
+        # adds: those wait in _pending, and the layout's calls add them (_owed).
+        if state.error_feedback and any(i in self._pending for i in key):
             parts = [self._pending.pop(i, None) for i in key]
             state.residual = torch.cat([torch.zeros(self._numel[i], device=device) if r is None
                                         else r.to(device) for i, r in zip(key, parts)])
         self.buckets[key] = state
         return state
+
+    def _owed(self, key: Layout, buf: torch.Tensor, state: Optional[State]) -> List[int]:
+        """Add into ``buf`` the waiting residuals of ``key``'s parameters that the call would
+        otherwise never add (a dense call, or a state without error feedback); return which.
+
+        A residual left by a sparse layout that DDP's rebuilt buckets (or ``"auto"``) put in a
+        dense one is the gradient that was not sent yet: it goes with the next call, as error
+        feedback adds it. The caller forgets them once the call went through; a refused call
+        leaves them waiting.
+        """
+        if state is not None and state.error_feedback:
+            return []
+        owed = [i for i in key if i in self._pending]
+        starts = self._starts(key)
+        for i in owed:
+            buf[starts[i]:starts[i] + self._numel[i]] += self._pending[i].to(buf.device, buf.dtype)
+        return owed
 
     def _split(self, key: Layout, flat: Optional[torch.Tensor]) -> Dict[int, torch.Tensor]:
         """``flat`` (parameters ``key`` one after another) cut into per-parameter copies."""
@@ -272,25 +291,6 @@ class SparseHookState(HookCheckpoints):
             for r in list(self._pending.values()) + list(self._carried.values()):
                 r.mul_(factor)
         self._scale = scale
-
-    def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
-        d = dict(self.__dict__)
-        d["_canonical"], d["_starts_cache"] = {}, {}
-        d["_comm"] = d["_engine"] = d["scaler"] = d["_calling"] = d["_live"] = d["_broken"] = None
-        d["group"] = d["_comm_arg"] = None
-        return d
-
-    def __setstate__(self, d: dict) -> None:
-        self.__dict__.update(d)
-        if "_layouts" not in d:  # pickled before layouts were held: its states' layouts
-            self._layouts, self._holder = {}, {}
-            for key in list(self.buckets):
-                self._hold(key)
-            self._carried, self._staged_last, self._orders_last = {}, [], None
-            self._resumed, self._scale, self.scaler = False, None, None
-            self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
-            self.totals.setdefault("refused_steps", 0)
-            self.__dict__.pop("_reordered", None)
 
     # ---- layouts -------------------------------------------------------------------
     def _hold(self, key: Layout) -> None:
@@ -488,13 +488,14 @@ class SparseHookState(HookCheckpoints):
         t0 = time.perf_counter()
         before = comm.stats.snapshot()
         dense = self.step < self.warmup_steps or buf.numel() < self.min_bucket_elements
-        error, selected, refused = None, 0, False
+        error, selected, refused, owed = None, 0, False, []
         try:
-            if dense:
+            st = None if dense else self._bucket_state(key, buf.device, buf.dtype)
+            owed = self._owed(key, buf, st)
+            if st is None:
                 allreduce(buf, algorithm="dense", op=self.op, comm=comm, out=buf)
                 selected = buf.numel()
             else:
-                st = self._bucket_state(key, buf.device, buf.dtype)
                 allreduce(buf, state=st, op=self.op, compressor=self.compressor, comm=comm, out=buf)
                 selected = st.last.global_selected
         except InputError as exc:
@@ -506,6 +507,8 @@ class SparseHookState(HookCheckpoints):
                 error = exc
                 step.error = step.error or exc
         else:
+            for i in owed:
+                del self._pending[i]
             if hold:
                 starts = self._starts(key)
                 for i in key:

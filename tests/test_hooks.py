@@ -201,6 +201,51 @@ def test_new_layout_inherits_residuals_and_state_pickles():
     assert sparsecomm.simulate(2, body).results == [3, 3]
 
 
+@pytest.mark.parametrize("algorithm, min_elements", [("oktopk", 5000), ("auto", 0)])
+def test_a_residual_whose_parameter_goes_to_a_dense_layout_is_sent_with_its_next_call(algorithm, min_elements):
+    # Step 1 reduces both parameters in one sparse layout: each keeps a residual. Then DDP's
+    # rebuilt buckets put the small one alone, reduced dense (below min_bucket_elements, or
+    # auto's choice for its size on 1 Gbit/s): its residual goes with that call (op="sum":
+    # the result is every rank's gradient plus residual) instead of waiting forever. A refused
+    # call leaves it waiting, a checkpoint keeps it waiting, and the next call sends it.
+    sizes = [100_000, 1_000]
+
+    def hook(model):
+        return SparseHookState(model, algorithm, 0.01, min_bucket_elements=min_elements, network="1gbe", op="sum")
+
+    def step(st, params, grads):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        futures = [sparse_allreduce_hook(st, FakeBucket(params[:1], 0, False)),
+                   sparse_allreduce_hook(st, FakeBucket(params[1:], 1, True))]
+        return [f.wait()[:] if not isinstance(f, Exception) else f for f in futures]
+
+    def body(rank):
+        params = _params(sizes, rank)
+        model = torch.nn.Module()
+        model.ps = torch.nn.ParameterList(params)
+        st = hook(model)
+        sparse_allreduce_hook(st, FakeBucket(params, 0, True)).wait()
+        owed = st.residuals()[1].clone()
+        grads = [p.grad.clone() for p in _params(sizes, rank, step=1)]
+        poisoned = [g.clone() for g in grads]
+        poisoned[1][0] = float("nan") if rank == 1 else 0.0  # refused on every rank
+        with pytest.raises(sparsecomm.InputError):
+            step(st, params, poisoned)
+        assert torch.equal(st.residuals()[1], owed)  # refused: still waiting
+        again = hook(model)
+        again.load_state_dict(pickle.loads(pickle.dumps(st.state_dict())))
+        assert torch.equal(again.residuals()[1], owed)
+        result = step(again, params, grads)[1]
+        assert 1 not in again.residuals() or not again.residuals()[1].any()
+        return owed + grads[1], result
+
+    out = sparsecomm.simulate(2, body).results
+    expected = sum(sent for sent, _ in out)
+    for _, result in out:
+        torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-5)
+
+
 def _hook_after_steps(sizes, algorithm, density, steps=3):
     params = _params(sizes, 0)
     model = torch.nn.Module()
