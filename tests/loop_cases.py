@@ -25,6 +25,7 @@ import random
 
 import torch
 
+from sparsecomm.network import Network
 from sparsecomm.schedules import SCHEDULES
 
 LR = 0.05
@@ -33,6 +34,11 @@ EVENTS = ("plain", "refuse", "abort", "accumulate", "restart", "freeze", "thaw")
 # Schedules whose calls start during backward: an aborted backward's gradients are carried;
 # Pipe-SGD reduces what step() finds, so an aborted batch is dropped (zero_grad clears it).
 STARTS_IN_BACKWARD = {"wfbp", "synceasgd", "mgwfbp", "dear"}
+
+
+#: A network on which ``algorithm="auto"`` sends this model's calls of 144 elements and more
+#: sparse and the smaller ones dense, at P = 3 (latency-bound: each message costs 1 ms).
+AUTO_NETWORK = Network(alpha=1e-3, beta=1e-4, name="slow")
 
 
 def model() -> torch.nn.Module:
@@ -53,6 +59,8 @@ def options(name: str, algorithm: str) -> dict:
     kw: dict = {"algorithm": algorithm, "density": 1.0 if algorithm == "dense" else 0.2}
     if algorithm == "oktopk":
         kw["algorithm_options"] = {"tau": 2, "tau_prime": 3}
+    if algorithm == "auto":
+        kw["network"] = AUTO_NETWORK
     if name == "mgwfbp":
         kw.update(profile_steps=2, calibration_sizes=(16, 256), calibration_rounds=1)
     if name == "dear":
@@ -97,19 +105,21 @@ def members(name: str, sched, index: int, params: list) -> list[int]:
     return [i for i, q in enumerate(params) if any(q is r for r in group)]
 
 
+def calls(name: str, sched) -> list[tuple[list, object]]:
+    """The schedule's calls: (the parameters it reduces, its algorithm state)."""
+    if name == "pipesgd":
+        return [(sched.params, sched.state)]
+    if name == "dear":
+        return list(zip(sched.params, sched.states))
+    return [([sched.params[i] for i in g], st) for g, st in zip(sched.groups, sched._states)]
+
+
 def held(name: str, sched) -> dict[int, torch.Tensor]:
     """Every residual and carried result the schedule holds, by ``id`` of its parameter,
     carried results counted ``size`` times over by the caller (they are averaged)."""
     shapes = {id(p): p.shape for p in sched.model.parameters()}
     out: dict[int, torch.Tensor] = {k: v.clone().view(shapes[k]).double() for k, v in sched._parked.items()}
-    if name == "pipesgd":
-        groups, states = [sched.params], [sched.state]
-    elif name == "dear":
-        groups, states = sched.params, sched.states
-    else:
-        groups = [[sched.params[i] for i in g] for g in sched.groups]
-        states = sched._states
-    for ps, st in zip(groups, states):
+    for ps, st in calls(name, sched):
         r, offset = getattr(st, "residual", None), 0
         for p in ps:
             if r is not None:
@@ -214,6 +224,7 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
         errors.append(f"end {type(exc).__name__}")
     final = [p.detach().clone() for p in net.parameters()]
     kept = held(name, sched)
+    chosen = [(sum(p.numel() for p in ps), st.algorithm) for ps, st in calls(name, sched) if ps]
     carry = getattr(sched, "_carry", None)  # Pipe-SGD has one call per step: nothing to carry
     carried = {} if carry is None else {k: v.clone() for k, v in carry.values.items()}
     ids = [id(p) for p in net.parameters()]
@@ -222,7 +233,7 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
             "applied": [(a - b) / LR for a, b in zip(start, final)],
             "held": [kept.get(k, torch.zeros_like(p)).double() for k, p in zip(ids, final)],
             "carried": [carried.get(k, torch.zeros_like(p)).double() for k, p in zip(ids, final)],
-            "errors": errors, "scales": scales}
+            "errors": errors, "scales": scales, "chosen": chosen}
 
 
 def random_events(seed: int, steps: int, size: int) -> list[str]:
@@ -245,9 +256,10 @@ def property_cases(rank: int, size: int, algorithm: str, seed: int) -> dict:
     return {name: property_case(rank, size, name, algorithm, seed) for name in sorted(SCHEDULES)}
 
 
-def property_case(rank: int, size: int, name: str, algorithm: str, seed: int, steps: int = 10) -> dict:
-    """One seeded case: the loop with its restarts, and the same loop without them."""
-    events = random_events(seed, steps, size)
+def property_case(rank: int, size: int, name: str, algorithm: str, seed: int, steps: int = 10,
+                  events: list[str] | None = None) -> dict:
+    """One seeded case (or ``events``): the loop with its restarts, and the same loop without them."""
+    events = random_events(seed, steps, size) if events is None else events
     resumed = run_loop(rank, size, name, algorithm, events)
     straight = run_loop(rank, size, name, algorithm, [e if e != "restart" else "plain" for e in events])
     return {"events": events, "resumed": resumed, "straight": straight}

@@ -61,8 +61,10 @@ def synchronous_reference(rank: int, kind: str, groups, algorithm: str, density:
     model = make_model()
     opt = make_optimizer(kind, model.parameters())
     params = list(model.parameters())
+    # Dense keeps a residual where a compressor rounds something away (q8), as the schedules do.
     states = [sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True)
-              if algorithm != "dense" else sparsecomm.DenseState() for _ in groups]
+              if algorithm != "dense" else sparsecomm.DenseState(error_feedback=compressor is not None)
+              for _ in groups]
     for step in range(STEPS):
         opt.zero_grad()
         loss_of(model, rank, step).backward()
@@ -135,7 +137,7 @@ def stale_reference(rank: int, kind: str, algorithm: str, density: float, compre
     opt = make_optimizer(kind, model.parameters())
     params = list(model.parameters())
     st = sparsecomm.registry.get(algorithm).state_class(density, error_feedback=True) \
-        if algorithm != "dense" else sparsecomm.registry.get("dense").state_class(1.0)
+        if algorithm != "dense" else sparsecomm.DenseState(1.0, error_feedback=compressor is not None)
 
     def apply(flat):
         offset = 0

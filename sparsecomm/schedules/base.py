@@ -13,6 +13,9 @@ drives any of them the same way. The helpers below hold the rules they share:
 * :class:`LossScale`: residuals and carried results are in the loss scaler's
   units; when its scale changes between steps they are rescaled by new/old.
 * :func:`layer_settings`, :func:`check_layers`: what a checkpoint must match.
+* :class:`StateMaker`: the algorithm states of a schedule's calls (``algorithm="auto"``:
+  chosen per call size), and :func:`hold_residual`, which gives a state a residual it
+  will send.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import choice, registry
 from ..api import allreduce
 from ..errors import InputError
+from ..state import State
+from .engine import flat_dtype
 
 __all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "optimizer_size", "layer_settings", "check_layers",
            "state_settings", "adopt_states", "refused_job", "snapshot", "active_scaler", "split_residual",
-           "join_residuals"]
+           "join_residuals", "StateMaker", "hold_residual"]
 
 
 class Schedule:
@@ -210,6 +216,79 @@ def join_residuals(params: list[torch.nn.Parameter], residuals: dict[int, torch.
                       for p in params])
 
 
+def hold_residual(state: State, residual: torch.Tensor | None) -> None:
+    """Give ``state`` a residual (a regrouped layer's, a checkpoint's) that its next call sends.
+
+    A dense state without error feedback (no compressor) would keep it and never add it:
+    it is switched to error feedback, so the residual goes with its next call (and a dense
+    call leaves zeros). Every rank does the same: a residual exists on all of them or on
+    none. A sparse state made with ``error_feedback=False`` drops it, as asked.
+    """
+    if residual is None:
+        return
+    if state.algorithm == "dense":
+        state.error_feedback = True
+    if state.error_feedback:
+        state.residual = residual
+
+
+class StateMaker:
+    """Makes the algorithm states of a schedule's calls.
+
+    1. A named algorithm: a state of it for every call (a group, Pipe-SGD's one call).
+    2. ``"auto"``: per call, the algorithm :func:`sparsecomm.choose` picks for its size, dtype,
+       P and network profile, as the DDP hook picks per bucket. The state keeps it: a group's
+       thresholds and residual are never stranded by a switch; a new grouping (MG-WFBP's
+       plan, DeAR's fusion size, a freeze) chooses again for the new sizes, and residuals
+       move with their layers as for any regrouping.
+    3. Error feedback as the schedule asks, except dense without a compressor, which sends
+       everything and keeps nothing; under ``"auto"`` dense keeps it too, so a layer's
+       residual from a sparse group goes with its dense group's next call.
+
+    Args:
+        algorithm: a name from ``sparsecomm.algorithms()``, or ``"auto"`` (no options then).
+        density, compressor, error_feedback, options: the states' settings.
+        network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
+    """
+
+    def __init__(self, algorithm: str, density: float, options: dict | None, error_feedback: bool,
+                 compressor: Any, network: Any) -> None:
+        self.algorithm, self.density, self.compressor, self.network = algorithm, density, compressor, network
+        self.error_feedback, self.options = error_feedback, dict(options or {})
+        self.make(choice.validated(algorithm, options, network))  # validate now
+
+    @property
+    def auto(self) -> bool:
+        return self.algorithm == choice.AUTO
+
+    def make(self, name: str) -> State:
+        """A fresh state of algorithm ``name`` with this schedule's settings."""
+        kwargs = dict(self.options)
+        if name != "dense" or self.compressor is not None or self.auto:
+            kwargs.setdefault("error_feedback", self.error_feedback)
+        return registry.get(name).state_class(self.density, **kwargs)
+
+    def new(self, numel: int, dtype: torch.dtype, device: torch.device, comm: Any) -> State:
+        """The state of a call of ``numel`` elements of ``dtype`` on ``device`` among ``comm``'s ranks."""
+        if not self.auto:
+            return self.make(self.algorithm)
+        return self.make(choice.choose(numel, self.density, comm.size, dtype, self.compressor, self.network,
+                                       device.type, comm))
+
+    def for_params(self, params: list[torch.nn.Parameter], comm: Any) -> State:
+        """The state of one call over ``params``' gradients, laid out one after another."""
+        if not params:  # (every layer frozen: a placeholder, never called)
+            return self.make("oktopk" if self.auto else self.algorithm)
+        return self.new(sum(p.numel() for p in params), flat_dtype(params), params[0].device, comm)
+
+    def like(self, saved: State) -> State:
+        """The state this schedule makes where ``saved`` was made: under ``"auto"`` the saved
+        choice stands (a call keeps its algorithm) if it is one ``auto`` chooses from."""
+        name = saved.algorithm if self.auto and saved.algorithm in choice.CANDIDATES else (
+            "oktopk" if self.auto else self.algorithm)
+        return self.make(name)
+
+
 def state_settings(state: Any) -> tuple:
     """What makes two algorithm states interchangeable: the class and its settings."""
     settings = state.settings()
@@ -232,20 +311,20 @@ def check_layers(saved: list, params: list[torch.nn.Parameter], what: str) -> No
                          f"{len(mine)}; they differ from parameter {where} on (a checkpoint of another model?)")
 
 
-def adopt_states(saved: list, mine: list, what: str) -> list:
-    """The states to go on with: the saved ones where their settings are this schedule's;
-    otherwise fresh ones that take only the saved residuals (with a warning naming both)."""
+def adopt_states(saved: list, mine: list, what: str, maker: StateMaker) -> list:
+    """The states to go on with: the saved ones where their settings are those ``maker`` gives
+    (under ``"auto"``: for the saved state's algorithm); otherwise the fresh ``mine``, which
+    take only the saved residuals (:func:`hold_residual`), with a warning naming both."""
     out = []
     for old, new in zip(saved, mine):
-        if state_settings(old) == state_settings(new):
+        if state_settings(old) == state_settings(maker.like(old)):
             out.append(old)
             continue
         warnings.warn(f"{what}.load_state_dict: the checkpoint's states were made with {state_settings(old)}, "
                       f"this schedule makes {state_settings(new)}: their residuals carry over, their "
                       "thresholds and boundaries start afresh", stacklevel=3)
         residual = getattr(old, "residual", None)
-        if residual is not None and getattr(new, "error_feedback", False):
-            new.residual = residual.clone()
+        hold_residual(new, None if residual is None else residual.clone())
         out.append(new)
     return out
 

@@ -77,11 +77,11 @@ from typing import Any
 
 import torch
 
-from .. import registry
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
-                   join_residuals, layer_settings, refused_job, snapshot, split_residual)
+from .base import (Carry, LossScale, Schedule, StateMaker, active_scaler, adopt_states, check_layers,
+                   check_optimizer, hold_residual, join_residuals, layer_settings, refused_job, snapshot,
+                   split_residual)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, second_backward,
                      write_grads)
 from .dear_tuner import FusionTuner
@@ -98,8 +98,10 @@ class DeAR(Schedule):
             bytes; ``"auto"``: tuned online (``tune_trials`` trials of
             ``tune_steps`` steps, sizes in ``tune_range``, Bayesian optimisation
             with optuna's Gaussian-process sampler on rank 0; see ``trials``).
-        algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`.
+        algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`; ``"auto"``:
+            per group, the algorithm ``sparsecomm.choose`` picks for its size.
         error_feedback, algorithm_options: the algorithm states' settings (one per group).
+        network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
         group, comm: the ranks (the engine duplicates them: collective).
         engine_threads: torch threads of the communication thread.
         scaler: a ``torch.amp.GradScaler``, which DeAR then drives (module docstring).
@@ -110,7 +112,8 @@ class DeAR(Schedule):
                  compressor: Any = None, op: str = "avg", error_feedback: bool = True,
                  algorithm_options: dict | None = None, group: Any = None, comm: Any = None,
                  engine_threads: int = 1, tune_trials: int = 12, tune_steps: int = 5,
-                 tune_range: tuple[int, int] = (1 << 20, 100 << 20), tune_seed: int = 0, scaler: Any = None) -> None:
+                 tune_range: tuple[int, int] = (1 << 20, 100 << 20), tune_seed: int = 0, scaler: Any = None,
+                 network: Any = None) -> None:
         self.tuning = buffer_bytes == "auto"
         if not self.tuning and (isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int)
                                 or buffer_bytes < 1):
@@ -119,11 +122,7 @@ class DeAR(Schedule):
             raise ValueError("need tune_trials >= 1, tune_steps >= 2 and 1 <= tune_range[0] < tune_range[1]")
         self.model, self.optimizer = model, optimizer
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
-        self._kwargs = dict(algorithm_options or {})
-        if algorithm != "dense":
-            self._kwargs.setdefault("error_feedback", error_feedback)
-        self._spec = registry.get(algorithm)
-        self._spec.state_class(density, **self._kwargs)  # validate now
+        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self._all = list(model.parameters())
         self._flags = tuple(p.requires_grad for p in self._all)
         if not any(self._flags):
@@ -196,11 +195,9 @@ class DeAR(Schedule):
             self.groups[-1].append(m)
             self.params[-1] += new
             size += sum(p.numel() * p.element_size() for p in new)
-        self.states = [self._spec.state_class(self.density, **self._kwargs) for _ in self.groups]
+        self.states = [self._maker.for_params(ps, self.engine.comm) for ps in self.params]
         for ps, st in zip(self.params, self.states):
-            joined = join_residuals(ps, residuals)
-            if joined is not None:
-                st.residual = joined
+            hold_residual(st, join_residuals(ps, residuals))
         self._parked = residuals  # layers not trainable now keep theirs for when they are again
         self._group_scale = [self._scale.value] * len(self.groups)  # the loss scale of each residual
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
@@ -565,7 +562,7 @@ class DeAR(Schedule):
         if self._tune is not None:  # the saved run had its fusion size: tuning is over
             self._tune, self.tuning = None, False
         self.regroup(d["buffer_bytes"])
-        self.states = adopt_states(d["states"], self.states, "DeAR")
+        self.states = adopt_states(d["states"], self.states, "DeAR", self._maker)
         self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
         self._carry.load(d["carried"], self._all)
         self._scale.value, self._group_scale = d["scale"], list(d["group_scale"])

@@ -50,10 +50,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import registry
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer,
-                   join_residuals, layer_settings, optimizer_size, refused_job, snapshot, split_residual)
+from .base import (Carry, LossScale, Schedule, StateMaker, active_scaler, adopt_states, check_layers,
+                   check_optimizer, hold_residual, join_residuals, layer_settings, optimizer_size, refused_job,
+                   snapshot, split_residual)
 from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 
@@ -71,9 +71,11 @@ class GroupSchedule(Schedule):
             parameters), in the order their allreduces start; each contiguous.
             After a layer is frozen or unfrozen: one group of every layer.
         algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`
-            (``op`` "avg" by default, like DDP).
+            (``op`` "avg" by default, like DDP); ``algorithm="auto"``: per group, the
+            algorithm ``sparsecomm.choose`` picks for its size (:class:`StateMaker`).
         error_feedback: for the sparse algorithms' states.
         algorithm_options: extra arguments of the algorithm's State.
+        network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
         group, comm: the ranks; an engine duplicates them (collective).
         engine_threads: torch threads of the communication thread.
         scaler: a ``torch.amp.GradScaler`` for mixed precision (see the module
@@ -84,7 +86,8 @@ class GroupSchedule(Schedule):
                  groups: Sequence[Sequence[int]] | None = None, *, algorithm: str = "oktopk",
                  density: float = 0.01, compressor: Any = None, op: str = "avg",
                  error_feedback: bool = True, algorithm_options: dict | None = None,
-                 group: Any = None, comm: Any = None, engine_threads: int = 1, scaler: Any = None) -> None:
+                 group: Any = None, comm: Any = None, engine_threads: int = 1, scaler: Any = None,
+                 network: Any = None) -> None:
         self.model, self.optimizer = model, optimizer
         self._all = list(model.parameters())
         self._flags = tuple(p.requires_grad for p in self._all)
@@ -93,12 +96,8 @@ class GroupSchedule(Schedule):
             raise ValueError("the model has no trainable parameters")
         check_optimizer(optimizer, model, type(self).__name__)
         self._opt_size = optimizer_size(optimizer)
-        self.spec = registry.get(algorithm)
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
-        self._state_kwargs = dict(algorithm_options or {})
-        if algorithm != "dense":
-            self._state_kwargs.setdefault("error_feedback", error_feedback)
-        self.spec.state_class(density, **self._state_kwargs)  # validate now
+        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self.scaler = active_scaler(scaler)
         self._scale = LossScale(self.scaler)
         self._carry = Carry()
@@ -132,13 +131,14 @@ class GroupSchedule(Schedule):
         residuals = self._residuals_by_param()
         self.groups = [sorted(g, reverse=True) for g in groups]
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
-        self._states = [self.spec.state_class(self.density, **self._state_kwargs) for _ in self.groups]
+        self._states = []
         # Error feedback keeps every bit across a re-plan: each layer's residual moves to its new
         # group (thresholds and boundaries restart, as for a state of a new tensor).
-        for g, st in zip(self.groups, self._states):
-            joined = join_residuals([self.params[i] for i in g], residuals)
-            if joined is not None:
-                st.residual = joined
+        for g in self.groups:
+            params = [self.params[i] for i in g]
+            st = self._maker.for_params(params, self.engine.comm)
+            hold_residual(st, join_residuals(params, residuals))
+            self._states.append(st)
         self._parked.update(residuals)  # layers not trainable now keep theirs for when they are again
         # Per group: the gathered gradients, and the result, in a buffer of its own so that
         # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
@@ -477,7 +477,7 @@ class GroupSchedule(Schedule):
             p.requires_grad_(trains)
         self._retrain(tuple(d["trainable"]))
         self.set_groups(d["groups"])
-        self._states = adopt_states(d["states"], self._states, what)
+        self._states = adopt_states(d["states"], self._states, what, self._maker)
         self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
         self._carry.load(d["carried"], self._all)
         self._scale.value = d["scale"]

@@ -234,7 +234,8 @@ class MGWFBP(GroupSchedule):
         self.predicted = plan_time(self.groups, self.backward_times, self.sizes, self.a, self.b)
 
     def calibrate(self) -> tuple[float, float]:
-        """a and b of this algorithm's allreduce (seconds, seconds per element) from allreduces
+        """a and b of this algorithm's allreduce (under ``"auto"``: of the one chosen at each size;
+        seconds, seconds per element) from allreduces
         of ``calibration_sizes`` on the engine's communicator, a fresh drifting input each call
         (as gradients drift); the slowest rank's medians are fitted."""
         def measure(comm: Communicator) -> list[float]:
@@ -242,7 +243,7 @@ class MGWFBP(GroupSchedule):
             for n in self.calibration_sizes:
                 gen = torch.Generator().manual_seed(comm.rank)
                 x = torch.randn(n, generator=gen)
-                state = self.spec.state_class(self.density, **self._state_kwargs)
+                state = self._maker.new(n, x.dtype, x.device, comm)
                 ts = []
                 for r in range(self.calibration_rounds + 1):
                     x.mul_(0.9).add_(torch.randn(n, generator=gen), alpha=0.1)

@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from .. import registry
 from ..errors import InputError, NonFiniteError
-from .base import (LossScale, Schedule, active_scaler, adopt_states, check_layers, check_optimizer, join_residuals,
-                   layer_settings, optimizer_size, refused_job, snapshot, split_residual)
+from .base import (LossScale, Schedule, StateMaker, active_scaler, adopt_states, check_layers, check_optimizer,
+                   hold_residual, join_residuals, layer_settings, optimizer_size, refused_job, snapshot,
+                   split_residual)
 from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
@@ -70,8 +70,10 @@ class PipeSGD(Schedule):
         model: the module whose trainable parameters are reduced.
         optimizer: any ``torch.optim`` optimizer over them (the model's only).
         warmup_steps: synchronous steps first (the paper's warm-up epochs).
-        algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`.
+        algorithm, density, compressor, op: as for :func:`sparsecomm.allreduce`; ``"auto"``: the
+            algorithm ``sparsecomm.choose`` picks for the trainable parameters' size.
         error_feedback, algorithm_options: the algorithm state's settings.
+        network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
         group, comm: the ranks (the engine duplicates them: collective).
         engine_threads: torch threads of the communication thread.
         scaler: a ``torch.amp.GradScaler`` (see the module docstring); the
@@ -81,7 +83,7 @@ class PipeSGD(Schedule):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, warmup_steps: int = 0,
                  algorithm: str = "oktopk", density: float = 0.01, compressor: Any = None, op: str = "avg",
                  error_feedback: bool = True, algorithm_options: dict | None = None, group: Any = None,
-                 comm: Any = None, engine_threads: int = 1, scaler: Any = None) -> None:
+                 comm: Any = None, engine_threads: int = 1, scaler: Any = None, network: Any = None) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
@@ -92,17 +94,14 @@ class PipeSGD(Schedule):
             raise ValueError("the model has no trainable parameters")
         check_optimizer(optimizer, model, "PipeSGD")
         self._opt_size = optimizer_size(optimizer)
-        self._kwargs = dict(algorithm_options or {})
-        if algorithm != "dense":
-            self._kwargs.setdefault("error_feedback", error_feedback)
-        self._spec = registry.get(algorithm)
-        self.state = self._spec.state_class(density, **self._kwargs)
+        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self.density = density
+        self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
+        self.state = self._new_state()
         self.options = {"state": self.state, "op": op, "compressor": compressor}
         self.scaler = active_scaler(scaler)
         self._scale = LossScale(self.scaler)
         self._accumulating = False
-        self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
         self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
         self._make_buffers()
         self.step_count = 0
@@ -252,13 +251,15 @@ class PipeSGD(Schedule):
                 p.grad = None  # no longer reduced: a stale one would be stepped by each rank alone
         self._flags = flags
         self.params = [p for p in self._all if p.requires_grad]
-        self.state = self._spec.state_class(self.density, **self._kwargs)
+        self.state = self._new_state()
         self.options["state"] = self.state
-        joined = join_residuals(self.params, residuals) if self._kwargs.get("error_feedback") else None
-        if joined is not None:
-            self.state.residual = joined
+        hold_residual(self.state, join_residuals(self.params, residuals))
         self._parked = {k: v for k, v in residuals.items() if k not in {id(p) for p in self.params}}
         self._make_buffers()
+
+    def _new_state(self) -> Any:
+        """A state for one call over the trainable parameters (one flat buffer of their dtype)."""
+        return self._maker.for_params(self.params, self.engine.comm)
 
     def state_dict(self) -> dict:
         """Step count, the algorithm state and the aggregated gradient in flight (waited for; a
@@ -290,7 +291,7 @@ class PipeSGD(Schedule):
             p.requires_grad_(trains)
         self._follow_trainable()
         self.step_count = d["step_count"]
-        self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD")[0]
+        self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD", self._maker)[0]
         self.options["state"] = self.state
         self._ready = None if d["in_flight"] is None else d["in_flight"].clone()
         self._scale.value = d["scale"]

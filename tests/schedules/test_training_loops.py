@@ -257,6 +257,55 @@ def test_training_loop_property_in_the_simulated_world(name, seed):
     _check_property(results, P, name)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_auto_chooses_per_call_and_keeps_every_rule(name):
+    # algorithm="auto": each call (group) gets the algorithm sparsecomm.choose picks for its
+    # size, and keeps it; freezing the first layer regroups and chooses again, residuals moving
+    # with their layers, from sparse groups into dense ones too. Refusals, a skipped batch and
+    # a restart keep the property: identical ranks, nothing lost, restarted = uninterrupted.
+    P, events = 3, ["plain", "refuse 1 2", "plain", "freeze", "plain", "restart", "thaw", "plain", "abort", "plain"]
+    results = sparsecomm.simulate(P, lambda r: loop_cases.property_case(r, P, name, "auto", 0, events=events),
+                                  timeout=120).results
+    _check_property(results, P, name)
+    for r in results:
+        assert r["resumed"]["errors"][0].endswith("NonFiniteError"), r["resumed"]["errors"]  # (DeAR, Pipe-SGD: a step late)
+        chosen = r["resumed"]["chosen"]
+        assert chosen and all(algorithm == sparsecomm.choose(n, 0.2, P, torch.float64, network=loop_cases.AUTO_NETWORK)
+                              for n, algorithm in chosen), chosen
+        if name in ("wfbp", "dear"):  # calls of several sizes: both kinds
+            assert {algorithm for _, algorithm in chosen} == {"dense", "oktopk"}, chosen
+
+
+def test_auto_regrouped_residuals_go_with_their_dense_calls():
+    # One sparse group of every layer, then a group per layer: the small layers' calls go dense
+    # under auto, and their residuals from the sparse group are sent with their first dense call
+    # (not held forever); the large layer's stays with its own sparse state.
+    from sparsecomm.schedules import GroupSchedule
+
+    def body(rank):
+        net = loop_cases.model()
+        sched = GroupSchedule(net, torch.optim.SGD(net.parameters(), lr=loop_cases.LR), algorithm="auto",
+                              density=0.2, network=loop_cases.AUTO_NETWORK)
+        out = []
+        for step in range(2):
+            x, y = loop_cases.batch(rank, step)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            sched.step()
+            out.append([(st.algorithm, float(st.residual.abs().sum())) for _, st in loop_cases.calls("wfbp", sched)])
+            if step == 0:
+                sched.set_groups([[i] for i in range(len(sched.params) - 1, -1, -1)])
+                out.append([(st.algorithm, float(st.residual.abs().sum())) for _, st in loop_cases.calls("wfbp", sched)])
+        sched.close()
+        return out
+
+    for first, moved, after in sparsecomm.simulate(3, body, timeout=60).results:
+        assert [a for a, _ in first] == ["oktopk"] and first[0][1] > 0
+        assert [a for a, _ in moved] == ["dense", "dense", "dense", "oktopk", "dense", "dense"], moved
+        assert sum(r for a, r in moved if a == "dense") > 0  # the layers' residuals moved to their own calls
+        assert all(r == 0 for a, r in after if a == "dense"), after  # sent
+        assert all(r > 0 for a, r in after if a == "oktopk"), after
+
+
 @pytest.fixture(scope="module")
 def gloo_loops():
     """Every schedule's case on one launch of three gloo ranks (a launch costs seconds)."""
@@ -413,3 +462,32 @@ def test_reentrant_checkpoints_reduce_once_and_a_weight_they_share_is_refused_lo
         assert all(not isinstance(s, str) for s in shared)
     else:
         assert all(isinstance(s, str) and "twice in one backward" in s for s in shared), shared
+
+
+def test_a_sparse_checkpoint_loaded_into_a_dense_schedule_sends_its_residuals():
+    # The dense schedule's settings win (no error feedback without a compressor), but the saved
+    # residuals are gradient not sent yet: its next call sends them, none is left behind.
+    from sparsecomm.schedules import SyncEASGD
+
+    def body(rank):
+        net = loop_cases.model()
+        sparse = SyncEASGD(net, torch.optim.SGD(net.parameters(), lr=loop_cases.LR), algorithm="oktopk", density=0.2)
+        x, y = loop_cases.batch(rank, 0)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        sparse.step()
+        saved = sparse.state_dict()
+        owed = saved["states"][0].residual.clone()
+        sparse.close()
+        dense = SyncEASGD(net, torch.optim.SGD(net.parameters(), lr=loop_cases.LR), algorithm="dense", density=1.0)
+        with pytest.warns(UserWarning, match="residuals carry over"):
+            dense.load_state_dict(saved)
+        loaded = dense._states[0].residual.clone()
+        x, y = loop_cases.batch(rank, 1)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        dense.step()
+        left = dense._states[0].residual
+        dense.close()
+        return torch.equal(loaded, owed) and bool(owed.any()), float(left.abs().sum())
+
+    for same, left in sparsecomm.simulate(2, body, timeout=60).results:
+        assert same and left == 0
