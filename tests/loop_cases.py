@@ -251,9 +251,12 @@ def random_events(seed: int, steps: int, size: int) -> list[str]:
     return out
 
 
-def property_cases(rank: int, size: int, algorithm: str, seed: int) -> dict:
-    """:func:`property_case` for every schedule, by name: one launch of the ranks for all."""
-    return {name: property_case(rank, size, name, algorithm, seed) for name in sorted(SCHEDULES)}
+def property_cases(rank: int, size: int, algorithm: str, seed: int, auto_names: tuple = ()) -> dict:
+    """:func:`property_case` for every schedule, by name, and for ``auto_names`` with
+    ``algorithm="auto"`` (by ``"<name>+auto"``): one launch of the ranks for all."""
+    out = {name: property_case(rank, size, name, algorithm, seed) for name in sorted(SCHEDULES)}
+    out.update({f"{name}+auto": property_case(rank, size, name, "auto", seed) for name in auto_names})
+    return out
 
 
 def property_case(rank: int, size: int, name: str, algorithm: str, seed: int, steps: int = 10,
