@@ -32,10 +32,15 @@ from sparsecomm.network import TwoLevel, resolve_network
 from sparsecomm.state import topk_count
 
 TARGETS = {"340M": 340_000_000, "1.5B": 1_500_000_000}
-ALGORITHMS = ["dense", "oktopk", "oktopk2d", "oktopk2l", "gtopk", "topka", "cltk", "auto"]
+ALGORITHMS = ["dense", "oktopk", "oktopk2d", "oktopk2l", "oktopk2l-grid", "gtopk", "topka", "cltk", "auto"]
 NETWORKS = ["pizdaint", "10gbe", "nvl8", "nvl8-10gbe"]
 DENSITY = 0.01
 VALUE_BYTES = 4
+
+
+def traffic(label: str, n: int, k: int, P: int, G: int) -> choice.Traffic:
+    """``choice.traffic`` of a column: ``oktopk2l-grid`` is two-level Ok-Topk with ``grid=True``."""
+    return choice.traffic(label.removesuffix("-grid"), n, k, P, VALUE_BYTES, G, grid=label.endswith("-grid"))
 
 
 def count(P: int, algorithm: str, n: int, G: int, tau: int = 2) -> dict:
@@ -44,8 +49,9 @@ def count(P: int, algorithm: str, n: int, G: int, tau: int = 2) -> dict:
     net = resolve_network("nvl8") if G == 8 else TwoLevel(*(resolve_network("nvl8").intra,) * 2, G)
 
     def body(rank: int) -> list[float]:
-        if algorithm == "oktopk2l":
-            state = OkTopkTwoLevelState(DENSITY, tau=tau, tau_prime=2 * tau, error_feedback=False, ranks_per_node=G)
+        if algorithm.startswith("oktopk2l"):
+            state = OkTopkTwoLevelState(DENSITY, tau=tau, tau_prime=2 * tau, error_feedback=False, ranks_per_node=G,
+                                        grid=algorithm.endswith("-grid"))
         else:
             state = OkTopkState(DENSITY, tau=tau, tau_prime=2 * tau, error_feedback=False)
         base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
@@ -62,7 +68,7 @@ def count(P: int, algorithm: str, n: int, G: int, tau: int = 2) -> dict:
 
     per_rank = sparsecomm.simulate(P, body, network=net, timeout=3600).results
     busiest = max(per_rank, key=lambda t: t[0] + t[2])
-    model = choice.traffic(algorithm, n, topk_count(DENSITY, n), P, VALUE_BYTES, G)
+    model = traffic(algorithm, n, topk_count(DENSITY, n), P, G)
     return {"algorithm": algorithm, "P": P, "G": G, "n": n,
             "intra_bytes": busiest[0], "intra_messages": busiest[1],
             "inter_bytes": busiest[2], "inter_messages": busiest[3],
@@ -80,11 +86,11 @@ def project(ranks: list[int]) -> list[dict]:
             k = topk_count(DENSITY, n)
             for P in ranks:
                 for algorithm in ALGORITHMS:
-                    if algorithm == "oktopk2l" and G == 1:
+                    if algorithm.startswith("oktopk2l") and G == 1:
                         continue  # one rank a node: nothing to do within a node
                     chosen = (choice.choose(n, DENSITY, P, network=net, device="cuda") if algorithm == "auto"
                               else algorithm)
-                    t = choice.traffic(chosen, n, k, P, VALUE_BYTES, G)
+                    t = traffic(chosen, n, k, P, G)
                     rows.append({"network": name, "gradient": label, "P": P, "algorithm": algorithm,
                                  "chosen": chosen, "time_s": t.time(net), "inter_bytes": t.bytes,
                                  "inter_messages": t.messages, "intra_bytes": t.intra_bytes,
@@ -167,7 +173,7 @@ def main() -> None:
         return
     counted = []
     for P in args.count_ranks:
-        for algorithm, G in (("oktopk2l", 8), ("oktopk", 8)):
+        for algorithm, G in (("oktopk2l", 8), ("oktopk2l-grid", 8), ("oktopk", 8)):
             row = count(P, algorithm, args.n, G)
             counted.append(row)
             print(row, flush=True)

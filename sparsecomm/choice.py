@@ -90,7 +90,8 @@ class Profile:
     local_s_per_call: dict = field(default_factory=dict)
 
 
-def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1) -> Traffic:
+def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1,
+            grid: bool = False) -> Traffic:
     """Critical-path messages and bytes of a steady call of ``algorithm`` on the busiest rank.
 
     1. dense: reduce-scatter and allgather by recursive halving and doubling (the simulated
@@ -107,7 +108,7 @@ def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_pe
     4. oktopk2l, G ranks a node: within the node a dense reduce-scatter in the work dtype
        (ceil(log2 G) messages, 4 n (G - 1) / G bytes) and an all-gather of the shards'
        results (2 (G - 1) messages, 8 k (G - 1) / G bytes and 16 a peer); between nodes
-       Ok-Topk's traffic on n/G entries, ceil(k/G) selected, P/G ranks.
+       Ok-Topk's traffic on n/G entries, ceil(k/G) selected, P/G ranks (``grid``: oktopk2d's).
     5. The baselines, for projections (``benchmarks/two_level_projection.py``): gtopk, a tree
        up and down (2 log2 P messages of k entries, 9 bytes each with a float32 value, and a
        16-byte header); topka, an allgather of every rank's k entries (16-bit offsets) and of
@@ -126,7 +127,7 @@ def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_pe
         m, kk = -(-n // G), -(-k // G)
         node = Traffic(0.0, 0.0, math.ceil(math.log2(G)) + 2.0 * (G - 1),
                        4.0 * n * (G - 1) / G + 8.0 * kk * (G - 1) + 16.0 * (G - 1))
-        across = traffic("oktopk", m, kk, P // G, value_bytes)
+        across = traffic("oktopk2d" if grid else "oktopk", m, kk, P // G, value_bytes)
         return Traffic(across.messages, across.bytes, node.intra_messages, node.intra_bytes)
     levels = math.ceil(math.log2(P))
     entry = value_bytes + _INDEX_BYTES

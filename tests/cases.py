@@ -159,6 +159,10 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
         for step in range(2):
             out[f"{name}/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st, comm=comm)
         out[f"{name}/residual"] = st.residual.clone()
+    # Between one-rank nodes on a grid of the nodes (2 x 2 at P = 4): a grid over a split.
+    st = sparsecomm.OkTopkTwoLevelState(0.01, ranks_per_node=1, grid=True)
+    for step in range(2):
+        out[f"oktopk2l/grid/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st, comm=comm)
     out["topkdsa/dense-switch"] = sparsecomm.allreduce(inputs(rank, 3001, "gaussian"), 0.7,
                                                        algorithm="topkdsa", comm=comm)
     # Messages over several 65536-wide blocks (kernels.message), blocked and plain side by side:

@@ -38,14 +38,15 @@ from ..result import SparseResult
 from ..state import Preselection
 from .oktopk import OkTopkState, _Reduced, oktopk, oktopk_gather, oktopk_reduce
 
-__all__ = ["OkTopkGridState", "oktopk2d", "oktopk2d_volume"]
+__all__ = ["OkTopkGridState", "oktopk2d", "oktopk2d_volume", "on_grid"]
 
 
 class OkTopkGridState(OkTopkState):
     """Ok-Topk's state (every setting and field), for the grid's exchanges."""
 
 
-def _grid(comm: Communicator) -> Communicator:
+def on_grid(comm: Communicator) -> Communicator:
+    """``comm`` as a grid of ranks (two ranks make no grid: ``comm`` itself)."""
     return comm if isinstance(comm, GridCommunicator) or comm.size <= 2 else GridCommunicator(comm)
 
 
@@ -61,12 +62,12 @@ def oktopk2d_volume(n: int, k: int, P: int) -> tuple[float, float]:
 def oktopk2d_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, codec: Compressor,
                     preselected: Preselection | None = None, check: CarriedCheck | None = None) -> _Reduced:
     """Ok-Topk's first half (``oktopk_reduce``) on the grid."""
-    return oktopk_reduce(acc, k, _grid(comm), state, codec, preselected, check)
+    return oktopk_reduce(acc, k, on_grid(comm), state, codec, preselected, check)
 
 
 def oktopk2d_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     """Ok-Topk's second half (``oktopk_gather``) on the grid."""
-    return oktopk_gather(r, _grid(comm))
+    return oktopk_gather(r, on_grid(comm))
 
 
 @register("oktopk2d", OkTopkGridState, split=(oktopk2d_reduce, oktopk2d_gather), volume=oktopk2d_volume)
@@ -80,4 +81,4 @@ def oktopk2d(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, 
 
     Args and Returns: those of ``oktopk``; the result is Ok-Topk's bit for bit.
     """
-    return oktopk(acc, k, _grid(comm), state, codec, preselected, check)
+    return oktopk(acc, k, on_grid(comm), state, codec, preselected, check)
