@@ -61,6 +61,11 @@ def each(rank: int, size: int, case: str, argsets: list[tuple]) -> list:
     return [globals()[case](rank, size, *args) for args in argsets]
 
 
+def several(rank: int, size: int, calls: list[tuple[str, tuple]]) -> list:
+    """Each ``(case, args)`` in order, on one launch of the ranks (as :func:`each`, mixed cases)."""
+    return [globals()[case](rank, size, *args) for case, args in calls]
+
+
 def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tuple[float, dict]:
     """Largest gradient difference between DDP's allreduce and the hook at density 1,
     and the hook's totals (a hook DDP never called would match DDP too)."""

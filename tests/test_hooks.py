@@ -20,10 +20,43 @@ P = 4
 DENSITY_ONE = ["oktopk", "topka", "dense", "oktopk2l"]
 
 
+SEVERAL_BUCKETS = [
+    ("shuffled", 0.01, False, 6),  # the rebuilt buckets hold other parameter sets than the initial ones
+    ("mlp", 0.02, True, 6),
+    ("shuffled", 0.01, True, 2),  # taken before the rebuilt buckets became the layouts
+    ("shuffled", 0.01, False, 3),  # taken the step they did
+]
+ACCUMULATIONS = [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)]
+#: The gloo cases of this module (``hook_cases.<case>(*args)``) by world size, each size's on
+#: one launch of its ranks (a launch of 3 or 4 gloo processes costs seconds on two cores).
+LAUNCHES = {
+    P: [("equals_ddp_each", (tuple(DENSITY_ONE),)), ("conservation", ()), ("save_restore", ()), ("nan_gradient", ())],
+    3: ([("save_restore", args) for args in SEVERAL_BUCKETS]
+        + [(case, (overlap,)) for case in ("refusal_carry", "amp_scaler") for overlap in (False, True)]
+        + [("accumulate", args) for args in ACCUMULATIONS]
+        + [("conservation", (6, "dense", "q8")), ("overlap_equals_sync", ())]),
+}
+
+
 @pytest.fixture(scope="module")
-def density_one():
-    """Every algorithm's run on one launch of the gloo ranks (a launch costs seconds)."""
-    return engines.run_gloo(P, hook_cases.equals_ddp_each, DENSITY_ONE)
+def launched():
+    """Every rank's result of each case of :data:`LAUNCHES`, by (world size, case, args); a
+    size's cases run at its first use."""
+    done: dict = {}
+
+    def get(size: int, case: str, args: tuple = ()) -> list:
+        if (size, case, args) not in done:
+            calls = LAUNCHES[size]
+            runs = engines.run_gloo(size, hook_cases.several, calls, timeout=600)
+            done.update({(size, c, a): [run[i] for run in runs] for i, (c, a) in enumerate(calls)})
+        return done[(size, case, args)]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def density_one(launched):
+    return launched(P, "equals_ddp_each", (tuple(DENSITY_ONE),))
 
 
 @pytest.mark.slow
@@ -38,8 +71,8 @@ def test_density_one_equals_ddp_allreduce(algorithm, density_one):
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_residual_conservation_across_bucket_rebuilds():
-    out = engines.run_gloo(P, hook_cases.conservation)
+def test_residual_conservation_across_bucket_rebuilds(launched):
+    out = launched(P, "conservation")
     n_params = len(out[0]["fed"])
     for i in range(n_params):
         assert_conserved(out[0]["results"][i], [o["residuals"][i] for o in out], [o["fed"][i] for o in out],
@@ -58,10 +91,10 @@ def test_residual_conservation_across_bucket_rebuilds():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_dense_q8_hook_keeps_its_quantisation_error():
+def test_dense_q8_hook_keeps_its_quantisation_error(launched):
     # A compressed dense hook has error feedback too: what q8 rounds away stays in the
     # residuals, so results plus residuals are every gradient fed (3 ranks: not a power of 2).
-    out = engines.run_gloo(3, hook_cases.conservation, 6, "dense", "q8")
+    out = launched(3, "conservation", (6, "dense", "q8"))
     residual_mass = 0.0
     for i in range(len(out[0]["fed"])):
         residual_mass += float(sum(o["residuals"][i] for o in out).abs().sum())
@@ -74,8 +107,8 @@ def test_dense_q8_hook_keeps_its_quantisation_error():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_overlapping_hook_equals_the_synchronous_one():
-    out = engines.run_gloo(3, hook_cases.overlap_equals_sync)
+def test_overlapping_hook_equals_the_synchronous_one(launched):
+    out = launched(3, "overlap_equals_sync")
     for o in out:
         sync, ovl = o[False], o[True]
         assert all(torch.equal(a, b) for a, b in zip(sync["params"], ovl["params"]))
@@ -88,8 +121,8 @@ def test_overlapping_hook_equals_the_synchronous_one():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_checkpoint_resumes_identically():
-    for same in engines.run_gloo(P, hook_cases.save_restore):
+def test_checkpoint_resumes_identically(launched):
+    for same in launched(P, "save_restore"):
         assert same == [True] * 4
 
 
@@ -99,17 +132,9 @@ def launched_once(size: int, case: str, argsets: list[tuple]) -> dict:
     return {args: [run[i] for run in runs] for i, args in enumerate(argsets)}
 
 
-SEVERAL_BUCKETS = [
-    ("shuffled", 0.01, False, 6),  # the rebuilt buckets hold other parameter sets than the initial ones
-    ("mlp", 0.02, True, 6),
-    ("shuffled", 0.01, True, 2),  # taken before the rebuilt buckets became the layouts
-    ("shuffled", 0.01, False, 3),  # taken the step they did
-]
-
-
 @pytest.fixture(scope="module")
-def several_buckets():
-    return launched_once(3, "save_restore", SEVERAL_BUCKETS)
+def several_buckets(launched):
+    return {args: launched(3, "save_restore", args) for args in SEVERAL_BUCKETS}
 
 
 @pytest.mark.slow
@@ -124,8 +149,8 @@ def test_checkpoint_resumes_identically_with_several_buckets(args, several_bucke
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_nan_gradient_fails_on_every_rank():
-    for msg in engines.run_gloo(P, hook_cases.nan_gradient):
+def test_nan_gradient_fails_on_every_rank(launched):
+    for msg in launched(P, "nan_gradient"):
         assert "NaN or Inf on rank(s) [1]" in msg, msg
 
 
@@ -344,8 +369,8 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
 
 
 @pytest.fixture(scope="module")
-def refusals():
-    return launched_once(3, "refusal_carry", [(False,), (True,)])
+def refusals(launched):
+    return {(overlap,): launched(3, "refusal_carry", (overlap,)) for overlap in (False, True)}
 
 
 @pytest.mark.slow
@@ -391,8 +416,8 @@ def test_a_broken_communicator_raises_its_own_error_at_every_later_step(overlap,
 
 
 @pytest.fixture(scope="module")
-def scaled():
-    return launched_once(3, "amp_scaler", [(False,), (True,)])
+def scaled(launched):
+    return {(overlap,): launched(3, "amp_scaler", (overlap,)) for overlap in (False, True)}
 
 
 @pytest.mark.slow
@@ -417,12 +442,9 @@ def test_grad_scaler_skips_the_overflowing_step_on_every_rank(overlap, scaled):
                          rtol=1e-4)
 
 
-ACCUMULATIONS = [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)]
-
-
 @pytest.fixture(scope="module")
-def accumulations():
-    return launched_once(3, "accumulate", ACCUMULATIONS)
+def accumulations(launched):
+    return {args: launched(3, "accumulate", args) for args in ACCUMULATIONS}
 
 
 @pytest.mark.slow

@@ -76,6 +76,10 @@ def test_int64_indexes_block_more_often():
 @pytest.mark.parametrize("span,count", [c for c in CASES if kernels.blocked(c[1], c[0], torch.int32)])
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
 def test_blocked_paths_match_torch_bytewise(backend, monkeypatch, span, count, value_dtype):
+    if backend == "triton" and span > 10**6 and not torch.cuda.is_available():
+        # The interpreter takes 5-10 s a dtype at 6.25M; the 300k case runs the same blocked
+        # path here (several blocks, a partial last one), and a GPU runs this one compiled.
+        pytest.skip("the 6.25M case of the Triton backend runs on a GPU, not in the interpreter")
     run = runner(backend, monkeypatch)
     idx, val = _indexes(span, count, count), _values(count, value_dtype, span)
     expect = kernels.pack_message(idx, val, span, torch.int32, value_dtype, backend="torch")
