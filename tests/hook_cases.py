@@ -82,6 +82,41 @@ def equals_ddp(rank: int, size: int, algorithm: str, device: str = "cpu") -> tup
     return worst, dict(state.totals)
 
 
+def embedded() -> torch.nn.Module:
+    """A 64 x 256 embedding table (16,384 weights, its gradient ready last) under large layers."""
+    return torch.nn.Sequential(torch.nn.Embedding(64, 256), torch.nn.Flatten(), torch.nn.Linear(2048, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+def dense_after_rebuild(rank: int, size: int, steps: int = 4) -> dict:
+    """The table's gradient fed, its results and residual, and every step's reductions: DDP's
+    first step reduces it with the large layers (sparse); its rebuilt 4 MB buckets hold it
+    alone, below ``min_bucket_elements`` (dense)."""
+    model = DDP(_model(embedded), bucket_cap_mb=4)
+    state = SparseHookState(model, "oktopk", 0.01, min_bucket_elements=20_000)
+    table = next(model.parameters())
+    fed, result = torch.zeros_like(table, dtype=torch.float64), torch.zeros_like(table, dtype=torch.float64)
+
+    def recording_hook(st, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if p is table:
+                fed.add_(g.double())
+        return sparse_allreduce_hook(st, bucket)
+
+    model.register_comm_hook(state, recording_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randint(0, 64, (16, 8), generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        result.add_(table.grad.double() * size)  # the hook averaged: the sum is size times that
+        opt.step()
+    residual = state.residuals().get(0)
+    return {"fed": fed, "result": result, "residual": None if residual is None else residual.view_as(table),
+            "reductions": [[(d["layout"], d["dense"]) for d in s] for s in state.stats if s]}
+
+
 def conservation(rank: int, size: int, steps: int = 15, algorithm: str = "oktopk", compressor=None) -> dict:
     """Local gradients fed to the hook, results, residuals and layouts seen, over many steps."""
     model = DDP(_model(Shuffled), bucket_cap_mb=0.01)  # several small buckets

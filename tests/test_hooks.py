@@ -30,7 +30,8 @@ ACCUMULATIONS = [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)]
 #: The gloo cases of this module (``hook_cases.<case>(*args)``) by world size, each size's on
 #: one launch of its ranks (a launch of 3 or 4 gloo processes costs seconds on two cores).
 LAUNCHES = {
-    P: [("equals_ddp_each", (tuple(DENSITY_ONE),)), ("conservation", ()), ("save_restore", ()), ("nan_gradient", ())],
+    P: [("equals_ddp_each", (tuple(DENSITY_ONE),)), ("conservation", ()), ("save_restore", ()), ("nan_gradient", ()),
+        ("dense_after_rebuild", ())],
     3: ([("save_restore", args) for args in SEVERAL_BUCKETS]
         + [(case, (overlap,)) for case in ("refusal_carry", "amp_scaler") for overlap in (False, True)]
         + [("accumulate", args) for args in ACCUMULATIONS]
@@ -87,6 +88,22 @@ def test_residual_conservation_across_bucket_rebuilds(launched):
     assert len(layouts) == 15 and sets[0] != sets[1] and set(layouts[1:]) == {layouts[-1]}
     assert any(list(b) != sorted(b) for b in layouts[-1])  # the rebuilt order is not model order
     assert out[0]["state_layouts"] == set(layouts[-1]) and out[0]["sparse"] == sum(map(len, layouts))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_a_sparse_residual_goes_with_its_parameters_dense_bucket_after_ddps_rebuild(launched):
+    # Real DDP: the embedding table's first step is reduced sparsely with the large layers; its
+    # rebuilt bucket holds it alone, below min_bucket_elements, reduced dense from then on. Its
+    # residual from the first step is sent with the first dense call, not held forever.
+    out = launched(P, "dense_after_rebuild")
+    for o in out:
+        first, last = o["reductions"][0], o["reductions"][-1]
+        assert any(0 in layout and not dense for layout, dense in first), first  # (the setting holds)
+        assert ((0,), True) in last, last
+        assert o["residual"] is None or not o["residual"].any()
+        assert torch.equal(o["result"], out[0]["result"])
+    torch.testing.assert_close(out[0]["result"], sum(o["fed"] for o in out), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
