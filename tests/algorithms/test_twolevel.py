@@ -166,6 +166,12 @@ def test_on_a_grid_of_nodes_results_and_residuals_are_the_flat_ones_bit_for_bit(
         assert torch.equal(residual, grid_residual)
 
 
+@pytest.mark.parametrize("grid", ["yes", 1, None])
+def test_a_grid_setting_that_is_not_a_bool_is_refused(grid):
+    with pytest.raises(ValueError, match="grid must be True or False"):
+        OkTopkTwoLevelState(0.01, grid=grid)
+
+
 def test_a_grid_of_nodes_sends_fewer_messages_between_nodes():
     P, G, n, d = 32, 2, 20_000, 0.01
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(P)]

@@ -495,3 +495,14 @@ def test_a_sparse_checkpoint_loaded_into_a_dense_schedule_sends_its_residuals():
 
     for same, left in sparsecomm.simulate(2, body, timeout=60).results:
         assert same and left == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_auto_with_options_or_an_unknown_network_is_refused_at_construction(name):
+    # Options belong to one algorithm, and a bad profile would fail only at the first group.
+    net = loop_cases.model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="algorithm_options"):
+        SCHEDULES[name](net, opt, algorithm="auto", algorithm_options={"tau": 4})
+    with pytest.raises(ValueError, match="no-such-network"):
+        SCHEDULES[name](net, opt, algorithm="auto", network="no-such-network")
