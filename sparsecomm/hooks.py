@@ -64,6 +64,7 @@ from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
 from .hook_checkpoints import HookCheckpoints
+from .schedules.base import active_scaler
 from .schedules.engine import Engine
 from .state import State, check_density
 
@@ -162,9 +163,8 @@ class SparseHookState(HookCheckpoints):
         self.group, self._comm_arg = group, comm
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
-            raise ValueError(f"scaler must be a torch.amp.GradScaler (or have get_scale()), got {type(scaler).__name__}")
-        self.overlap, self.scaler = overlap, scaler
+        # A disabled scaler (enabled=False, an fp32 run's switch) is no scaler: NaN/Inf must raise.
+        self.overlap, self.scaler = overlap, active_scaler(scaler)
         # Internal.
         self._engine = None
         if overlap:

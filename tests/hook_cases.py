@@ -176,18 +176,27 @@ def save_restore(rank: int, size: int, make: str = "mlp", cap_mb: float | None =
     return [all(torch.equal(a, b) for a, b in zip(c, r)) for c, r in zip(continued, restored)]
 
 
-def nan_gradient(rank: int, size: int) -> str:
+def nan_gradient(rank: int, size: int, scaler: str = "none") -> dict:
+    """Rank 1's batch holds a NaN. ``scaler``: "none", or "disabled" (``GradScaler(enabled=False)``,
+    what a script passes when AMP is switched off by a flag), which must be no scaler. The error
+    the backward raised, and whether the parameters after the loop's ``scaler.step`` are unchanged."""
     model = DDP(_model(mlp))
-    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0)
+    amp = torch.amp.GradScaler("cpu", enabled=False) if scaler == "disabled" else None
+    state = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0, scaler=amp)
     model.register_comm_hook(state, sparse_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    before = [p.detach().clone() for p in model.parameters()]
     x, y = batch(rank, 0)
     if rank == 1:
         x[0, 0] = float("nan")
+    error = "no error"
     try:
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (amp.scale(loss) if amp is not None else loss).backward()
+        amp.step(opt) if amp is not None else opt.step()
     except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's error
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "kept": all(torch.equal(b, p) for b, p in zip(before, model.parameters()))}
 
 
 def overlap_equals_sync(rank: int, size: int, steps: int = 6) -> dict:

@@ -30,8 +30,8 @@ ACCUMULATIONS = [("dense", 1.0), ("oktopk", 1.0), ("oktopk", 0.05)]
 #: The gloo cases of this module (``hook_cases.<case>(*args)``) by world size, each size's on
 #: one launch of its ranks (a launch of 3 or 4 gloo processes costs seconds on two cores).
 LAUNCHES = {
-    P: [("equals_ddp_each", (tuple(DENSITY_ONE),)), ("conservation", ()), ("save_restore", ()), ("nan_gradient", ()),
-        ("dense_after_rebuild", ())],
+    P: [("equals_ddp_each", (tuple(DENSITY_ONE),)), ("conservation", ()), ("save_restore", ()),
+        ("nan_gradient", ("none",)), ("nan_gradient", ("disabled",)), ("dense_after_rebuild", ())],
     3: ([("save_restore", args) for args in SEVERAL_BUCKETS]
         + [(case, (overlap,)) for case in ("refusal_carry", "amp_scaler") for overlap in (False, True)]
         + [("accumulate", args) for args in ACCUMULATIONS]
@@ -166,9 +166,13 @@ def test_checkpoint_resumes_identically_with_several_buckets(args, several_bucke
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_nan_gradient_fails_on_every_rank(launched):
-    for msg in launched(P, "nan_gradient"):
-        assert "NaN or Inf on rank(s) [1]" in msg, msg
+@pytest.mark.parametrize("scaler", ["none", "disabled"])
+def test_nan_gradient_fails_on_every_rank(scaler, launched):
+    # A disabled GradScaler is no scaler: it steps the optimizer as it is, so an Inf result
+    # would reach every parameter of every rank. The NaN must raise instead, and no step is taken.
+    for out in launched(P, "nan_gradient", (scaler,)):
+        assert "NonFiniteError" in out["error"] and "NaN or Inf on rank(s) [1]" in out["error"], out
+        assert out["kept"], out
 
 
 class FakeBucket:
