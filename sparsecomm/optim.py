@@ -19,6 +19,7 @@ import torch
 from . import registry
 from .api import allreduce
 from .errors import NonFiniteError
+from .schedules.base import adopt_state
 from .state import State, check_density
 
 __all__ = ["SparseGradientReducer", "SparseAdamW", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
@@ -45,8 +46,12 @@ class SparseGradientReducer:
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         self.algorithm, self.op, self.compressor = algorithm, op, compressor
-        self.state: State = registry.get(algorithm).state_class(density, **(algorithm_options or {}))
+        self.density, self.algorithm_options = density, dict(algorithm_options or {})
+        self.state: State = self._new_state()
         self.group, self.comm = group, comm
+
+    def _new_state(self) -> State:
+        return registry.get(self.algorithm).state_class(self.density, **self.algorithm_options)
 
     def reduce(self) -> torch.Tensor:
         """All-reduce the gradients in place; returns the reduced flat vector."""
@@ -67,7 +72,9 @@ class SparseGradientReducer:
         return {"state": self.state}
 
     def load_state_dict(self, d: dict) -> None:
-        self.state = d["state"]
+        """Restore a :meth:`state_dict`. This reducer's settings win: a state saved with another
+        algorithm, density or options gives only its residual, with a warning."""
+        self.state = adopt_state(d["state"], self._new_state(), "SparseGradientReducer")
 
 
 #: What ``SparseAdamW`` sends after its dense warm-up, and where its second moment comes from.
@@ -383,7 +390,11 @@ class SparseAdamW(torch.optim.Optimizer):
         device = self.params[0].device
         self.flat_state = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                            for k, v in state_dict["flat_state"].items()}
-        self.sparse_state = state_dict["sparse_state"]
+        # This optimizer's settings win (a state of another algorithm, density or options gives
+        # only its residual, with a warning): the state it would hold at the saved step.
+        t = max(self.flat_state["step"], self.warmup_steps + 1)
+        mine = registry.get(self.algorithm).state_class(self._density_at(t), **self.algorithm_options)
+        self.sparse_state = adopt_state(state_dict["sparse_state"], mine, "SparseAdamW")
 
 
 # Unannotated: DDP compares a hook's annotations with the real classes, and this

@@ -34,7 +34,7 @@ from ..state import State
 from .engine import flat_dtype
 
 __all__ = ["Schedule", "Carry", "LossScale", "check_optimizer", "optimizer_size", "layer_settings", "check_layers",
-           "state_settings", "adopt_states", "refused_job", "snapshot", "active_scaler", "split_residual",
+           "state_settings", "adopt_state", "adopt_states", "refused_job", "snapshot", "active_scaler", "split_residual",
            "join_residuals", "StateMaker", "hold_residual"]
 
 
@@ -311,22 +311,28 @@ def check_layers(saved: list, params: list[torch.nn.Parameter], what: str) -> No
                          f"{len(mine)}; they differ from parameter {where} on (a checkpoint of another model?)")
 
 
+def adopt_state(saved: State, mine: State, what: str, like: State | None = None) -> State:
+    """The state to go on with after loading ``saved`` into an object that made ``mine``.
+
+    1. ``saved`` itself where its settings are ``like``'s (the state the object would make
+       where ``saved`` was made; default ``mine``): the run resumes bit for bit.
+    2. Otherwise the object's own settings win: ``mine`` takes only the saved residual
+       (:func:`hold_residual`), and a warning names both settings.
+    """
+    if state_settings(saved) == state_settings(mine if like is None else like):
+        return saved
+    warnings.warn(f"{what}.load_state_dict: the checkpoint's states were made with {state_settings(saved)}, "
+                  f"this {what} makes {state_settings(mine)}: their residuals carry over, their "
+                  "thresholds and boundaries start afresh", stacklevel=3)
+    residual = getattr(saved, "residual", None)
+    hold_residual(mine, None if residual is None else residual.clone())
+    return mine
+
+
 def adopt_states(saved: list, mine: list, what: str, maker: StateMaker) -> list:
-    """The states to go on with: the saved ones where their settings are those ``maker`` gives
-    (under ``"auto"``: for the saved state's algorithm); otherwise the fresh ``mine``, which
-    take only the saved residuals (:func:`hold_residual`), with a warning naming both."""
-    out = []
-    for old, new in zip(saved, mine):
-        if state_settings(old) == state_settings(maker.like(old)):
-            out.append(old)
-            continue
-        warnings.warn(f"{what}.load_state_dict: the checkpoint's states were made with {state_settings(old)}, "
-                      f"this schedule makes {state_settings(new)}: their residuals carry over, their "
-                      "thresholds and boundaries start afresh", stacklevel=3)
-        residual = getattr(old, "residual", None)
-        hold_residual(new, None if residual is None else residual.clone())
-        out.append(new)
-    return out
+    """:func:`adopt_state` for each of a schedule's states (under ``"auto"`` the saved state's
+    algorithm stands where ``auto`` chooses from it: :meth:`StateMaker.like`)."""
+    return [adopt_state(old, new, what, maker.like(old)) for old, new in zip(saved, mine)]
 
 
 def snapshot(state: Any) -> Any:
