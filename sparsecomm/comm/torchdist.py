@@ -17,9 +17,10 @@ at the cost of the copies. NCCL takes CUDA tensors as they are.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,8 +122,33 @@ class TorchCommunicator(Communicator):
             raise CommTimeoutError(f"rank {self.rank}: {what} timed out after {self.timeout:g} s "
                                    f"on {self.name}")
 
+    def _destroyed(self) -> bool:
+        """Whether this communicator's process group was destroyed under it."""
+        if not self._dist.is_initialized():
+            return True
+        try:
+            self._dist.get_process_group_ranks(self.group)
+        except (ValueError, RuntimeError):
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def _issuing(self, what: str) -> Iterator[None]:
+        """Issue an operation: torch's error for a group destroyed under this communicator
+        (``destroy_process_group()`` while a thread still calls, a ValueError "Group ... is not
+        registered") becomes the library's :class:`PeerError`, as a peer gone does."""
+        try:
+            yield
+        except (ValueError, RuntimeError) as exc:
+            if not self._destroyed():
+                raise
+            raise PeerError(f"rank {self.rank}: {what} on {self.name}: its process group was destroyed "
+                            f"(torch.distributed.destroy_process_group) while this communicator was in use "
+                            f"({exc})") from exc
+
     def _global(self, rank: int) -> int:
-        return self._dist.get_global_rank(self.group, rank)
+        with self._issuing("a point-to-point operation"):
+            return self._dist.get_global_rank(self.group, rank)
 
     # ---- point to point -----------------------------------------------------
     def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Request:
@@ -147,7 +173,8 @@ class TorchCommunicator(Communicator):
 
     # ---- collectives --------------------------------------------------------
     def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        work = fn(*args, group=self.group, async_op=True, **kwargs)
+        with self._issuing(what):
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
         self._wait(work, what)
 
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:

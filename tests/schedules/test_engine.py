@@ -76,15 +76,52 @@ def test_submit_refuses_its_own_communicator_arguments():
         Engine(threads=0)
 
 
+def _destroyed_under_the_engine(rank: int) -> list[str]:
+    """``destroy_process_group()`` while the engine has jobs in flight and queued: what each
+    wait raised (its type), then what a job submitted afterwards raised."""
+    import torch.distributed as dist
+
+    engine = Engine()
+    jobs = [engine.submit(torch.randn(200_000), density=0.01) for _ in range(6)]
+    dist.destroy_process_group()
+    seen = []
+    for job in [*jobs, engine.submit(torch.randn(1000), density=0.1)]:
+        try:
+            job.wait()
+            seen.append("ok")
+        except Exception as exc:  # noqa: BLE001 - its type is the result
+            seen.append(type(exc).__name__)
+    engine.close()
+    return seen
+
+
 def _engine_case(rank, size):
     torch.set_num_threads(1)
-    return cases.engine_cases(rank, size)
+    out = cases.engine_cases(rank, size)
+    return out, _destroyed_under_the_engine(rank)  # last: it ends the rank's process group
+
+
+@pytest.fixture(scope="module")
+def on_gloo():
+    return engines.run_gloo(3, _engine_case)
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_engine_on_gloo():
-    cases.check_engine_cases(engines.run_gloo(3, _engine_case))
+def test_engine_on_gloo(on_gloo):
+    cases.check_engine_cases([out for out, _ in on_gloo])
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_a_process_group_destroyed_under_the_engine_raises_the_librarys_error_at_every_wait(on_gloo):
+    # torch's own "Group ... is not registered" (a ValueError) used to reach the caller: the
+    # README promises PeerError or CommTimeoutError for a broken communicator.
+    for _, seen in on_gloo:
+        failed = [s for s in seen if s != "ok"]
+        assert failed and seen[-1] != "ok", seen  # the job submitted afterwards cannot have run
+        assert set(failed) <= {"PeerError", "CommTimeoutError"}, seen
+        assert "ok" not in seen[seen.index(failed[0]):], seen  # broken for good once it broke
 
 
 @pytest.mark.slow
