@@ -13,6 +13,7 @@ over ranks) and what the hook sent compared with a dense allreduce.
 """
 
 import argparse
+import gc
 
 import lightning as L
 import torch
@@ -107,9 +108,14 @@ def main() -> None:
         print(f"hook: {hook['steps']} steps, {hook['sparse_buckets']} buckets by {args.algorithm}, "
               f"{hook['dense_buckets']} dense (warm-up or small); sent {hook['bytes_sent'] / 1e6:.2f} MB "
               f"per rank (a dense allreduce: {dense / 1e6:.2f} MB)")
-    # Lightning leaves the process group up; gloo's worker threads still alive at interpreter
-    # exit abort the process (SIGABRT, "terminate called without an active exception") now and then,
-    # as does a rank tearing its group down while its peer still talks to it: meet, then destroy.
+    # Lightning leaves the process group up, and its trainer, strategy and model hold one another
+    # (a reference cycle), DDP's reducer with them: left to the interpreter's last collection at
+    # exit, gloo's teardown there aborted the process now and then ("terminate called without an
+    # active exception"; reproduced without Lightning or sparsecomm in
+    # benchmarks/results/2026-11-27-cpu-vm-teardown-abort). Free them while Python is whole, then
+    # meet (a rank tearing down while its peer still talks to it aborts too) and destroy.
+    del trainer, strategy, model, state
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
