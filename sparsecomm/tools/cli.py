@@ -79,10 +79,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``study``'s world sizes, gradient kinds and elements left unsaid, by study: the plain run is a
+#: first look of seconds, ``--full`` the study of docs/results.md.
+STUDY_DEFAULTS = {
+    ("volume", False): ([2, 4, 8, 16], ["gaussian"], 1 << 17),
+    ("volume", True): ([2, 4, 8, 16, 32, 64, 128, 256], ["gaussian", "student_t", "skewed"], 1 << 20),
+    ("bert", False): ([8, 16, 32], ["model"], 1 << 17),
+    ("bert", True): ([32, 64, 128, 256], ["model"], 1 << 20),
+}
+
+
 def _study(args: argparse.Namespace) -> int:
     volume = args.what == "volume"
-    sizes = args.ranks or ([2, 4, 8, 16, 32, 64, 128, 256] if volume else [32, 64, 128, 256])
-    kinds = args.kinds or (["gaussian", "student_t", "skewed"] if volume else ["model"])
+    default_sizes, default_kinds, default_n = STUDY_DEFAULTS[(args.what, args.full)]
+    sizes, kinds, args.n = args.ranks or default_sizes, args.kinds or default_kinds, args.n or default_n
     algs = args.algorithms or algorithms()
     print(f"# sparsecomm study {args.what}: n={args.n:,} density={args.density} tau={args.tau} "
           f"P={sizes} kinds={kinds}", flush=True)
@@ -120,7 +130,16 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_plan(args: argparse.Namespace) -> None:
+    """The configurations and epochs left unsaid: a first run of about a minute, or ``--full``."""
+    if args.configs is None:
+        args.configs = list(train.FULL_CONFIGS if args.full else train.QUICK_CONFIGS)
+    if args.epochs is None:
+        args.epochs = train.FULL_EPOCHS if args.full else train.QUICK_EPOCHS[args.task]
+
+
 def _train(args: argparse.Namespace) -> int:
+    _train_plan(args)
     print(f"# sparsecomm train: task {args.task}, {args.ranks} gloo ranks, {args.epochs} epochs, "
           f"configs {','.join(args.configs)}", flush=True)
     # One configuration at a time, the JSON rewritten after each: a run that fails (a diverging
@@ -159,6 +178,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_problem(args: argparse.Namespace) -> str | None:
     """An option combination ``train`` would refuse for a configuration, before any rank starts."""
+    _train_plan(args)
     for config in args.configs:
         try:
             check_warmup(parse_config(config)[1] or args.schedule, args.warmup_steps)
@@ -206,11 +226,21 @@ def _names(known: at.Known, what: str) -> Callable[[str], list]:
 
 def _command(sub: Any, name: str, help: str, run: Callable[[argparse.Namespace], int],
              check: Callable[[argparse.Namespace], str | None] | None = None) -> argparse.ArgumentParser:
-    """Add subcommand ``name``; parsed arguments carry what runs it, its parser (for its errors) and
-    ``check``, a test of option combinations that no single type can make."""
+    """Add subcommand ``name``; parsed arguments carry what runs it and ``check``, a test of option
+    combinations that no single type can make.
+
+    Both are module-level functions: the arguments must pickle, since ``bench``'s default
+    launcher sends them to the ranks it spawns (a parser in them would not pickle).
+    """
     command = sub.add_parser(name, help=help)
-    command.set_defaults(run=run, command=command, check=check)
+    command.set_defaults(run=run, check=check)
     return command
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, which reports that command's errors."""
+    (subparsers,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,13 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="volume: bytes/messages per rank vs P for every algorithm; "
                          "bert: the same at P=32..256 projected to BERT's 133,547,324 elements")
     st.add_argument("--ranks", type=at.comma_list(at.int_in(2)), default=None,
-                    help="comma-separated world sizes, each >= 2 (default: volume 2..256, bert 32..256)")
-    st.add_argument("--n", type=at.positive_int, default=1 << 20, help="elements per rank in the simulation")
+                    help="comma-separated world sizes, each >= 2 (default: volume 2..16, bert 8..32; "
+                         "--full: volume 2..256, bert 32..256)")
+    st.add_argument("--n", type=at.positive_int, default=None,
+                    help="elements per rank in the simulation (default 131072; --full 1048576)")
+    st.add_argument("--full", action="store_true",
+                    help="the full study of docs/results.md (P to 256, n = 2^20, volume: three kinds); "
+                         "--ranks, --kinds and --n still choose")
     st.add_argument("--density", type=at.density, default=0.01, help="fraction selected, in (0, 1]")
     st.add_argument("--tau", type=at.positive_int, default=4, help="threshold period (calls 2..tau are measured)")
     st.add_argument("--kinds", type=_names(KINDS, "gradient kind"), default=None,
                     help=f"gradient kinds, comma-separated, from {', '.join(KINDS)} "
-                         "(default: volume gaussian,student_t,skewed; bert model)")
+                         "(default: volume gaussian, --full gaussian,student_t,skewed; bert model)")
     st.add_argument("--algorithms", type=_names(algorithms(), "algorithm"), default=None,
                     help=f"comma-separated, from {', '.join(algorithms())} (default: all)")
     st.add_argument("--networks", type=at.comma_list(network), default="pizdaint,10gbe,56gbib,100gbib",
@@ -263,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--names", type=at.comma_list(str), default=None,
                     help="profile names, one per machine found (comma-separated, in sorted machine order)")
     ca.add_argument("--save", action="store_true", help="save the profiles where resolve_network finds them")
-    ca.add_argument("--project", type=at.nonnegative_int, default=1024,
-                    help="project to this many ranks (0: no projection)")
+    ca.add_argument("--project", type=at.nonnegative_int, default=256,
+                    help="project to this many ranks (0: no projection; the projection simulates them: "
+                         "256 takes about 20 s on 2 cores, 1024 about 2 minutes)")
     ca.add_argument("--project-n", type=at.positive_int, default=None,
                     help="elements for the projection (default: measured)")
     ca.add_argument("--n-sim", type=at.int_in(2), default=1 << 18, help="largest n simulated to count traffic")
@@ -279,13 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="digits: scikit-learn's digits, an MLP; lm: a byte-level transformer language model "
                          "on the Python standard library's sources")
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
-                    default=list(train.DEFAULT_CONFIGS),
+                    default=None,
                     help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook], e.g. "
-                         f"oktopk, topka-q8, dense-q8, oktopk-hook (default: {','.join(train.DEFAULT_CONFIGS)}); "
-                         "each may name its schedule, e.g. oktopk/pipesgd")
+                         f"oktopk, topka-q8, dense-q8, oktopk-hook (default: {','.join(train.QUICK_CONFIGS)}; "
+                         f"--full: {','.join(train.FULL_CONFIGS)}); each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=at.positive_int, default=4)
-    tr.add_argument("--epochs", type=at.positive_int, default=30,
-                    help="digits: passes over the data; lm: 50-step periods")
+    tr.add_argument("--epochs", type=at.positive_int, default=None,
+                    help="digits: passes over the data; lm: 50-step periods (default: digits "
+                         f"{train.QUICK_EPOCHS['digits']}, lm {train.QUICK_EPOCHS['lm']}; --full: {train.FULL_EPOCHS})")
+    tr.add_argument("--full", action="store_true",
+                    help="the full comparison: every configuration, 30 epochs (digits: about 5 minutes on "
+                         "2 cores); --configs and --epochs still choose")
     tr.add_argument("--lr", type=at.positive_float, default=None,
                     help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW)")
     tr.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
@@ -310,13 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run one ``sparsecomm`` command; its exit status (2: bad arguments or input files)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = _subcommand(parser, args.subcommand)
     problem = args.check(args) if args.check else None
     if problem:
-        args.command.error(problem)
+        command.error(problem)
     try:
         return args.run(args)
     except InputFileError as exc:  # one line naming the file, as argparse reports a bad argument
-        args.command.exit(2, f"{args.command.prog}: {exc}\n")
+        command.exit(2, f"{command.prog}: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from . import output
 from .launch import spawn
 from .tasks import get_task
 
-__all__ = ["DEFAULT_CONFIGS", "config_settings", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
+__all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
            "train_rank", "run",
            "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
            "format_results", "plot"]
@@ -57,7 +57,12 @@ SCHEDULES = ("none", *REGISTERED_SCHEDULES)
 
 #: What ``sparsecomm train`` runs without ``--configs``: DDP's own allreduce, every registered
 #: sparse algorithm at 1%, the naive hook under AdamW, and 8-bit dense.
-DEFAULT_CONFIGS = ("dense", *(a for a in registry.names() if a != "dense"), "oktopk-hook", "dense-q8")
+#: ``sparsecomm train --full``: every algorithm, the hook and a compressed dense, 30 epochs.
+FULL_CONFIGS = ("dense", *(a for a in registry.names() if a != "dense"), "oktopk-hook", "dense-q8")
+FULL_EPOCHS = 30
+#: The plain ``sparsecomm train``, a first run of about a minute: dense against Ok-Topk.
+QUICK_CONFIGS = ("dense", "oktopk")
+QUICK_EPOCHS = {"digits": 10, "lm": 2}
 DENSITY = 0.01
 
 
