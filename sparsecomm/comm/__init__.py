@@ -14,6 +14,8 @@ Wrappers are cached per group/communicator so their traffic counters persist.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import threading
 from typing import Any
@@ -42,6 +44,17 @@ def _cached(key_obj: Any, make: Any) -> Communicator:
         wrapper = make()
         _cache[id(key_obj)] = (key_obj, wrapper)
         return wrapper
+
+
+@atexit.register
+def _forget_all() -> None:
+    """Drop the cached wrappers at exit, while the interpreter is whole. A process group the
+    cache kept alive past the program's ``destroy_process_group()`` was freed during
+    finalisation, where gloo's teardown aborted the process now and then ("terminate called
+    without an active exception"; benchmarks/results/2026-11-27-cpu-vm-teardown-abort)."""
+    with _lock:
+        _cache.clear()
+    gc.collect()
 
 
 def self_communicator() -> Communicator:

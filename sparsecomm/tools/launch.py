@@ -217,6 +217,7 @@ def _destroy_group() -> None:
     # What still holds the group (DDP reducers in reference cycles, above all) is freed first,
     # while the interpreter is whole: freed by its last collection during finalisation, gloo's
     # teardown aborted the process now and then ("terminate called without an active exception").
+    # (sparsecomm's own cached wrappers go at exit too: sparsecomm.comm._forget_all.)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
