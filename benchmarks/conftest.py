@@ -52,6 +52,19 @@ def _launched_rank() -> int:
     return 0
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """One process per rank, whatever the project's pytest options say: the tests' parallel
+    workers (pyproject.toml's ``-n auto``) would time several benchmarks at once, and each
+    rank must make the same collective calls in the same order."""
+    if getattr(config.option, "numprocesses", None):
+        config.option.numprocesses, config.option.dist = None, "no"
+    # Started from a test that runs on a worker of the tests' pytest-xdist, this process inherits
+    # the worker's PYTEST_XDIST_WORKER, which switches pytest-benchmark off: it is no worker.
+    if not hasattr(config, "workerinput"):
+        os.environ.pop("PYTEST_XDIST_WORKER", None)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     if _launched_rank() != 0:  # one readable report: every rank but 0 runs silently

@@ -5,6 +5,7 @@ import torch
 import torch.multiprocessing
 
 import engines
+import readme
 
 # A hung collective must fail a test quickly, never stall CI.
 os.environ.setdefault("SPARSECOMM_TIMEOUT", "60")
@@ -32,6 +33,47 @@ def _import_triton_for_its_interpreter() -> None:
 
 
 _import_triton_for_its_interpreter()
+
+def _shares_a_fixture_beyond_the_test(item) -> bool:
+    """Whether ``item`` uses one of the tests' own fixtures that outlives a test (module, class,
+    package scope): launches of ranks, kernel builds. Split over workers, each would redo it."""
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if defs and defs[-1].scope in ("module", "class", "package") and defs[-1].baseid:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Units of work for pytest-xdist (``--dist loadgroup``, the default in pyproject.toml).
+
+    1. Tests that share a launch run on one worker: those of the session-wide MPI launch
+       (``mpi4``) together; a test using a module-scoped fixture with its module. A README
+       line's test names its block's group itself (``readme.group``). Every other test is a
+       unit of its own.
+    2. The longest units go first (pyproject.toml keeps this order: ``--no-loadscope-reorder``):
+       a worker that takes a long unit last leaves the other idle at the end. Those that start
+       processes before those that do not, the known long ones (:data:`LONGEST_FIRST`) first.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            if "mpi4" in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group("mpi4"))
+            elif _shares_a_fixture_beyond_the_test(item):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    def rank(item) -> tuple:
+        group = item.get_closest_marker("xdist_group")
+        name = group.args[0] if group else item.module.__name__
+        known = next((i for i, prefix in enumerate(LONGEST_FIRST) if name.startswith(prefix)), len(LONGEST_FIRST))
+        return item.get_closest_marker("slow") is None, known
+
+    items.sort(key=rank)
+
+
+#: Units known to run longest (``--durations``), by the start of their group or module name.
+LONGEST_FIRST = (f"readme:{readme.block_of('sparsecomm train').line}", "readme:", "test_train", "test_training_loops",
+                 "mpi4", "test_backends_agree", "test_hooks", "test_hook_loops", "test_examples")
+
 
 @pytest.fixture(autouse=True)
 def _starts_processes_only_when_marked(request, monkeypatch):
@@ -87,3 +129,21 @@ def zero_out_calls(monkeypatch):
     spy_on("ef_select")
     spy_on("ef_select_counted")
     return seen
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """Run a README line as typed, once per test process, in a scratch folder its block's lines
+    share (a user runs them one after another: ``report`` reads what ``bench`` wrote): its
+    completed process. A benchmark suite's line runs with ``readme.SMALL``'s sizes."""
+    base = tmp_path_factory.mktemp("readme")
+    done: dict = {}
+
+    def run(line: str):
+        if line not in done:
+            folder = readme.scratch(base / f"block{readme.block_of(line).line}")
+            env = readme.user_env(readme.SMALL if readme.runs_a_benchmark_suite(line) else None)
+            done[line] = readme.run_line(line, folder, env, timeout=600)
+        return done[line]
+
+    return run

@@ -32,6 +32,8 @@ needs_netns = pytest.mark.skipif(_cannot_emulate() is not None, reason=_cannot_e
 
 # A prefix of its own, so a test never removes the namespaces of a real run (which use "sc").
 PREFIX = "sct"
+# One worker runs them all, one at a time: two at once would share the prefix's namespaces.
+pytestmark = pytest.mark.xdist_group("emulate")
 
 
 def _leftovers() -> list[str]:

@@ -80,7 +80,10 @@ def test_bench_sbatch_runs_locally(tmp_path, how):
     (bin_dir / "srun").write_text(FAKE_SRUN.format(mpiexec=_mpiexec()))
     (bin_dir / "srun").chmod(0o755)
     out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    # A job's environment: not this test run's pytest settings (a worker's PYTEST_XDIST_WORKER
+    # switches pytest-benchmark off in the job's stand-in suite).
+    job = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = dict(job, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                SLURM_NNODES="2", SLURM_JOB_ID="test", SLURM_JOB_PARTITION="debug",
                SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="localhost",
                SUITE_FILE=str(tmp_path / "test_tiny.py"), OUT=str(out), PYTHON=sys.executable,
