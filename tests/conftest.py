@@ -34,6 +34,13 @@ def _import_triton_for_its_interpreter() -> None:
 
 _import_triton_for_its_interpreter()
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: two workers a core. Many tests wait more than they compute (ranks starting,
+    links shaped to 1 Gbit/s, timeouts run out on purpose): with one a core, the suite kept the
+    two cores 128% busy; a second worker a core fills the waits."""
+    return 2 * (os.cpu_count() or 1)
+
+
 def _shares_a_fixture_beyond_the_test(item) -> bool:
     """Whether ``item`` uses one of the tests' own fixtures that outlives a test (module, class,
     package scope): launches of ranks, kernel builds. Split over workers, each would redo it."""
