@@ -1,4 +1,3 @@
-import itertools
 import os
 
 import pytest
@@ -35,13 +34,6 @@ def _import_triton_for_its_interpreter() -> None:
 
 _import_triton_for_its_interpreter()
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: two workers a core. Many tests wait more than they compute (ranks starting,
-    links shaped to 1 Gbit/s, timeouts run out on purpose): with one a core, the suite kept the
-    two cores 128% busy; a second worker a core fills the waits."""
-    return 2 * (os.cpu_count() or 1)
-
-
 def _shares_a_fixture_beyond_the_test(item) -> bool:
     """Whether ``item`` uses one of the tests' own fixtures that outlives a test (module, class,
     package scope): launches of ranks, kernel builds. Split over workers, each would redo it."""
@@ -57,35 +49,25 @@ def pytest_collection_modifyitems(config, items):
 
     1. Tests that share a launch run on one worker: those of the session-wide MPI launch
        (``mpi4``) together; a test using a module-scoped fixture with its module. A README
-       block is one test. The other tests that start processes are units of their own; the
-       in-process ones go with their module, a unit that keeps a worker computing a while.
-    2. The queue (pyproject.toml keeps this order: ``--no-loadscope-reorder``) alternates a unit
-       that starts processes, which mostly waits (ranks starting, shaped links, timeouts run
-       out on purpose), with an in-process one, which computes: the waits fill with work. The
-       known long units (:data:`LONGEST_FIRST`) start first: a long unit taken last leaves the
-       other workers idle at the end.
+       line's test names its block's group itself (``readme.group``). Every other test is a
+       unit of its own.
+    2. The longest units go first (pyproject.toml keeps this order: ``--no-loadscope-reorder``):
+       a worker that takes a long unit last leaves the other idle at the end. Those that start
+       processes before those that do not, the known long ones (:data:`LONGEST_FIRST`) first.
     """
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             if "mpi4" in item.fixturenames:
                 item.add_marker(pytest.mark.xdist_group("mpi4"))
-            elif _shares_a_fixture_beyond_the_test(item) or item.get_closest_marker("slow") is None:
+            elif _shares_a_fixture_beyond_the_test(item):
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    def unit(item) -> str:
+    def rank(item) -> tuple:
         group = item.get_closest_marker("xdist_group")
-        return group.args[0] if group else item.nodeid
+        name = group.args[0] if group else item.module.__name__
+        known = next((i for i, prefix in enumerate(LONGEST_FIRST) if name.startswith(prefix)), len(LONGEST_FIRST))
+        return item.get_closest_marker("slow") is None, known
 
-    def known(name: str) -> int:
-        return next((i for i, prefix in enumerate(LONGEST_FIRST) if name.startswith(prefix)), len(LONGEST_FIRST))
-
-    units: dict = {}
-    for item in items:
-        units.setdefault(unit(item), []).append(item)
-    waiting = sorted((u for u in units if any(i.get_closest_marker("slow") for i in units[u])), key=known)
-    computing = [u for u in units if u not in set(waiting)]
-    order = [u for pair in itertools.zip_longest(waiting, computing) for u in pair if u is not None]
-    items[:] = [item for u in order for item in units[u]]
+    items.sort(key=rank)
 
 
 #: Units known to run longest (``--durations``), by the start of their group or module name.
