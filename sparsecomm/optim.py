@@ -197,8 +197,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self.start_density = max(check_density(start_density), self.density)
         self.algorithm_options = dict(algorithm_options or {})
         self._dense_state: State = registry.get("dense").state_class()
-        self.sparse_state: State = registry.get(algorithm).state_class(
-            self._density_at(warmup_steps + 1), **self.algorithm_options)
+        self.sparse_state: State = self._state_at(warmup_steps + 1)
         if not self.sparse_state.error_feedback:
             raise ValueError("SparseAdamW needs an algorithm state with error feedback")
         #: The last reduction's traffic on this rank: dense or not, messages, bytes_sent,
@@ -241,6 +240,10 @@ class SparseAdamW(torch.optim.Optimizer):
                 self.flat_state["residual"], st.residual = st.residual.to(torch.bfloat16), None
         self._record(st, dense=False)
         return out
+
+    def _state_at(self, t: int) -> State:
+        """A fresh algorithm state for step t: this optimizer's algorithm and options at step t's density."""
+        return registry.get(self.algorithm).state_class(self._density_at(t), **self.algorithm_options)
 
     def _density_at(self, t: int) -> float:
         """Step t's density: from start_density down to density in four geometric stages over
@@ -316,7 +319,7 @@ class SparseAdamW(torch.optim.Optimizer):
             phase = "sparse"
         if phase == "sparse" and self.sparse_state.density != self._density_at(t):
             # A new stage of the density warm-up: a state of its own, the residual moves over.
-            fresh = registry.get(self.algorithm).state_class(self._density_at(t), **self.algorithm_options)
+            fresh = self._state_at(t)
             fresh.residual, self.sparse_state = self.sparse_state.residual, fresh
         if phase == "sparse" and st["denom"] is None:  # the first sparse step: m to preconditioned units
             st["denom"] = self._denom(st["v"], t - 1, floor=frozen) if t > 1 else torch.ones_like(st["v"])
@@ -393,7 +396,7 @@ class SparseAdamW(torch.optim.Optimizer):
         # This optimizer's settings win (a state of another algorithm, density or options gives
         # only its residual, with a warning): the state it would hold at the saved step.
         t = max(self.flat_state["step"], self.warmup_steps + 1)
-        mine = registry.get(self.algorithm).state_class(self._density_at(t), **self.algorithm_options)
+        mine = self._state_at(t)
         self.sparse_state = adopt_state(state_dict["sparse_state"], mine, "SparseAdamW")
 
 
