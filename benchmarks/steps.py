@@ -4,7 +4,9 @@ Models (``SPARSECOMM_BENCH_MODEL``): ``mlp``, the steady-state benchmark's 5000 
 (25M parameters, one big layer); ``deep``, 12 x Linear(1024, 1024) + ReLU and
 a classifier (12.6M parameters in 26 tensors: backward to overlap with);
 ``cnn``, a ResNet-18-like CNN at half width on 32 x 32 images (2.8M parameters
-in 62 tensors, most of them small: what MG-WFBP's merging is for).
+in 62 tensors, most of them small: what MG-WFBP's merging is for); ``small``, 256 -> 256 ->
+256 -> 10 (135k parameters in 6 tensors), which checks a suite's code in seconds and measures
+nothing worth keeping.
 Each step takes the next of 32 batches made up front (``batches``). Batch 64
 per rank (the CNN: 16 images), or ``SPARSECOMM_BENCH_BATCH``: the
 knob that moves a model between communication-bound and compute-bound (DeAR
@@ -36,8 +38,11 @@ def model(default: str) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(5000, 5000), torch.nn.ReLU(), torch.nn.Linear(5000, 10))
     if name == "cnn":
         return _resnet(width=32)
+    if name == "small":
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 10))
     if name != "deep":
-        raise ValueError(f"SPARSECOMM_BENCH_MODEL: unknown model {name!r} (mlp, deep or cnn)")
+        raise ValueError(f"SPARSECOMM_BENCH_MODEL: unknown model {name!r} (mlp, deep, cnn or small)")
     layers: list[torch.nn.Module] = []
     for _ in range(12):
         layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]

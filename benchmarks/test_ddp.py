@@ -6,7 +6,7 @@ same model, and its ratio is to that); then PyTorch's default, fp16 and PowerSGD
 sparsecomm's hook with Ok-Topk 1% (synchronous and overlapping) and dense q8.
 Needs torch.distributed: under torchrun it is the launcher's group; under
 mpiexec/srun the ``torch_group`` fixture starts one over the same ranks.
-Model: ``SPARSECOMM_BENCH_MODEL`` (default mlp, 25M parameters); ``SPARSECOMM_BENCH_WARMUP``
+Model: ``SPARSECOMM_BENCH_MODEL`` (default mlp, 25M parameters; also deep, cnn and small, see steps.py); ``SPARSECOMM_BENCH_WARMUP``
 untimed steps first (default 30: the steady state, not error feedback's build-up). Every hook runs
 with ``gradient_as_bucket_view=True`` (gradients live in the buckets, saving two
 copies of the model per step, as a user tuning DDP would set it);

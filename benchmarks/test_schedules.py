@@ -8,7 +8,7 @@ run in the next forward; the others: wait for every group, then the
 optimizer). Warm-up rounds cover MG-WFBP's profiling and plan. The schedules
 run over sparsecomm's communicator (MPI, torch.distributed or the default);
 only "ddp default" needs a torch.distributed group. Model:
-``SPARSECOMM_BENCH_MODEL`` (default deep; also mlp and cnn, see steps.py);
+``SPARSECOMM_BENCH_MODEL`` (default deep; also mlp, cnn and small, see steps.py);
 ``SPARSECOMM_BENCH_SCHEDULES`` narrows the schedules (comma-separated);
 ``SPARSECOMM_BENCH_WARMUP`` untimed steps at least (default 20).
 MG-WFBP's row records its plan: groups, a, b, the profiled backward and the

@@ -145,9 +145,10 @@ def _train(args: argparse.Namespace) -> int:
     # One configuration at a time, the JSON rewritten after each: a run that fails (a diverging
     # configuration raises on NaN) is reported and the others still land.
     results, failed = [], []
+    compute = train.measure_compute(args.task, args.batch, args.optimizer, seed=args.seed)  # one figure for all
     for config in args.configs:
         try:
-            results += train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr,
+            results += train.run([config], ranks=args.ranks, epochs=args.epochs, compute_per_step=compute, lr=args.lr,
                                  batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
                                  optimizer=args.optimizer, warmup_steps=args.warmup_steps,
                                  momentum=args.momentum, eval_every=args.eval_every, seed=args.seed)

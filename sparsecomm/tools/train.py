@@ -336,13 +336,13 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     if compute is None:
         compute = measure_compute(task, kwargs.get("batch", 16), kwargs.get("optimizer"), seed=kwargs.get("seed", 0))
     n = sum(p.numel() for p in get_task(task).model().parameters())
-    results = []
-    for config, options in runs:
-        local = measure_local_cost(config, n)
-        # Training runs for long: the collectives' own timeouts catch a dead peer.
-        r = spawn(ranks, _train_spawned, config, epochs, options, timeout=7 * 86400)[0]
-        results.append({**r, "compute_per_step": compute, "local_per_step": local})
-    return results
+    local = [measure_local_cost(config, n) for config, _ in runs]
+    # One set of processes trains every configuration in turn: each configuration builds its
+    # model, optimizer and states anew from the seed, and a launch per configuration cost
+    # seconds of process start each. Training runs for long: the collectives' own timeouts
+    # catch a dead peer.
+    records = spawn(ranks, _train_spawned, runs, epochs, timeout=7 * 86400)[0]
+    return [{**r, "compute_per_step": compute, "local_per_step": cost} for r, cost in zip(records, local)]
 
 
 def time_to_accuracy(results: list[dict]) -> list[dict]:
@@ -405,8 +405,8 @@ def format_time_to_accuracy(rows: list[dict], profile: str = "1gbe") -> str:
     return "\n".join(lines)
 
 
-def _train_spawned(rank: int, size: int, name: str, epochs: int, kwargs: dict) -> dict:
-    return train_rank(rank, size, name, epochs, progress=True, **kwargs)
+def _train_spawned(rank: int, size: int, runs: list[tuple[str, dict]], epochs: int) -> list[dict]:
+    return [train_rank(rank, size, name, epochs, progress=True, **kwargs) for name, kwargs in runs]
 
 
 def format_results(results: list[dict]) -> str:
