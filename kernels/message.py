@@ -21,6 +21,7 @@ rank among the entries), no search and no per-entry branch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -30,8 +31,9 @@ from ..segments import positions, starts_of
 from . import dispatch
 from .coo import _LITTLE, _PACK_RECORDS, _UNPACK_RECORDS, record_bytes, unpack_records
 
-__all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "messages_bytes", "pack_message",
-           "pack_messages", "unpack_message", "unpack_messages", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_cupy",
+__all__ = ["INDEX_BLOCK", "index_blocks", "blocked", "message_bytes", "messages_bytes", "MessagesLayout",
+           "pack_message", "pack_messages", "pack_messages_torch", "unpack_message", "unpack_messages",
+           "unpack_messages_torch", "pack_blocked_torch", "unpack_blocked_torch", "pack_blocked_cupy",
            "unpack_blocked_cupy", "header_words"]
 
 #: Width of the blocks a blocked message counts its entries in; an index travels as its
@@ -83,51 +85,94 @@ def messages_bytes(counts: Sequence[int], spans: Sequence[int], index_dtype: tor
     return _layout(counts, spans, index_dtype, value_dtype)[-1].tolist()
 
 
+@dataclass(frozen=True)
+class MessagesLayout:
+    """Where every message of an exchange lies, from the counts alone (numpy int64 arrays, one
+    entry a message): what both the packer and the decoder know before any byte moves.
+
+    ``counts`` entries, ``blocked`` or plain, ``head`` header bytes, ``rec`` bytes a record,
+    ``size`` bytes in all, starting at byte ``at``; the packer's part begins at entry
+    ``firsts`` of its selection, the decoder's at ``put`` of its output; ``bases`` is what an
+    index is relative to, ``spans`` how wide its range is.
+    """
+
+    counts: np.ndarray
+    blocked: np.ndarray
+    head: np.ndarray
+    rec: np.ndarray
+    size: np.ndarray
+    at: np.ndarray
+    firsts: np.ndarray
+    put: np.ndarray
+    bases: np.ndarray
+    spans: np.ndarray
+
+    @staticmethod
+    def of(counts: Sequence[int], spans: Sequence[int], bases: Sequence[int], index_dtype: torch.dtype,
+           value_dtype: torch.dtype, starts: Sequence[int] | None = None,
+           firsts: Sequence[int] | None = None) -> "MessagesLayout":
+        """The layout of messages of ``counts`` entries; ``starts``: their first bytes (None: end to
+        end); ``firsts``: where each part begins in the packer's selection (None: end to end)."""
+        c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
+        at = starts_of(size) if starts is None else np.asarray(starts, dtype=np.int64).reshape(-1)
+        put = starts_of(c)
+        first = put if firsts is None else np.asarray(firsts, dtype=np.int64).reshape(-1)
+        return MessagesLayout(c, is_blocked, head, rec, size, at, first, put,
+                              np.asarray(bases, dtype=np.int64).reshape(-1),
+                              np.asarray(spans, dtype=np.int64).reshape(-1))
+
+
 def pack_messages(idx: torch.Tensor, values: torch.Tensor, cuts: Sequence[int], spans: Sequence[int],
                   bases: Sequence[int], index_dtype: torch.dtype, value_dtype: torch.dtype,
-                  skip: int | None = None) -> tuple[torch.Tensor, list[int]]:
+                  skip: int | None = None, backend: str | None = None) -> tuple[torch.Tensor, list[int]]:
     """Messages of every part ``idx[cuts[j]:cuts[j+1]]`` at once, end to end: what
     :func:`pack_message` makes of each part (span ``spans[j]``, base ``bases[j]``), in one
-    buffer, with their sizes. Part ``skip`` is left out (size 0). For host memory: a few
-    operations over all entries, none per message (thousands of messages at P = 1024).
+    buffer, with their sizes. Part ``skip`` is left out (size 0).
 
-    1. The layout (blocked or plain, header and record bytes) of every message, from the
-       counts alone; the byte where each record and header word goes.
-    2. The records of each layout packed in one call (``coo.pack_records``), the headers
-       counted in one ``bincount`` of (message, block).
-    3. Both scattered to their bytes.
+    1. The layout (blocked or plain, header and record bytes, first byte) of every message,
+       from the counts alone (:class:`MessagesLayout`).
+    2. The bytes, by the path ``backend`` chooses (``kernels.dispatch``): ``cpu`` writes every
+       header and record in place in one compiled pass; ``torch`` (the reference, and any
+       device) packs each layout's records at once and scatters them to their bytes.
     """
     counts = np.diff(np.asarray(cuts, dtype=np.int64))
     if skip is not None:
         counts[skip] = 0
-    c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
-    out = torch.empty(int(size.sum()), dtype=torch.uint8, device=values.device)
-    at = starts_of(size)
-    firsts = np.asarray(cuts[:-1], dtype=np.int64)
-    bases_a = np.asarray(bases, dtype=np.int64)
-    for group, idt, in_blocks in ((~is_blocked & (c > 0), index_dtype, False), (is_blocked, _OFFSET_DTYPE, True)):
+    layout = MessagesLayout.of(counts, spans, bases, index_dtype, value_dtype, firsts=cuts[:-1])
+    out = torch.empty(int(layout.size.sum()), dtype=torch.uint8, device=values.device)
+    if out.numel():
+        _PACK_MESSAGES(idx, values, value_dtype, index_dtype, layout, out, backend=backend)
+    return out, layout.size.tolist()
+
+
+def pack_messages_torch(idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.dtype,
+                        layout: MessagesLayout, out: torch.Tensor) -> None:
+    """Reference of :func:`pack_messages`'s bytes: the records of each layout packed in one call
+    (``coo.pack_records``), the headers counted in one ``bincount`` of (message, block), both
+    scattered to their bytes (an index a byte: the reference, not a fast path)."""
+    L = layout
+    for group, idt, in_blocks in ((~L.blocked & (L.counts > 0), index_dtype, False), (L.blocked, _OFFSET_DTYPE, True)):
         sel = np.flatnonzero(group)
         if not sel.size:
             continue
-        gc = c[sel]
-        take = positions(firsts[sel], gc, device=values.device)  # entries of these messages, in order
-        rel = idx[take] - positions(bases_a[sel], gc, step=0, device=values.device)
+        gc = L.counts[sel]
+        take = positions(L.firsts[sel], gc, device=values.device)  # entries of these messages, in order
+        rel = idx[take] - positions(L.bases[sel], gc, step=0, device=values.device)
         if dispatch.checks_values(rel) and rel.numel() and (int(rel.min()) < 0 or bool(
-                (rel >= positions(np.asarray(spans, dtype=np.int64)[sel], gc, step=0, device=values.device)).any())):
+                (rel >= positions(L.spans[sel], gc, step=0, device=values.device)).any())):
             raise ValueError("pack_messages: an index lies outside its part's span")
-        r = int(rec[sel[0]])
+        r = int(L.rec[sel[0]])
         rows = torch.empty((rel.numel(), r), dtype=torch.uint8, device=values.device)
         if in_blocks:
-            nwords = head[sel] // _HEADER_DTYPE.itemsize  # (a word a block)
+            nwords = L.head[sel] // _HEADER_DTYPE.itemsize  # (a word a block)
             first_word = positions(starts_of(nwords), gc, step=0, device=values.device)
             words = torch.bincount(first_word + rel // INDEX_BLOCK, minlength=int(nwords.sum()))
-            hb = positions(at[sel], head[sel], device=values.device)
+            hb = positions(L.at[sel], L.head[sel], device=values.device)
             out[hb] = words.to(_HEADER_DTYPE).view(torch.uint8)
             rel = rel.bitwise_and(INDEX_BLOCK - 1)
-        _PACK_RECORDS(rel, values[take], idt, value_dtype, rows)
-        dest = positions(at[sel] + head[sel], gc * r, device=values.device)
+        _PACK_RECORDS.run("torch", rel, values[take], idt, value_dtype, rows)
+        dest = positions(L.at[sel] + L.head[sel], gc * r, device=values.device)
         out[dest] = rows.reshape(-1)
-    return out, size.tolist()
 
 
 def pack_message(rel_idx: torch.Tensor, values: torch.Tensor, span: int, index_dtype: torch.dtype,
@@ -231,51 +276,57 @@ def unpack_messages(buf: torch.Tensor, counts: Sequence[int], spans: Sequence[in
     added to its indexes. Returns (int64 indexes, values) in message order.
     ``starts``: where each message begins in ``buf`` (None: end to end, filling it).
 
-    In host memory all messages are decoded at once: the records of each layout in one
-    ``coo.unpack_records`` call, the blocked ones' blocks expanded from every header in one
-    ``repeat_interleave`` (no Python work per message: thousands at P = 1024). Elsewhere
-    each message is decoded by its kernel (``backend``).
+    In host memory all messages are decoded at once, by the path ``backend`` chooses: ``cpu``
+    in one compiled pass over the bytes, ``torch`` (the reference) the records of each layout
+    in one ``coo.unpack_records`` call and the blocks expanded from every header in one
+    ``repeat_interleave``. Elsewhere each message is decoded by its kernel.
     """
-    c, is_blocked, head, rec, size = _layout(counts, spans, index_dtype, value_dtype)
+    layout = MessagesLayout.of(counts, spans, bases, index_dtype, value_dtype, starts=starts)
+    c, size, at = layout.counts, layout.size, layout.at
     if starts is None:
         if int(size.sum()) != buf.numel():
             raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages take {int(size.sum())}")
-        at = starts_of(size)
-    else:
-        at = np.asarray(starts, dtype=np.int64).reshape(-1)
-        if at.size and int((at + size).max()) > buf.numel():
-            raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages reach {int((at + size).max())}")
+    elif at.size and int((at + size).max()) > buf.numel():
+        raise ValueError(f"unpack_messages: {buf.numel()} bytes, the messages reach {int((at + size).max())}")
     total = int(c.sum())
     idx = torch.empty(total, dtype=torch.int64, device=buf.device)
     vals = torch.empty(total, dtype=value_dtype, device=buf.device)
-    put = starts_of(c)
     if not dispatch.in_host_memory(buf):
+        put = layout.put
         for m in range(c.size):
             _unpack_into(buf[at[m]:at[m] + size[m]], int(c[m]), spans[m], bases[m], index_dtype, value_dtype,
                          idx[put[m]:put[m] + c[m]], vals[put[m]:put[m] + c[m]], backend)
         return idx, vals
-    bases_a = np.asarray(bases, dtype=np.int64)
-    for group, idt, in_blocks in ((~is_blocked & (c > 0), index_dtype, False), (is_blocked, _OFFSET_DTYPE, True)):
+    if total:
+        _UNPACK_MESSAGES(buf, value_dtype, index_dtype, layout, idx, vals, backend=backend)
+    return idx, vals
+
+
+def unpack_messages_torch(buf: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.dtype,
+                          layout: MessagesLayout, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """Reference of :func:`unpack_messages` in host memory: each layout's records gathered (an
+    index a byte) and decoded at once, the blocked ones' blocks expanded from every header."""
+    L = layout
+    for group, idt, in_blocks in ((~L.blocked & (L.counts > 0), index_dtype, False), (L.blocked, _OFFSET_DTYPE, True)):
         sel = np.flatnonzero(group)
         if not sel.size:
             continue
-        gc, r = c[sel], int(rec[sel[0]])
-        rows = buf[positions(at[sel] + head[sel], gc * r, device=buf.device)].view(-1, r)
-        got, v = unpack_records(rows, idt, value_dtype, backend=backend)
+        gc, r = L.counts[sel], int(L.rec[sel[0]])
+        rows = buf[positions(L.at[sel] + L.head[sel], gc * r, device=buf.device)].view(-1, r)
+        got, v = unpack_records(rows, idt, value_dtype, backend="torch")
         if in_blocks:
-            words = buf[positions(at[sel], head[sel], device=buf.device)].view(_HEADER_DTYPE).to(torch.int64)
-            nwords = head[sel] // _HEADER_DTYPE.itemsize
+            words = buf[positions(L.at[sel], L.head[sel], device=buf.device)].view(_HEADER_DTYPE).to(torch.int64)
+            nwords = L.head[sel] // _HEADER_DTYPE.itemsize
             if dispatch.checks_values(words) and (bool((words < 0).any()) or not np.array_equal(
                     np.add.reduceat(words.numpy(), starts_of(nwords)) if words.numel() else words.numpy(), gc)):
                 raise ValueError("unpack_messages: a header does not count its message's entries")
-            block_at = positions(bases_a[sel], nwords, step=INDEX_BLOCK, device=buf.device)
+            block_at = positions(L.bases[sel], nwords, step=INDEX_BLOCK, device=buf.device)
             got = got.bitwise_and_(INDEX_BLOCK - 1) + torch.repeat_interleave(block_at, words, output_size=got.numel())
         else:
-            got = got + positions(bases_a[sel], gc, step=0, device=buf.device)
-        where = positions(put[sel], gc, device=buf.device)
+            got = got + positions(L.bases[sel], gc, step=0, device=buf.device)
+        where = positions(L.put[sel], gc, device=buf.device)
         idx[where] = got
         vals[where] = v
-    return idx, vals
 
 
 def _unpack_into(msg: torch.Tensor, count: int, span: int, base: int, index_dtype: torch.dtype,
@@ -349,3 +400,7 @@ _PACK_BLOCKED = dispatch.KernelOp("pack_message", pack_blocked_torch, on=1, cpu=
 _UNPACK_BLOCKED = dispatch.KernelOp("unpack_message", unpack_blocked_torch, cpu="numba_backend:unpack_blocked",
                                     triton="triton_backend:unpack_blocked", cupy="message:unpack_blocked_cupy",
                                     accepts={"cpu": lambda *_: _LITTLE})
+_PACK_MESSAGES = dispatch.KernelOp("pack_messages", pack_messages_torch, on=1, cpu="numba_backend:pack_messages",
+                                   accepts={"cpu": lambda *_: _LITTLE})
+_UNPACK_MESSAGES = dispatch.KernelOp("unpack_messages", unpack_messages_torch, cpu="numba_backend:unpack_messages",
+                                     accepts={"cpu": lambda *_: _LITTLE})

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .coo import _BITS, record_buffers, record_fields, scatter_dense_torch
-from .message import INDEX_BLOCK, header_words
+from .message import INDEX_BLOCK, MessagesLayout, header_words
 from .payload import decode_buffers, decode_factor, encode_buffers
 from .select import topk_of_candidates_torch
 
@@ -548,6 +548,29 @@ def unpack_blocked(rows: torch.Tensor, header: torch.Tensor, value_dtype: torch.
                          f"the message has {rows.shape[0]}")
     if add_into is not None:
         add_into.index_add_(0, idx, vals)
+
+
+def pack_messages(idx: torch.Tensor, values: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.dtype,
+                  layout: MessagesLayout, out: torch.Tensor) -> None:
+    """cpu ``kernels.pack_messages``: every message's header and records written byte by byte
+    in one pass (no index per byte, no Python per message)."""
+    i, bits = record_fields(idx, values, value_dtype)
+    L = layout
+    if not _jit().pack_messages(i.numpy(), bits.numpy(), L.firsts, L.counts, L.bases, L.spans, L.blocked, L.at,
+                                L.head, index_dtype.itemsize, bits.element_size(), INDEX_BLOCK.bit_length() - 1,
+                                out.numpy()):
+        raise ValueError("pack_messages: an index lies outside its part's span, or a part's indexes descend")
+
+
+def unpack_messages(buf: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.dtype, layout: MessagesLayout,
+                    idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """cpu ``kernels.unpack_messages``: every message decoded in one pass into ``idx`` and ``vals``."""
+    L = layout
+    bits = vals.view(_BITS[vals.element_size()])
+    if not _jit().unpack_messages(buf.numpy(), L.counts, L.bases, L.blocked, L.at, L.head, index_dtype.itemsize,
+                                  bits.element_size(), INDEX_BLOCK.bit_length() - 1, L.put, idx.numpy(),
+                                  bits.numpy()):
+        raise ValueError("unpack_messages: a header does not count its message's entries")
 
 
 def nonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:

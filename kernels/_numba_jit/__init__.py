@@ -29,10 +29,10 @@ from .codes import encode_codes_span, decode_codes_span
 from .merge import merge_runs, merge_sum, member_mask, take_and_zero, is_strictly_increasing, densify_span
 from .radix import radix_kth, keep_above
 from .scatter import put_at, add_at
-from .message import pack_blocked, unpack_blocked
+from .message import pack_blocked, unpack_blocked, pack_messages, unpack_messages
 
 __all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "select_span", "bracket_span",
            "count_above_span", "encode_codes_span", "decode_codes_span", "merge_runs", "merge_sum",
            "member_mask", "take_and_zero", "is_strictly_increasing", "densify_span", "radix_kth",
            "keep_above", "put_at", "add_at", "bucket_span", "chunk_bounds", "BLOCK", "pack_blocked",
-           "unpack_blocked"]
+           "unpack_blocked", "pack_messages", "unpack_messages"]

@@ -144,8 +144,8 @@ def test_every_op_has_its_table_and_every_entry_its_signature():
     with_backend = {name for name in kernels.__all__
                     if inspect.isfunction(getattr(kernels, name))
                     and "backend" in inspect.signature(getattr(kernels, name)).parameters}
-    # These pass backend= on: to count_above, to unpack_message, to ef_select.
-    assert set(dispatch.OPS) == with_backend - {"estimate_threshold", "unpack_messages", "ef_select_counted"}
+    # These pass backend= on: to count_above, to ef_select.
+    assert set(dispatch.OPS) == with_backend - {"estimate_threshold", "ef_select_counted"}
     for op in dispatch.OPS.values():
         ref = inspect.signature(op.implementation("torch")).parameters
         for backend in op.backends:

@@ -190,9 +190,11 @@ def test_a_base_is_subtracted_from_the_indexes(span, count):
         kernels.pack_message(idx + 3 * B + 1, val, span, torch.int32, torch.float32, base=1)
 
 
+@pytest.mark.parametrize("backend", backend_params("pack_messages"))
 @pytest.mark.parametrize("index_dtype,value_dtype", [(torch.int32, torch.float32), (torch.int32, torch.float16),
-                                                     (torch.int64, torch.uint8), (torch.int16, torch.bfloat16)])
-def test_many_messages_at_once_equal_one_message_at_a_time(index_dtype, value_dtype):
+                                                     (torch.int64, torch.uint8), (torch.int16, torch.bfloat16),
+                                                     (torch.int32, torch.float64)])
+def test_many_messages_at_once_equal_one_message_at_a_time(backend, index_dtype, value_dtype):
     # A rank's selection cut into regions (pack_messages), every part as pack_message makes it,
     # end to end, one left out; the receiver decodes them in any order of starts.
     if index_dtype == torch.int16:
@@ -206,30 +208,66 @@ def test_many_messages_at_once_equal_one_message_at_a_time(index_dtype, value_dt
     idx, val = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
     cuts = [sum(counts[:j]) for j in range(len(counts) + 1)]
     for skip in (None, 1, 3):
-        buf, sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype, skip=skip)
+        buf, sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype, skip=skip,
+                                           backend=backend)
         want = [kernels.pack_message(i, v, s, index_dtype, value_dtype, base=b) if j != skip
                 else torch.empty(0, dtype=torch.uint8) for j, ((i, v), s, b) in enumerate(zip(parts, spans, bases))]
         assert sizes == [w.numel() for w in want] == kernels.messages_bytes(
             [0 if j == skip else c for j, c in enumerate(counts)], spans, index_dtype, value_dtype)
         assert torch.equal(buf, torch.cat(want))
-    buf, sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype)
+    buf, sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype, backend=backend)
     at = [sum(sizes[:j]) for j in range(len(sizes))]
     order = [3, 0, 4, 1, 2]  # decoded in another order than they lie, from their starts
     got_idx, got_val = kernels.unpack_messages(buf, [counts[j] for j in order], [spans[j] for j in order],
                                                [bases[j] for j in order], index_dtype, value_dtype,
-                                               starts=[at[j] for j in order])
+                                               starts=[at[j] for j in order], backend=backend)
     assert torch.equal(got_idx, torch.cat([parts[j][0] for j in order]))
     assert torch.equal(got_val, torch.cat([parts[j][1] for j in order]))
 
 
-def test_many_messages_refuse_indexes_outside_their_part_and_headers_that_lie():
+@pytest.mark.parametrize("backend", backend_params("pack_messages"))
+def test_many_messages_refuse_indexes_outside_their_part_and_headers_that_lie(backend):
     spans, counts, bases = [5 * B, 5 * B], [4000, 4000], [0, 5 * B]
     parts = [_indexes(s, c, j) + b for j, (s, c, b) in enumerate(zip(spans, counts, bases))]
     val = _values(8000, torch.float32, 1)
     with pytest.raises(ValueError, match="outside its part"):  # part 0 reaches into part 1's span
-        kernels.pack_messages(torch.cat(parts) + 7, val, [0, 4000, 8000], spans, bases, torch.int32, torch.float32)
-    buf, _ = kernels.pack_messages(torch.cat(parts), val, [0, 4000, 8000], spans, bases, torch.int32, torch.float32)
-    bad = buf.clone()
-    bad[:4] = torch.tensor([3999], dtype=torch.int32).view(torch.uint8)  # block 0 counts one entry fewer
-    with pytest.raises(ValueError, match="header"):
-        kernels.unpack_messages(bad, counts, spans, bases, torch.int32, torch.float32)
+        kernels.pack_messages(torch.cat(parts) + 7, val, [0, 4000, 8000], spans, bases, torch.int32, torch.float32,
+                              backend=backend)
+    buf, _ = kernels.pack_messages(torch.cat(parts), val, [0, 4000, 8000], spans, bases, torch.int32, torch.float32,
+                                   backend=backend)
+    for word in (3999, 4001, -1):  # block 0 counts one entry fewer, one more, a negative count
+        bad = buf.clone()
+        bad[:4] = torch.tensor([word], dtype=torch.int32).view(torch.uint8)
+        with pytest.raises(ValueError, match="header"):
+            kernels.unpack_messages(bad, counts, spans, bases, torch.int32, torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_messages_are_the_references_bytes(seed):
+    # Random exchanges (world sizes, spans, densities, dtypes, a skipped part, empty parts, k = n):
+    # the cpu path writes the bytes pack_messages_torch writes, and decodes them as unpack_messages_torch.
+    pytest.importorskip("numba")
+    gen = torch.Generator().manual_seed(seed)
+    P = int(torch.randint(1, 9, (1,), generator=gen))
+    index_dtype, value_dtype = [(torch.int32, torch.float32), (torch.int32, torch.bfloat16),
+                                (torch.int64, torch.float16), (torch.int32, torch.uint8)][seed % 4]
+    spans = torch.randint(1, 4 * B, (P,), generator=gen).tolist()
+    counts = [0 if float(torch.rand(1, generator=gen)) < 0.2 else
+              s if float(torch.rand(1, generator=gen)) < 0.1 else
+              int(torch.randint(1, min(s, 9000) + 1, (1,), generator=gen)) for s in spans]
+    bases = [sum(spans[:j]) for j in range(P)]
+    parts = [(_indexes(s, c, seed * 10 + j) + b, _values(c, value_dtype, j)) for j, (s, c, b) in
+             enumerate(zip(spans, counts, bases))]
+    idx, val = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+    cuts = [sum(counts[:j]) for j in range(P + 1)]
+    skip = seed % P if seed % 2 else None
+    ref, ref_sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype, skip=skip,
+                                           backend="torch")
+    got, sizes = kernels.pack_messages(idx, val, cuts, spans, bases, index_dtype, value_dtype, skip=skip,
+                                       backend="cpu")
+    assert sizes == ref_sizes and torch.equal(got, ref)
+    sent = [0 if j == skip else c for j, c in enumerate(counts)]
+    decoded = [kernels.unpack_messages(got, sent, spans, bases, index_dtype, value_dtype, backend=b) for b in ("torch", "cpu")]
+    assert torch.equal(decoded[0][0], decoded[1][0]) and torch.equal(decoded[0][1].view(torch.uint8),
+                                                                       decoded[1][1].view(torch.uint8))
+    assert torch.equal(decoded[1][0], torch.cat([i for j, (i, _) in enumerate(parts) if j != skip]))

@@ -10,13 +10,25 @@ that removes some lowers the budget in the same commit.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
 import torch
 
 import sparsecomm
-from sparsecomm.tools.audit import audit_steady
+from sparsecomm.tools.audit import audit_steady as _audit_steady
+
+
+@functools.lru_cache(maxsize=None)
+def audit_steady(algorithm: str, P: int, **options):
+    """``tools.audit.audit_steady``, once per arguments in a test process: the budget and the
+    reads per phase check the same audit (each takes seconds: 120 calls in the simulated world)."""
+    return _audit_steady(algorithm, P, **options)
+
+
+#: One unit of work (pytest-xdist): the tests that share an audit run where it was made.
+pytestmark = pytest.mark.xdist_group(__name__)
 
 #: algorithm -> {P: (host syncs, device operations)} per steady call, at most. (The split's
 #: parts go out as one alltoallv: one copy of them into its buffer on a device.)
@@ -87,3 +99,35 @@ def test_the_triton_chain_of_a_steady_oktopk_call_is_short(P):
         assert calls[0].n_ops <= ops, calls[0].ops
         assert calls[0].ops["triton.ef_select_kernel"] == calls[0].ops["triton.tally_kernel"] == 1
         assert calls[0].n_dynamic == 0
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "topka"])
+def test_host_messages_are_packed_without_an_index_a_byte(algorithm, monkeypatch):
+    # The exchange's messages are bytes at arbitrary offsets. Packed by gathering and scattering
+    # each byte through an int64 index (``segments.positions`` over bytes), the parts of a call
+    # at P = 2 took 3-5x as long on MPI and gloo as one message at a time; the host path writes
+    # them in one compiled pass. Counted here: index elements ``kernels.message`` makes per byte
+    # the call packs (the reference, pack_messages_torch, makes more than one).
+    pytest.importorskip("numba")
+    from sparsecomm.kernels import message
+
+    made = []
+    real = message.positions
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        made.append(out.numel())
+        return out
+
+    monkeypatch.setattr(message, "positions", counted)
+
+    def body(rank: int) -> None:
+        st = sparsecomm.registry.get(algorithm).state_class(0.01)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            sparsecomm.allreduce(torch.randn(200_000, generator=gen), state=st)
+
+    sim = sparsecomm.simulate(2, body)
+    sent = sum(s["bytes_sent"] for s in sim.stats)
+    assert sent > 0
+    assert sum(made) <= sent / 16, (sum(made), sent)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import readme
 from sparsecomm.tools import emulate
 
 
@@ -32,8 +33,10 @@ needs_netns = pytest.mark.skipif(_cannot_emulate() is not None, reason=_cannot_e
 
 # A prefix of its own, so a test never removes the namespaces of a real run (which use "sc").
 PREFIX = "sct"
-# One worker runs them all, one at a time: two at once would share the prefix's namespaces.
-pytestmark = pytest.mark.xdist_group("emulate")
+# One worker runs them all, one at a time, and the README's emulated lines too: two at once
+# share the prefix's namespaces, and ``ip netns`` calls of two runs race on /run/netns's mount.
+pytestmark = pytest.mark.xdist_group(readme.group(next(line for line in readme.shell_lines()
+                                                       if line.startswith("sparsecomm emulate"))))
 
 
 def _leftovers() -> list[str]:
