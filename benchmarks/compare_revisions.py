@@ -89,6 +89,12 @@ def _worker(n: int, density: float, calls: int, keep: int, engine: str) -> None:
         dist.destroy_process_group()
 
 
+def _refuse(why: str) -> None:
+    """One line and exit status 2, as the project's commands answer a bad argument."""
+    print(f"compare_revisions: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _checkout(rev: str, into: Path) -> Path:
     """A checkout of ``rev`` under ``into`` (``WORK``: the working tree itself)."""
     if rev == WORK:
@@ -96,7 +102,7 @@ def _checkout(rev: str, into: Path) -> Path:
     sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", rev + "^{commit}"],
                          capture_output=True, text=True).stdout.strip()
     if not sha:
-        raise SystemExit(f"compare_revisions: {rev}: not a revision of {ROOT}")
+        _refuse(f"{rev}: not a revision of {ROOT}")
     path = into / sha[:10]
     if not path.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), sha],
@@ -108,7 +114,7 @@ def _launch(engine: str, P: int) -> list[str]:
     if engine == "mpi":
         exe = shutil.which("mpiexec")
         if exe is None:
-            raise SystemExit("compare_revisions: mpiexec not found (pip install mpi4py mpich)")
+            _refuse("mpiexec not found (pip install mpi4py mpich)")
         return [exe, "-n", str(P), sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(P)]
 

@@ -17,6 +17,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 import termios
 import time
 
@@ -323,3 +324,21 @@ def test_progress_only_on_a_terminal(tmp_path):
     assert piped.stderr == ""  # no bar, no carriage returns, nothing at all
     drawn = _on_a_terminal([*PY, *TINY_STUDY, "--out", str(tmp_path / "tty")], tmp_path)
     assert "study: 100%" in drawn and "2/2" in drawn and "\r" in drawn
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_compare_revisions_times_two_trees_side_by_side(tmp_path):
+    # The guard the README asks for on hot-path changes: the committed tree against the working
+    # tree, one tiny gloo round (the tool's own figures are for a quiet machine, not for tests).
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_revisions.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), "HEAD", "WORK", "--engines", "gloo", "--ranks", "2",
+                           "--rounds", "1", "--calls", "3", "--keep", "2", "--elements", "20000"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert {"split_reduce", "allgatherv", "accumulate", "call"} <= set(rows), proc.stdout
+    assert "WORK / HEAD" in proc.stdout
+    bad = subprocess.run([sys.executable, str(script), "no-such-revision"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a revision" in bad.stderr and "Traceback" not in bad.stderr
