@@ -8,7 +8,8 @@ The suites under ``benchmarks/`` (``sparsecomm emulate ... -- python -m pytest
 benchmarks/test_allreduce.py``, ``test_ddp.py``, ``test_schedules.py``) are the
 benchmarks of the DDP step and of the schedules.
 
-Each configuration gets 20 untimed warm-up calls (thresholds and residuals
+Every configuration but "plain" passes ``out=`` (a preallocated result); "oktopk 1% plain" is the
+call as a user first writes it. Each configuration gets 20 untimed warm-up calls (thresholds and residuals
 settle), then ``ROUNDS`` timed calls, each after a barrier; the slowest rank's
 median is what a training step would wait for. Before each timed call a
 ``dist.all_reduce`` of the same gradient is timed too, so each configuration's
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 import sparsecomm
 
-CONFIGS = {"oktopk 1%": {"algorithm": "oktopk"}, "dense": {"algorithm": "dense"},
+CONFIGS = {"oktopk 1%": {"algorithm": "oktopk"}, "oktopk 1% plain": {"algorithm": "oktopk", "plain": True},
+           "dense": {"algorithm": "dense"},
            "dense q8": {"algorithm": "dense", "compressor": "q8"},
            "topka 1%": {"algorithm": "topka"}, "gtopk 1%": {"algorithm": "gtopk"}}
 ONLY = [c for c in os.environ.get("CONFIGS", "").split(",") if c]  # e.g. CONFIGS="oktopk 1%,dense"
@@ -74,10 +76,13 @@ def main() -> None:
         if ONLY and name not in ONLY:
             continue
         st = sparsecomm.registry.get(kw["algorithm"]).state_class(0.01, error_feedback=True)
-        extra = {k: v for k, v in kw.items() if k != "algorithm"}
+        # "plain": the call as a user first writes it, a new result tensor each call (no out=).
+        extra = {k: v for k, v in kw.items() if k not in ("algorithm", "plain")}
+        if not kw.get("plain"):
+            extra["out"] = out
         for _ in range(warm):
-            sparsecomm.allreduce(drift(), state=st, out=out, **extra)
-        res[name], beside = timed(lambda g: sparsecomm.allreduce(g, state=st, out=out, **extra), dense)
+            sparsecomm.allreduce(drift(), state=st, **extra)
+        res[name], beside = timed(lambda g: sparsecomm.allreduce(g, state=st, **extra), dense)
         ratios[name] = round(res[name] / beside, 5)
         phases[name] = {p: round(s.seconds * 1e3, 1) for p, s in st.last.phases.items()}
     if rank == 0:

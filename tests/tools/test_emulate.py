@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -54,6 +55,34 @@ def _script(tmp_path, body: str) -> list[str]:
 def no_leftovers():
     yield
     assert _leftovers() == [], "namespaces left behind"
+
+
+@needs_netns
+@pytest.mark.slow
+def test_two_clusters_of_one_prefix_take_turns(tmp_path, capfd, no_leftovers):
+    # A run removes its prefix's leftovers first: a second run at once took the first's
+    # namespaces for leftovers and deleted them under its ranks. Now the second waits.
+    cmd = _script(tmp_path, """
+        import time
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        time.sleep(1.0)  # long enough for the other run to try its start meanwhile
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        assert x.tolist() == [2.0] * 4, x
+        dist.destroy_process_group()
+    """)
+    codes: list[int] = []
+    runs = [threading.Thread(target=lambda: codes.append(emulate.run(2, "1gbit", cmd, timeout=60, prefix=PREFIX)))
+            for _ in range(2)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(120)
+    assert codes == [0, 0]
+    assert f"waiting for the cluster of prefix {PREFIX!r}" in capfd.readouterr().err
 
 
 @needs_netns

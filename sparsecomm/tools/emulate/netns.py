@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -226,13 +228,43 @@ def cluster(P: int, rate: str, prefix: str = "sc", hosts: bool = True) -> Iterat
         EmulateError: a precondition failed (nothing is left behind).
     """
     preflight(P, rate)
-    down(None, prefix)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if main_thread else None
-    try:
-        up(P, rate, prefix, hosts=hosts)
-        yield
-    finally:
+    with _owning(prefix):
         down(None, prefix)
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if main_thread else None
+        try:
+            up(P, rate, prefix, hosts=hosts)
+            yield
+        finally:
+            down(None, prefix)
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _owning(prefix: str) -> Iterator[None]:
+    """Hold the prefix's lock for the ``with`` block: one cluster a prefix at a time.
+
+    A second run with the same prefix would take the first's namespaces for a crashed run's
+    leftovers and delete them under its ranks; it waits here instead (saying so once). The
+    lock is a ``flock`` on a file in /run/lock, released by the kernel when its holder exits,
+    so a run that crashed never blocks the next one (whose step 1 then removes its leftovers).
+    """
+    folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
+    with open(folder / f"sparsecomm-emulate-{prefix}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            print(f"sparsecomm emulate: waiting for the cluster of prefix {prefix!r} ({holder}) to come down",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
