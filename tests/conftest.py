@@ -70,6 +70,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+def pytest_configure(config):
+    """Refuse a pytest that pytest-xdist cannot group tests under (``--dist loadgroup``).
+
+    pytest-xdist (up to 3.8 at least) names a test's unit of work by rewriting ``item._nodeid``;
+    pytest 9.2 no longer reads it, and the groups fell apart silently: emulated clusters of two
+    workers collided, launches shared within a group ran twice. The [test] extra pins pytest
+    below 9.2; this says so to an environment made otherwise."""
+    if config.getoption("dist", None) != "loadgroup" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from importlib.metadata import version
+
+    def major_minor(package: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in version(package).split(".")[:2] if x.isdigit())
+
+    if major_minor("pytest") >= (9, 2) and major_minor("pytest-xdist") <= (3, 8):
+        raise pytest.UsageError(f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} cannot "
+                                "keep the tests' units of work together (xdist_group); install the [test] "
+                                "extra's versions (pytest<9.2), or run with -n 0")
+
+
 #: Units known to run longest (``--durations``), by the start of their group or module name.
 LONGEST_FIRST = (f"readme:{readme.block_of('sparsecomm train').line}", "readme:", "test_train", "test_training_loops",
                  "mpi4", "test_backends_agree", "test_hooks", "test_hook_loops", "test_examples")
