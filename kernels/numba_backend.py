@@ -33,7 +33,8 @@ from .select import topk_of_candidates_torch
 
 __all__ = ["ef_select", "ef_accumulate", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
-           "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add", "bucketize"]
+           "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add", "bucketize",
+           "pack_messages", "unpack_messages"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread
 #: From ``_SMALL`` to this many entries ``kth_largest`` is one thread's radix select (two

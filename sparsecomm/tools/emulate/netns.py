@@ -211,7 +211,8 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
 def cluster(P: int, rate: str, prefix: str = "sc", hosts: bool = True) -> Iterator[None]:
     """Bring the emulated cluster up for the ``with`` block and always tear it down.
 
-    1. Remove leftovers with this prefix (of a crashed run, or of another size).
+    1. Hold the prefix's lock (:func:`_owning`: a second cluster of this prefix waits), then
+       remove leftovers with this prefix (of a crashed run, or of another size).
     2. :func:`up`; install a SIGTERM handler that raises ``SystemExit`` (in the
        main thread only: Python allows no handlers elsewhere), so a ``kill``
        still tears down.
