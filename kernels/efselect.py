@@ -149,7 +149,8 @@ def _from_bits(word: int, dtype: torch.dtype) -> float:
     return struct.unpack("<d", struct.pack("<q", word))[0]
 
 
-_TALLY = dispatch.KernelOp("tally", tally_torch, triton="triton_backend:tally")
+_TALLY = dispatch.KernelOp("tally", tally_torch, cpu="numba_backend:tally", triton="triton_backend:tally",
+                          accepts={"cpu": lambda values, *_: values.dtype in (torch.float32, torch.float64)})
 
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,

