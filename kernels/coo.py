@@ -113,12 +113,12 @@ def record_buffers(records: torch.Tensor, value_dtype: torch.dtype) -> tuple[tor
 _LITTLE = sys.byteorder == "little"
 _PACK_RECORDS = dispatch.KernelOp(
     "pack_records", pack_records_torch, on=1, triton="triton_backend:pack_records",
-    cupy="cupy_backend:pack_records", cpu="numba_backend:pack_records",
+    cupy="cupy_backend:pack_records", cpu="numba_wire_backend:pack_records",
     accepts={("triton", "cupy"): lambda rel_idx, *_: rel_idx.numel() > 0,
              "cpu": lambda rel_idx, *_: _LITTLE and rel_idx.numel() > 0})
 _UNPACK_RECORDS = dispatch.KernelOp(
     "unpack_records", unpack_records_torch, triton="triton_backend:unpack_records",
-    cupy="cupy_backend:unpack_records", cpu="numba_backend:unpack_records",
+    cupy="cupy_backend:unpack_records", cpu="numba_wire_backend:unpack_records",
     accepts={"cpu": lambda *_: _LITTLE})
 
 

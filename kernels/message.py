@@ -394,13 +394,13 @@ def unpack_blocked_cupy(rows: torch.Tensor, header: torch.Tensor, value_dtype: t
 
 
 # The tables carry the public functions' names; their paths do the blocked layout's part.
-_PACK_BLOCKED = dispatch.KernelOp("pack_message", pack_blocked_torch, on=1, cpu="numba_backend:pack_blocked",
+_PACK_BLOCKED = dispatch.KernelOp("pack_message", pack_blocked_torch, on=1, cpu="numba_wire_backend:pack_blocked",
                                   triton="triton_backend:pack_blocked", cupy="message:pack_blocked_cupy",
                                   accepts={"cpu": lambda *_: _LITTLE})
-_UNPACK_BLOCKED = dispatch.KernelOp("unpack_message", unpack_blocked_torch, cpu="numba_backend:unpack_blocked",
+_UNPACK_BLOCKED = dispatch.KernelOp("unpack_message", unpack_blocked_torch, cpu="numba_wire_backend:unpack_blocked",
                                     triton="triton_backend:unpack_blocked", cupy="message:unpack_blocked_cupy",
                                     accepts={"cpu": lambda *_: _LITTLE})
-_PACK_MESSAGES = dispatch.KernelOp("pack_messages", pack_messages_torch, on=1, cpu="numba_backend:pack_messages",
+_PACK_MESSAGES = dispatch.KernelOp("pack_messages", pack_messages_torch, on=1, cpu="numba_wire_backend:pack_messages",
                                    accepts={"cpu": lambda *_: _LITTLE})
-_UNPACK_MESSAGES = dispatch.KernelOp("unpack_messages", unpack_messages_torch, cpu="numba_backend:unpack_messages",
+_UNPACK_MESSAGES = dispatch.KernelOp("unpack_messages", unpack_messages_torch, cpu="numba_wire_backend:unpack_messages",
                                      accepts={"cpu": lambda *_: _LITTLE})

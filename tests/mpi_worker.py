@@ -29,7 +29,8 @@ def main() -> None:
         "bad_input": lambda: cases.bad_input_cases(rank, size),
         "resolve": lambda: sparsecomm.resolve().name,
         "properties": lambda: test_properties._seeded_cases(rank, size, test_properties.SEEDS),
-        "matrix_cuda": lambda: test_gpu_equals_cpu.matrix(rank, size, "cuda"),
+        # Both devices in the same launch: the launcher's node size (``oktopk2l``'s G) is the same.
+        "matrix_cuda": lambda: {d: test_gpu_equals_cpu.matrix(rank, size, d) for d in ("cuda", "cpu")},
         "engine": lambda: cases.engine_cases(rank, size),
         "schedules": lambda: schedule_cases.schedule_cases(rank, size),
         "oktopk_reuse": lambda: cases.oktopk_reuse_cases(rank, size),

@@ -11,13 +11,14 @@ that removes some lowers the budget in the same commit.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import pytest
 import torch
 
 import sparsecomm
 from sparsecomm.tools.audit import audit_steady as _audit_steady
+
+from gpu_paths import interpreter_only
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +90,7 @@ def test_every_algorithm_has_a_budget():
 TRITON_BUDGET = {1: (1, 14), 3: (3, 58)}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (its interpreter)")
+@interpreter_only
 @pytest.mark.parametrize("P", [pytest.param(1), pytest.param(3, marks=pytest.mark.slow)])
 def test_the_triton_chain_of_a_steady_oktopk_call_is_short(P):
     syncs, ops = TRITON_BUDGET[P]
