@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.multiprocessing
 
+from sparsecomm.tools import launch
+
 import engines
 import readme
 
@@ -33,6 +35,9 @@ def _import_triton_for_its_interpreter() -> None:
 
 
 _import_triton_for_its_interpreter()
+# The gloo ranks of the hook's, the optimizer's and the training tests build DDP models, which
+# import torch._dynamo (2.2 s of CPU a rank): the fork server imports it once instead.
+launch.preload("torch._dynamo")
 
 def _shares_a_fixture_beyond_the_test(item) -> bool:
     """Whether ``item`` uses one of the tests' own fixtures that outlives a test (module, class,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "save_result", "collect", "join_launched_group", "local_rank"]
+__all__ = ["spawn", "preload", "save_result", "collect", "join_launched_group", "local_rank"]
 
 
 def local_rank() -> int:
@@ -106,6 +106,18 @@ def _entry(rank: int, size: int, port: int, outdir: str, backend: str, threads: 
 #: Imported once by the fork server, so that a rank starts in a fraction of the 1.5 s of CPU
 #: that importing them costs a fresh interpreter (every rank of every launch paid it).
 _PRELOAD = ["torch", "torch.distributed", "sparsecomm", "sparsecomm.tools.launch"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, once for every rank it starts.
+
+    For what every rank of the caller's launches imports anyway: ``torch._dynamo``, say,
+    which ``DistributedDataParallel`` imports on construction (2.2 s of CPU a rank here).
+    Only a fork server not yet started takes them (the first :func:`spawn` of a process
+    starts it), so call this before that. A module must start no thread on import: the
+    server forks every rank from its one thread.
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _start_method() -> str:

@@ -41,7 +41,7 @@ from ..network import PROFILES, resolve_network
 from ..optim import SparseAdamW, local_gradient_hook
 from ..schedules import SCHEDULES as REGISTERED_SCHEDULES
 from . import output
-from .launch import spawn
+from .launch import preload, spawn
 from .tasks import get_task
 
 __all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
@@ -341,6 +341,7 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     # model, optimizer and states anew from the seed, and a launch per configuration cost
     # seconds of process start each. Training runs for long: the collectives' own timeouts
     # catch a dead peer.
+    preload("torch._dynamo")  # (DDP imports it in every rank)
     records = spawn(ranks, _train_spawned, runs, epochs, timeout=7 * 86400)[0]
     return [{**r, "compute_per_step": compute, "local_per_step": cost} for r, cost in zip(records, local)]
 

@@ -26,3 +26,19 @@ def test_collect_returns_results_in_rank_order_and_names_a_missing_rank(tmp_path
     assert launch.collect(str(tmp_path), 3, missing_ok=True)[2] is None
     with pytest.raises(RuntimeError):
         launch.collect(str(tmp_path), 3)
+
+
+def _imported(rank, size, names):
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_ranks_start_with_the_preloaded_modules_imported():
+    # conftest preloads torch._dynamo (DDP imports it in every rank); a module nobody imports
+    # (a rank starts from the fork server, not a fresh interpreter) stays out.
+    assert "torch._dynamo" in launch._PRELOAD
+    for got in launch.spawn(2, _imported, ["torch._dynamo", "sparsecomm", "tabnanny"], threads=1):
+        assert got == [True, True, False], got

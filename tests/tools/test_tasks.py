@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -42,3 +46,16 @@ def test_the_language_model_task():
     x, y = next(iter(task.batches(0, 4, 2, epoch=0)))
     assert x.shape == y.shape and torch.equal(x[:, 1:], y[:, :-1])  # next-byte targets
     assert task.metric == "val_loss" and not task.higher_is_better
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    # The training ranks read the file scikit-learn ships (importing it cost each rank 1.1 s).
+    sklearn = pytest.importorskip("sklearn.datasets")
+    from sparsecomm.tools.tasks import _load_digits
+
+    data, target = _load_digits()
+    want = sklearn.load_digits()
+    assert np.array_equal(data, want.data) and np.array_equal(target, want.target)
+    probe = "import sys; from sparsecomm.tools.tasks import DigitsTask; DigitsTask(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
