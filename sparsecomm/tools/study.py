@@ -32,6 +32,7 @@ time on a network profile, scaling bytes linearly to a target model size.
 from __future__ import annotations
 
 import csv
+import functools
 import inspect
 import math
 from dataclasses import asdict, dataclass
@@ -88,9 +89,11 @@ class VolumeRow:
     selected_over_k: float
 
 
+@functools.lru_cache(maxsize=64)
 def _base(rank: int, n: int, kind: str) -> torch.Tensor:
     """The persistent part of a rank's gradient; for the "model" kind a shared model
-    gradient plus per-rank noise of half its size (ranks see different minibatches)."""
+    gradient plus per-rank noise of half its size (ranks see different minibatches).
+    Cached: every algorithm of a study starts from the same; callers only read it."""
     return gradient(rank, 0, n, kind, drift=0.5)
 
 

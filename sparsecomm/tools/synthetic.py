@@ -9,6 +9,7 @@ relies on). ``gradient(rank, step, n)`` produces such a vector, seeded by
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import numpy as np
@@ -19,7 +20,10 @@ __all__ = ["gradient", "drifting", "repeating", "digits_gradients", "KINDS"]
 KINDS = ("model", "gaussian", "student_t", "skewed")
 
 
+@functools.lru_cache(maxsize=2)
 def _layer_scales(n: int, layers: int, seed: int) -> torch.Tensor:
+    """Per-entry scales of ``layers`` layers of random sizes (cached: a permutation of n
+    entries each; callers only read the tensor)."""
     gen = np.random.default_rng(seed)
     cuts = np.sort(gen.choice(np.arange(1, n), size=min(layers, n) - 1, replace=False)) if n > 1 else []
     sizes = np.diff(np.concatenate([[0], cuts, [n]])).astype(np.int64)
@@ -48,10 +52,15 @@ def gradient(rank: int, step: int, n: int, kind: str = "model", dtype: torch.dty
         g = 0.01 * torch.randn(n, generator=gen)
         g[: n // 10] = torch.randn(n // 10, generator=gen)
     else:
-        shared = torch.Generator().manual_seed(7)  # the same model on every rank
-        base = _student_t(n, shared) * _layer_scales(n, 32, 11)
-        g = base * (1 + 0.01 * step) + drift * _student_t(n, gen) * _layer_scales(n, 32, 11)
+        g = _shared_model(n) * (1 + 0.01 * step) + drift * _student_t(n, gen) * _layer_scales(n, 32, 11)
     return g.to(dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _shared_model(n: int) -> torch.Tensor:
+    """The "model" kind's persistent part, the same on every rank and step: made once per size
+    (every simulated rank of a study made it anew). Callers only read it."""
+    return _student_t(n, torch.Generator().manual_seed(7)) * _layer_scales(n, 32, 11)
 
 
 def drifting(rank: int, n: int, shrink: float = 1.0, shared_scale: bool = False) -> Iterator[torch.Tensor]:
