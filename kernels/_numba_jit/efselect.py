@@ -153,7 +153,8 @@ def tally_span(values, bits, mask, kept, rungs, count_bad, bucket, words):
     3. words[1] = the non-finite count (when counted here), words[2 + j] = entries at or
        above rung j, words[2 + len(rungs)] = the peak's bits.
     The torch reference builds a mask, a where, an amax and a cumsum over the whole
-    buffer: 1.75 ms for 160k entries against 0.2 ms here.
+    buffer: 1.75 ms for 160k slots (78k kept, 11 rungs) against 0.3-0.5 ms here, whose
+    branch-free rung count beat a tiled, a per-rung-counter and an early-exit variant.
     """
     fmax = values.dtype.type(np.finfo(values.dtype).max)
     nr = rungs.size
