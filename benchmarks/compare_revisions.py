@@ -8,7 +8,8 @@ alternating within each round. A run starts P ranks (``mpiexec`` for MPI, ``torc
 gloo), makes ``--calls`` calls of ``sparsecomm.allreduce`` on a fresh Gaussian gradient of
 ``--elements`` entries each (Ok-Topk, ``--density``, error feedback: the plain call a user makes with a
 state) and keeps the last ``--keep``: per call, each phase's seconds (``state.last.phases``) and
-the whole call's, the slowest rank's. A run's figure is the median of its kept calls; the table
+the whole call's, the slowest rank's, and what the call spent outside every phase (a phase's
+bounds may move between revisions: compare a phase together with this row). A run's figure is the median of its kept calls; the table
 gives, per phase, the median over rounds for each revision and the ratio to the first revision.
 Only APIs that exist since ``8a3da7c`` are used (``state.last.phases[name].seconds``).
 
@@ -39,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = "WORK"
+#: The row of the time a call spent outside every phase.
+OUTSIDE = "(outside phases)"
 
 
 def _worker(n: int, density: float, calls: int, keep: int, engine: str) -> None:
@@ -77,6 +80,9 @@ def _worker(n: int, density: float, calls: int, keep: int, engine: str) -> None:
         wall = time.perf_counter() - t0
         if i >= calls - keep:
             row = {name: p.seconds for name, p in st.last.phases.items()}
+            # What no phase holds: the input check where it is a collective of its own (before
+            # it was carried by the first exchange), the result's settling, Python around them.
+            row[OUTSIDE] = wall - sum(row.values())
             row["call"] = wall
             rows.append(row)
     every = gather(rows)
@@ -143,7 +149,7 @@ def _run(tree: Path, engine: str, P: int, args: argparse.Namespace) -> dict:
 def _table(revs: list[str], runs: dict) -> str:
     lines = []
     for (engine, P), by_rev in runs.items():
-        names = sorted({k for rounds in by_rev.values() for r in rounds for k in r}, key=lambda k: (k == "call", k))
+        names = sorted({k for rounds in by_rev.values() for r in rounds for k in r}, key=lambda k: (k == "call", k == OUTSIDE, k))
         head = " | ".join(f"{r} ms" for r in revs) + "".join(f" | {r} / {revs[0]}" for r in revs[1:])
         lines += [f"\n{engine}, P = {P} (median over {len(by_rev[revs[0]])} rounds of each run's median call)\n",
                   f"| phase | {head} |", "|---" * (1 + 2 * len(revs) - 1) + "|"]

@@ -35,6 +35,9 @@ def test_ci_runs_the_readme_install_and_test_commands_exactly():
     ci = _ci_lines()
     assert install[0] in ci, f"{install[0]!r} is not a line of .ci/run"
     assert "python -m pytest -q" in ci
+    # The slow tier the README says CI runs (its benchmark lines at full size) is a line of both.
+    full = [line for line in lines if line.startswith("SPARSECOMM_README_FULL=1 ")]
+    assert len(full) == 1 and full[0] in ci, (full, ci)
     # The extras CI tests with are the ones the README installs: no second, wider install.
     extras = {m for line in ci if "pip install" in line for m in re.findall(r"\.\[([^\]]*)\]", line)}
     assert extras == set(re.findall(r"\.\[([^\]]*)\]", install[0])), extras

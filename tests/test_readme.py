@@ -6,6 +6,9 @@ run are named in :data:`SKIPPED`, each with its reason, and the reasons come fro
 list. A line that runs a benchmark suite runs with the suite's documented size variables set
 small (``readme.SMALL``); the line itself is unchanged. Each line runs once per test process
 (the ``readme_run`` fixture): ``test_examples.py`` checks what the example lines printed.
+
+The same lines at their full size are a tier of their own, which CI runs after the suite (the
+README's line with ``SPARSECOMM_README_FULL=1``): :func:`test_benchmark_line_at_full_size`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SKIPPED = {
     "pip install torch==2.13.0 && pip install -e '.[test,mpi,cpu,triton]'": INSTALL,
     "python -m pytest -q": TESTS,
     'python -m pytest -q -m "not slow"': TESTS,
+    "SPARSECOMM_README_FULL=1 python -m pytest -q -n 0 tests/test_readme.py -k full_size": TESTS,
     "torchrun --nproc-per-node 4 train.py": PLACEHOLDER,
     "mpiexec -n 4 python train.py": PLACEHOLDER,
     "srun -N 64 --ntasks-per-node 1 python train.py": SLURM,
@@ -78,6 +82,26 @@ def test_readme_block_runs_as_typed(block, readme_run):
         done = readme_run(line)
         assert done.returncode == 0, f"{line}\nexit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "Traceback" not in done.stderr, f"{line}\n{done.stderr[-3000:]}"
+
+
+#: The tier that runs the README's benchmark-suite lines at their full, documented size.
+FULL = os.environ.get("SPARSECOMM_README_FULL") == "1"
+#: A full-size line's time limit: the longest takes ~10 min on 2 cores.
+FULL_TIMEOUT = 3600
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the full-size tier: SPARSECOMM_README_FULL=1 (CI runs it after the suite)")
+@pytest.mark.parametrize("line", [line for line in LINES if readme.runs_a_benchmark_suite(line)])
+def test_benchmark_line_at_full_size(line, tmp_path):
+    # As a user types it, with no size variable set: the suite's own defaults.
+    if _reason(line):
+        pytest.skip(_reason(line))
+    env = {k: v for k, v in readme.user_env().items() if k not in readme.SMALL}
+    done = readme.run_line(line, readme.scratch(tmp_path), env, timeout=FULL_TIMEOUT)
+    assert done.returncode == 0, f"{line}\nexit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr, f"{line}\n{done.stderr[-3000:]}"
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
