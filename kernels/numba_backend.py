@@ -409,21 +409,31 @@ def count_above(x: torch.Tensor, thresholds: np.ndarray, every: int = 1) -> np.n
 
 def tally(values: torch.Tensor, count: torch.Tensor, capacity: int, rungs: torch.Tensor | None,
           nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """numba ``kernels.tally``: one pass over the kept values on the calling thread (O(k))."""
+    """numba ``kernels.tally``: one pass over the kept values on the calling thread (O(k)).
+
+    Its buffers are made in numpy: the torch calls this replaced (``torch.zeros`` and item
+    writes, views) took 0.13 ms a call, as long as the pass itself at 4M, 1%.
+    """
     n = int(count)
-    words = torch.zeros(3 + (0 if rungs is None else rungs.numel()), dtype=torch.int64)
+    words = np.zeros(3 + (0 if rungs is None else rungs.numel()), dtype=np.int64)
     words[0] = n
     if nonfinite is not None:
         words[1] = int(nonfinite)
-    bucket = None if rungs is None else torch.empty(capacity, dtype=torch.int64)
-    v = values[:capacity].contiguous().numpy()
-    ints = np.int32 if v.dtype == np.float32 else np.int64
-    edges = np.empty(0, v.dtype) if rungs is None else rungs.contiguous().numpy()
-    _jit().tally_span(v, v.view(ints), ints(np.iinfo(ints).max), min(n, capacity), edges, nonfinite is None,
-                      np.empty(0, np.int64) if bucket is None else bucket.numpy(), words.numpy())
+    bucket = None if rungs is None else np.empty(capacity, dtype=np.int64)
+    v = values.numpy()[:capacity]
+    ints, mask = _SIGN_MASKS[v.dtype.type]
+    edges = _NO_EDGES[v.dtype.type] if rungs is None else rungs.numpy()
+    _jit().tally_span(v, v.view(ints), mask, min(n, capacity), edges, nonfinite is None,
+                      _NO_BUCKET if bucket is None else bucket, words)
     if rungs is None:
         words[2] = 0
-    return words, bucket
+    return torch.from_numpy(words), None if bucket is None else torch.from_numpy(bucket)
+
+
+#: Per float type: its same-width integer type and the mask that clears the sign bit.
+_SIGN_MASKS = {np.float32: (np.int32, np.int32(0x7FFFFFFF)), np.float64: (np.int64, np.int64(0x7FFFFFFFFFFFFFFF))}
+_NO_EDGES = {np.float32: np.empty(0, np.float32), np.float64: np.empty(0, np.float64)}
+_NO_BUCKET = np.empty(0, np.int64)
 
 
 def bucketize(x: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

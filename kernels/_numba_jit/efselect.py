@@ -141,48 +141,51 @@ def ef_accumulate_span(g, r, bits, mask, block, maxima_bits):
 
 @njit(nogil=True, cache=True)
 def tally_span(values, bits, mask, kept, rungs, count_bad, bucket, words):
-    """``kernels.tally`` over a fused select's buffer in one pass; fills ``words[1:]``.
+    """``kernels.tally`` over a fused select's buffer; fills ``words[1:]``.
 
-    1. For each of the first ``kept`` values: its magnitude's bucket (the rungs it is
-       not below, NaN all of them) into ``bucket`` when that has entries, a histogram
-       of the buckets, the largest magnitude as an integer (``bits`` is ``values``
-       viewed as same-width integers, ``mask`` clears their sign bit: finite
-       non-negative floats, then NaN, order as their bit patterns do) and, when
-       ``count_bad``, the count of values that are not finite.
-    2. The rest of ``bucket`` holds zeros' bucket; they count in the histogram.
-    3. words[1] = the non-finite count (when counted here), words[2 + j] = entries at or
-       above rung j, words[2 + len(rungs)] = the peak's bits.
-    The torch reference builds a mask, a where, an amax and a cumsum over the whole
-    buffer: 1.75 ms for 160k slots (78k kept, 11 rungs) against 0.3-0.5 ms here, whose
-    branch-free rung count beat a tiled, a per-rung-counter and an early-exit variant.
+    1. One pass over the first ``kept`` values: the largest magnitude as an integer
+       (``bits`` is ``values`` viewed as same-width integers, ``mask`` clears their sign
+       bit: finite non-negative floats, then NaN, order as their bit patterns do) and,
+       when ``count_bad``, the count of values that are not finite.
+    2. One pass per rung j: the values not below it (NaN is below none) are counted into
+       words[2 + j] and add 1 to their ``bucket`` (when that has entries). Rung by rung,
+       each loop is a compare and an add over a contiguous array, which vectorises; the
+       per-value walk over the rungs with a histogram it replaced (a scatter per value)
+       took 1.6-2x as long (0.25-0.44 against 0.14-0.23 ms, 51k kept values, 11 rungs).
+    3. The rest of ``bucket`` holds zeros' bucket; they count at the rungs they are not
+       below. words[2 + len(rungs)] = the peak's bits.
     """
     fmax = values.dtype.type(np.finfo(values.dtype).max)
     nr = rungs.size
-    hist = np.zeros(nr + 1, np.int64)
     bad = 0
     peak = mask & 0
     for i in range(kept):
-        v = abs(values[i])
-        bad += not (v <= fmax)
-        b = 0
-        for j in range(nr):
-            b += not (v < rungs[j])
-        hist[b] += 1
-        if bucket.size:
-            bucket[i] = b
+        bad += not (abs(values[i]) <= fmax)
         x = bits[i] & mask
         peak = x if x > peak else peak
+    mark = bucket.size > 0
+    if mark:
+        bucket[:kept] = 0
+    for j in range(nr):
+        rung = rungs[j]
+        c = 0
+        if mark:
+            for i in range(kept):
+                a = not (abs(values[i]) < rung)
+                c += a
+                bucket[i] += a
+        else:
+            for i in range(kept):
+                c += not (abs(values[i]) < rung)
+        words[2 + j] = c
     z = values.dtype.type(0)
     b0 = 0
     for j in range(nr):
-        b0 += not (z < rungs[j])
-    hist[b0] += bucket.size - kept if bucket.size else 0
-    for i in range(kept, bucket.size):
-        bucket[i] = b0
+        zero_counts = not (z < rungs[j])
+        b0 += zero_counts
+        if zero_counts and mark:
+            words[2 + j] += bucket.size - kept
+    bucket[kept:] = b0
     if count_bad:
         words[1] = bad
-    above = 0
-    for j in range(nr - 1, -1, -1):
-        above += hist[j + 1]
-        words[2 + j] = above
     words[2 + nr] = peak

@@ -18,3 +18,7 @@ for tree in /tmp/wt/e00b92d "$PWD"; do
   (cd $tree && PYTHONPATH=$tree python "$PWD"/benchmarks/sim_scale.py --ranks 1024 4096 --n 100000)
 done > benchmarks/results/2026-11-28-cpu-vm-exchange-speed/sim_scale.log 2>&1
 date
+
+# The tally rung by rung, its buffers in numpy (WORK), with the time outside every phase:
+python benchmarks/compare_revisions.py 8a3da7c HEAD WORK --ranks 2 --rounds 5 \
+    --json $R/compare_outside.json > $R/compare_outside.md
