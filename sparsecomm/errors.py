@@ -30,7 +30,7 @@ class NonFiniteError(InputError):
     state left as it was. Mixed-precision training meets it on purpose: a loss
     scale too high overflows fp16 gradients, and ``GradScaler`` must then skip
     the step on every rank; the hook and the schedules, given ``scaler=``,
-    catch this error and hand the scaler an Inf instead (see README, Guarantees).
+    catch this error and hand the scaler an Inf instead (see docs/guarantees.md).
 
     Attributes:
         ranks: the ranks whose tensor (or sum) was not finite.

@@ -208,9 +208,25 @@ def _expand(name: str) -> list[str]:
     return [n for part in m.group(1).split(",") for n in _expand(name[:m.start()] + part + name[m.end():])]
 
 
-def test_every_test_the_guarantees_name_exists():
+def _slug(title: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def test_every_readme_promise_links_to_its_guarantee():
+    # The README keeps one line per promise; docs/guarantees.md holds each in full. A promise
+    # added to one and not the other, or a renamed heading, breaks a link a reader follows.
     readme = (ROOT / "README.md").read_text()
-    table = readme.split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"^- \[\*\*.+?\*\*\]\(docs/guarantees\.md#([\w-]+)\): .+$", section, re.M)
+    items = [line for line in section.splitlines() if line.startswith("- ")]
+    assert len(links) == len(items) > 10, items
+    headings = re.findall(r"^## (.+)$", (ROOT / "docs" / "guarantees.md").read_text(), re.M)
+    assert links == [_slug(h) for h in headings]
+
+
+def test_every_test_the_guarantees_name_exists():
+    table = (ROOT / "docs" / "guarantees.md").read_text()
     named = re.findall(r"`([\w/]+\.py)(?:::([\w{},]+))?`", table)
     assert len(named) > 20
     missing = []

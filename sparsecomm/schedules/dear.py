@@ -50,7 +50,7 @@ Any ``torch.optim`` optimizer that skips parameters without a gradient
 (all of torch's do) works. An LR scheduler stepped after ``sched.step()``
 applies to the deferred updates (they run in the next forward).
 
-Training-loop rules (README, Guarantees; the same in every schedule):
+Training-loop rules (docs/guarantees.md; the same in every schedule):
 
 * A refused call (``InputError``, on every rank alike) is found at the next
   forward's first update (the first phases have all run by then): that

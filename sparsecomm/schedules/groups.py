@@ -23,7 +23,7 @@ submitted strictly in plan order (a ready group waits for the ones before
 it), so every rank issues the same collectives in the same order; the jobs
 run on a :class:`~sparsecomm.schedules.Engine`.
 
-Training-loop rules (README, Guarantees), the same in every schedule:
+Training-loop rules (docs/guarantees.md), the same in every schedule:
 
 * A step with a refused call (``InputError``, raised on every rank alike)
   applies nothing: ``synchronize()``/``step()`` raise it with every ``.grad``

@@ -33,7 +33,7 @@ holds what is in flight: it waits for the pending allreduce and saves its
 result, so a resumed run applies it at its next step, as the uninterrupted
 run would have.
 
-Training-loop rules (README, Guarantees; the same in every schedule):
+Training-loop rules (docs/guarantees.md; the same in every schedule):
 a refused call raises ``InputError`` from the ``step()`` that would have
 applied it (the step after its own) and that step applies nothing; the job
 submitted by that step is kept and applied at the next. Backwards accumulate
