@@ -20,6 +20,7 @@ check is every rank's first collective and has the same shape everywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import struct
 import zlib
@@ -35,17 +36,50 @@ from .errors import InputError, NonFiniteError
 from .registry import AlgorithmSpec
 from .state import State, check_density
 
-__all__ = ["Call", "Signature", "PROBLEMS", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
+__all__ = ["Call", "Signature", "Problem", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
            "local_problem", "check_collectively", "check_unchecked", "all_finite"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPS = {"sum": 1, "avg": 2}
-#: Codes of the local problems, so peers can name what went wrong on a rank.
-PROBLEMS = {1: "unsupported dtype", 2: "empty tensor", 3: "invalid density",
-             4: "tensor on a device the communicator cannot use", 5: "unknown algorithm",
-             6: "invalid op", 7: "state does not fit the call", 8: "not a tensor",
-             9: "unknown compressor", 10: "tensor cannot be read", 11: "out= does not fit the tensor",
-             12: "the error-feedback accumulation failed", 13: "the algorithm failed before the check"}
+class Problem(enum.IntEnum):
+    """What a rank found wrong with its own call: the code travels in the check's row, so that
+    its peers can name it (:attr:`message`)."""
+
+    DTYPE = 1
+    EMPTY = 2
+    DENSITY = 3
+    DEVICE = 4
+    ALGORITHM = 5
+    OP = 6
+    STATE = 7
+    NOT_A_TENSOR = 8
+    COMPRESSOR = 9
+    CHECK_RAISED = 10
+    OUT = 11
+    ACCUMULATION_RAISED = 12
+    ALGORITHM_RAISED = 13
+    LAYOUT = 14
+
+    @property
+    def message(self) -> str:
+        """What the code means, as the peers' refusal names it."""
+        return _MESSAGES[self]
+
+    @classmethod
+    def describe(cls, code: int) -> str:
+        """The message of a code from a peer's row ("error" for one this revision does not know)."""
+        return cls(code).message if code in cls._value2member_map_ else "error"
+
+
+_MESSAGES = {
+    Problem.DTYPE: "unsupported dtype", Problem.EMPTY: "empty tensor", Problem.DENSITY: "invalid density",
+    Problem.DEVICE: "tensor on a device the communicator cannot use", Problem.ALGORITHM: "unknown algorithm",
+    Problem.OP: "invalid op", Problem.STATE: "state does not fit the call", Problem.NOT_A_TENSOR: "not a tensor",
+    Problem.COMPRESSOR: "unknown compressor", Problem.CHECK_RAISED: "checking the tensor raised",
+    Problem.OUT: "out= does not fit the tensor", Problem.ACCUMULATION_RAISED: "the error-feedback accumulation failed",
+    Problem.ALGORITHM_RAISED: "the algorithm failed before the check", Problem.LAYOUT: "not a dense (strided) tensor",
+}
+
 
 #: Worlds up to this size carry ``P + 1`` words of an algorithm in the check's row: the
 #: allgather's volume grows as P squared (21 words from each of 7 peers at P = 8, 0.8x the
@@ -143,7 +177,7 @@ def _float_bits(x: float) -> int:
 class Signature:
     """What every rank must agree on, as integers (one row of the allgathered table).
 
-    ``problem`` is 0 or a code of ``PROBLEMS``; the other fields are -1/0
+    ``problem`` is 0 or a :class:`Problem`; the other fields are -1/0
     when the rank has a problem (its tensor may not even be a tensor).
     """
 
@@ -175,50 +209,50 @@ class Signature:
         return cls(*row)
 
 
-def local_problem(call: Call) -> tuple[int, str] | None:
+def local_problem(call: Call) -> tuple[Problem, str] | None:
     """This rank's first problem with the arguments, as (code, message), or None."""
     tensor, density = call.tensor, call.density
     if not isinstance(tensor, torch.Tensor):
-        return 8, f"expected a torch.Tensor, got {type(tensor).__name__}"
+        return Problem.NOT_A_TENSOR, f"expected a torch.Tensor, got {type(tensor).__name__}"
     if tensor.dtype not in _DTYPES:
-        return 1, (f"dtype {tensor.dtype} is not supported: sparsecomm reduces floating-point "
+        return Problem.DTYPE, (f"dtype {tensor.dtype} is not supported: sparsecomm reduces floating-point "
                    "gradients (float16, bfloat16, float32, float64)")
     if tensor.numel() == 0:
-        return 2, f"the tensor is empty (shape {tuple(tensor.shape)}): nothing to reduce"
+        return Problem.EMPTY, f"the tensor is empty (shape {tuple(tensor.shape)}): nothing to reduce"
     if tensor.layout != torch.strided:
-        return 10, f"the tensor has layout {tensor.layout}; pass a dense (strided) tensor"
+        return Problem.LAYOUT, f"the tensor has layout {tensor.layout}; pass a dense (strided) tensor"
     try:
         check_density(density)
     except ValueError as exc:
-        return 3, str(exc)
+        return Problem.DENSITY, str(exc)
     if not call.comm.supports_device(tensor.device):
-        return 4, (f"the tensor is on {tensor.device}, which the {call.comm.name} communicator "
+        return Problem.DEVICE, (f"the tensor is on {tensor.device}, which the {call.comm.name} communicator "
                    "cannot use (gloo and MPI take CPU and CUDA tensors, NCCL takes CUDA tensors; "
                    "a meta tensor has no values)")
     try:
         spec = call.spec
     except ValueError as exc:
-        return 5, str(exc)
+        return Problem.ALGORITHM, str(exc)
     if call.op not in _OPS:
-        return 6, f"op must be 'sum' or 'avg', got {call.op!r}"
+        return Problem.OP, f"op must be 'sum' or 'avg', got {call.op!r}"
     try:
         call.codec  # noqa: B018 - looked up here to report an unknown name
     except ValueError as exc:
-        return 9, str(exc)
+        return Problem.COMPRESSOR, str(exc)
     why = out_problem(call)
     if why:
-        return 11, why
+        return Problem.OUT, why
     state = call.state
     if state is not None:
         if not isinstance(state, spec.state_class):
-            return 7, (f"algorithm {call.algorithm!r} needs a {spec.state_class.__name__}, "
+            return Problem.STATE, (f"algorithm {call.algorithm!r} needs a {spec.state_class.__name__}, "
                        f"got {type(state).__name__}")
         why = density_vs_state(call)
         if why:
-            return 7, why
+            return Problem.STATE, why
         why = state.check_tensor(tensor.numel())
         if why:
-            return 7, why
+            return Problem.STATE, why
     return None
 
 
@@ -283,7 +317,7 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     try:
         sig = _signature(call, problem, nonfinite)
     except Exception as exc:  # noqa: BLE001 - a check that raises on one rank must not strand the others
-        problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
+        problem = (Problem.CHECK_RAISED, f"checking the tensor raised {type(exc).__name__}: {exc}")
         sig = _signature(call, problem)
     width = len(sig.row())
     if comm.size == 1:
@@ -307,7 +341,7 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     bad = [r for r, s in enumerate(table) if s.problem]
     if bad:
         mine = f"{problem[1]}; " if problem else ""
-        others = ", ".join(f"rank {r}: {PROBLEMS.get(table[r].problem, 'error')}" for r in bad)
+        others = ", ".join(f"rank {r}: {Problem.describe(table[r].problem)}" for r in bad)
         raise InputError(f"sparsecomm.allreduce: {mine}bad input on {others}")
     nonfinite = [r for r, s in enumerate(table) if s.nonfinite == 1]
     if nonfinite:
@@ -399,7 +433,7 @@ class CarriedCheck:
 
     def fail(self, exc: BaseException) -> None:
         """Raise on every rank that this rank's algorithm raised before the check."""
-        self.problem = (13, f"the algorithm raised {type(exc).__name__} before the check: {exc}")
+        self.problem = (Problem.ALGORITHM_RAISED, f"the algorithm raised {type(exc).__name__} before the check: {exc}")
         self(None)
 
 

@@ -58,7 +58,7 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
     try:
         problem = check.local_problem(call)
     except Exception as exc:  # noqa: BLE001 - reported collectively below
-        problem = (10, f"checking the tensor raised {type(exc).__name__}: {exc}")
+        problem = (check.Problem.CHECK_RAISED, f"checking the tensor raised {type(exc).__name__}: {exc}")
     nonfinite = None
     if problem is None and call.state is not None and call.state.fuses_next():
         flat = call.tensor.detach().reshape(-1)
@@ -67,7 +67,8 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
             early = (_compensate(call.state, flat, _zero_target(call)), time.perf_counter() - t0)
             call.out_zeroed = early[0].out_zeroed
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
-            problem = (12, f"accumulating the residual raised {type(exc).__name__}: {exc}")
+            problem = (check.Problem.ACCUMULATION_RAISED,
+                       f"accumulating the residual raised {type(exc).__name__}: {exc}")
         else:
             if early[0].pending is not None and call.comm.size == 1:
                 early[0].read()  # no exchange to carry the count

@@ -46,6 +46,24 @@ def test_integer_tensor(bad_rank):
     assert "int64 is not supported" in str(errs[bad_rank or 0])
 
 
+def test_each_problem_code_has_one_message_its_peers_name():
+    from sparsecomm.check import Problem
+
+    messages = [p.message for p in Problem]
+    assert len(set(messages)) == len(messages) and all(messages)
+    assert Problem.describe(99) == "error"
+
+
+def test_a_sparse_tensor_on_one_rank_is_named_as_such_on_the_others():
+    # A layout problem has its own code: the peers say what it was, not "the check raised".
+    def call(rank):
+        t = good(rank).to_sparse() if rank == 1 else good(rank)
+        return sparsecomm.allreduce(t, 0.1)
+
+    errs = every_rank_raises(call, match="rank 1: not a dense (strided) tensor")
+    assert "layout torch.sparse_coo" in str(errs[1])
+
+
 @pytest.mark.parametrize("density", [0, 0.0, 1.5, -0.1, math.nan, math.inf, "0.1"])
 def test_bad_density(density):
     every_rank_raises(lambda r: sparsecomm.allreduce(good(r), density), match=f"in (0, 1], got {density!r}")
