@@ -66,10 +66,10 @@ def check_comm(comm: Communicator) -> dict:
     into = torch.full((5,), 99.0)  # out=: written there, the input untouched
     assert comm.reduce_scatter(xs[r], out=into) is into and torch.equal(into, rs)
     assert torch.equal(xs[r], torch.randn(5 * P, generator=torch.Generator().manual_seed(r)))
-    ag = comm.all_gather(torch.tensor([r, -r], dtype=torch.float32))
+    ag = comm.allgather_dense(torch.tensor([r, -r], dtype=torch.float32))
     assert ag.tolist() == [float(s * i) for i in range(P) for s in (1, -1)], ag
     into = torch.full((2 * P,), 99.0)
-    assert comm.all_gather(torch.tensor([r, -r], dtype=torch.float32), out=into) is into
+    assert comm.allgather_dense(torch.tensor([r, -r], dtype=torch.float32), out=into) is into
     assert torch.equal(into, ag)
     for bad in (torch.empty(3), torch.empty(5, dtype=torch.float64)):  # wrong length, wrong dtype
         try:

@@ -118,7 +118,7 @@ def dense_gather(h: _Half, comm: Communicator) -> SparseResult:
     if h.chunk is not None:
         with PhaseRecorder(comm, stats).phase("allgather"):
             # Straight into a buffer the state keeps (the padding is dropped by a view).
-            total = comm.all_gather(h.chunk, out=h.state.workspace("gathered", h.chunk.numel() * comm.size,
+            total = comm.allgather_dense(h.chunk, out=h.state.workspace("gathered", h.chunk.numel() * comm.size,
                                                                    acc.dtype, acc.device))[:n]
         return SparseResult(n=n, indexes=None, values=total, contributed=None, sent=h.sent, stats=stats)
     return _allgather(h, comm)

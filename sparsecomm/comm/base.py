@@ -17,7 +17,7 @@ alltoall            (P - 1) * chunk               P - 1
 alltoallv           each part (point to point)    one a nonempty part
 allreduce           2 m (P - 1) / P (Rabenseifner)  2 ceil(log2 P)
 reduce_scatter      m (P - 1) / P                 ceil(log2 P)
-all_gather (dense)  m (P - 1) / P                 ceil(log2 P)
+allgather_dense     m (P - 1) / P                 ceil(log2 P)
 broadcast           m at non-roots (tree)          children in a binomial tree
 barrier             0                             ceil(log2 P)
 ==================  ============================  ==========================
@@ -156,7 +156,7 @@ class Communicator(abc.ABC):
         """Sum over ranks, rank r keeps chunk r of ``size`` equal chunks (into ``out`` when given)."""
 
     @abc.abstractmethod
-    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's equal-size chunk (inverse of reduce_scatter), into ``out``
         when given."""
 
@@ -346,13 +346,15 @@ class Communicator(abc.ABC):
         self._count(_nbytes(t) * (p - 1) // p, _log2ceil(p))
         return self._reduce_scatter(t.contiguous(), out)
 
-    def all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenation of every rank's equal-size 1-D ``chunk`` in rank order (into ``out``,
-        contiguous, 1-D, ``size`` chunks long, when given)."""
-        _check_out("all_gather", out, chunk, chunk.numel() * self.size)
+        contiguous, 1-D, ``size`` chunks long, when given): the allgather half of a dense
+        allreduce, counted as one (ceil(log2 P) messages). :meth:`allgather` stacks rows and
+        counts the P - 1 messages of a ring."""
+        _check_out("allgather_dense", out, chunk, chunk.numel() * self.size)
         p = self.size
         self._count(_nbytes(chunk) * (p - 1), _log2ceil(p))
-        return self._all_gather(chunk.contiguous(), out)
+        return self._allgather_dense(chunk.contiguous(), out)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Root's ``t`` on every rank (binomial tree accounting)."""

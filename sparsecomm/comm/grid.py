@@ -230,8 +230,8 @@ class GridCommunicator(Communicator):
     def reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.reduce_scatter(t, out)
 
-    def all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner.all_gather(chunk, out)
+    def allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.allgather_dense(chunk, out)
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         return self.inner.broadcast(t, root)
@@ -277,7 +277,7 @@ class GridCommunicator(Communicator):
     def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:

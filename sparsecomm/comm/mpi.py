@@ -171,7 +171,7 @@ class MPICommunicator(Communicator):
             return out
         return res.to(t.device, t.dtype) if out is None else out.copy_(res)
 
-    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         gathered = self._allgather(chunk).reshape(-1)
         return gathered if out is None else out.copy_(gathered)
 

@@ -426,8 +426,8 @@ class SimCommunicator(Communicator):
         mine = total[self.rank * m:(self.rank + 1) * m]
         return mine.clone() if out is None else out.copy_(mine)
 
-    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        gathered = self._exchange("all_gather", chunk, torch.cat)
+    def _allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gathered = self._exchange("allgather_dense", chunk, torch.cat)
         return gathered if out is None else out.copy_(gathered)
 
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:

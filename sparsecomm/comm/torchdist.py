@@ -6,7 +6,7 @@ naming the operation instead of blocking for the process group's own
 (30-minute) timeout.
 
 torch.distributed has no variable-size allgather: on gloo ``allgatherv`` and
-``all_gather`` go point to point (each rank's part straight to every other,
+``allgather_dense`` go point to point (each rank's part straight to every other,
 faster than gloo's own all-gather on a slow link); elsewhere ``allgatherv``
 pads every block to the largest and counts the padded bytes, since that is
 what travels. gloo is
@@ -305,7 +305,7 @@ class TorchCommunicator(Communicator):
         for work, dst in sends:
             self._wait(work, f"all-gather: sending to rank {dst}")
 
-    def _all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _allgather_dense(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         device, chunk = chunk.device, self._host(chunk)
         direct = self._direct(out)
         res = out if direct else torch.empty(chunk.numel() * self.size, dtype=chunk.dtype, device=chunk.device)
