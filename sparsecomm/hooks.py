@@ -64,7 +64,7 @@ from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
 from .hook_checkpoints import HookCheckpoints
-from .schedules.base import active_scaler
+from .memory import active_scaler
 from .schedules.engine import Engine
 from .state import State, check_density
 

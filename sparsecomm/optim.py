@@ -19,7 +19,7 @@ import torch
 from . import registry
 from .api import allreduce
 from .errors import NonFiniteError
-from .schedules.base import adopt_state
+from .memory import adopt_state
 from .state import State, check_density
 
 __all__ = ["SparseGradientReducer", "SparseAdamW", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]

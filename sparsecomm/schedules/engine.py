@@ -37,7 +37,7 @@ from ..api import allreduce
 from ..comm import Communicator, resolve
 from ..errors import CommTimeoutError, InputError, ScheduleError
 
-__all__ = ["Engine", "Job", "flat_dtype", "write_grads", "point_grads", "grads_in", "grad_versions", "grads_changed",
+__all__ = ["Engine", "Job", "write_grads", "point_grads", "grads_in", "grad_versions", "grads_changed",
            "second_backward", "at_backward_end"]
 
 
@@ -50,19 +50,6 @@ def write_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> None:
             p.grad = torch.zeros_like(p)
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
-
-
-def flat_dtype(tensors: "list[torch.Tensor]") -> torch.dtype:
-    """The dtype a group's flat buffer takes: the widest of its gradients' (type promotion).
-
-    The first gradient's dtype cast float32 gradients grouped with a bfloat16 one to
-    bfloat16 (3.7e-3 relative error on the float32 layer); a narrower gradient widens
-    exactly, and its reduced result is cast back as it is written.
-    """
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def point_grads(params: "list[torch.nn.Parameter]", flat: torch.Tensor) -> bool:

@@ -51,10 +51,10 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import InputError, NonFiniteError, ScheduleError
-from .base import (Carry, LossScale, Schedule, StateMaker, active_scaler, adopt_states, check_layers,
-                   check_optimizer, hold_residual, join_residuals, layer_settings, optimizer_size, refused_job,
-                   snapshot, split_residual)
-from .engine import (Engine, Job, at_backward_end, flat_dtype, grad_versions, grads_changed, grads_in, point_grads,
+from ..memory import (Carry, LossScale, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
+                      join_residuals, snapshot, split_residual)
+from .base import Schedule, check_layers, check_optimizer, layer_settings, optimizer_size, refused_job
+from .engine import (Engine, Job, at_backward_end, grad_versions, grads_changed, grads_in, point_grads,
                      second_backward, write_grads)
 
 __all__ = ["GroupSchedule", "WFBP", "SyncEASGD"]

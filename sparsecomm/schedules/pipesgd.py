@@ -55,10 +55,10 @@ from typing import Any
 import torch
 
 from ..errors import InputError, NonFiniteError
-from .base import (LossScale, Schedule, StateMaker, active_scaler, adopt_states, check_layers, check_optimizer,
-                   hold_residual, join_residuals, layer_settings, optimizer_size, refused_job, snapshot,
-                   split_residual)
-from .engine import Engine, Job, flat_dtype, grads_in, point_grads, write_grads
+from ..memory import (LossScale, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual, join_residuals,
+                      snapshot, split_residual)
+from .base import Schedule, check_layers, check_optimizer, layer_settings, optimizer_size, refused_job
+from .engine import Engine, Job, grads_in, point_grads, write_grads
 
 __all__ = ["PipeSGD"]
 
