@@ -13,9 +13,7 @@ import warnings
 
 import torch
 
-from . import registry
-from .choice import AUTO, CANDIDATES
-from .state import State
+from .memory import GradientMemory, StateMaker, state_settings
 
 __all__ = ["HookCheckpoints"]
 
@@ -34,7 +32,8 @@ class HookCheckpoints:
         return {"step": self.step, "residuals": self.residuals(), "algorithm_states": algo,
                 "totals": dict(self.totals), "layouts": list(self._layouts), "carried": self.carried(),
                 "staged": list(self._staged_last),
-                "orders": None if self._orders_last is None else list(self._orders_last), "scale": self._scale}
+                "orders": None if self._orders_last is None else list(self._orders_last),
+                "scale": self._memory.scale.value}
 
     def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
         d = dict(self.__dict__)
@@ -45,12 +44,20 @@ class HookCheckpoints:
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
+        if "_memory" not in d:  # pickled before the gradient memory was one object
+            maker = StateMaker(self.algorithm, self.density, self.algorithm_options, self.error_feedback,
+                               self.compressor, getattr(self, "network", None), dense_keeps_residual=False)
+            self._memory = GradientMemory(maker)
+            self._memory.parked = self.__dict__.pop("_pending", {})
+            self._memory.carry.values = self.__dict__.pop("_carried", {})
+            self._memory.scale.value = self.__dict__.pop("_scale", None)
+            self.__dict__.pop("spec", None)
         if "_layouts" not in d:  # pickled before layouts were held: its states' layouts
             self._layouts, self._holder = {}, {}
             for key in list(self.buckets):
                 self._hold(key)
-            self._carried, self._staged_last, self._orders_last = {}, [], None
-            self._resumed, self._scale, self.scaler = False, None, None
+            self._staged_last, self._orders_last = [], None
+            self._resumed, self.scaler = False, None
             self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
             self.totals.setdefault("refused_steps", 0)
             self.__dict__.pop("_reordered", None)
@@ -70,12 +77,14 @@ class HookCheckpoints:
            the checkpoint; DDP's initial buckets are staged into them.
         """
         self._check_checkpoint(d)
-        kept = {key: st for key, st in d["algorithm_states"].items() if self._settings(st) == self._mine(st)}
+        maker = self._memory.maker
+        kept = {key: st for key, st in d["algorithm_states"].items()
+                if state_settings(st) == state_settings(maker.like(st))}
         if len(kept) < len(d["algorithm_states"]):
-            other = next(st for st in d["algorithm_states"].values() if self._settings(st) != self._mine(st))
+            other = next(st for key, st in d["algorithm_states"].items() if key not in kept)
             warnings.warn(f"SparseHookState.load_state_dict: the checkpoint's bucket states were made with "
-                          f"{self._settings(other)}, this hook makes {self._mine(other)}: their residuals carry "
-                          "over, their thresholds and boundaries start afresh", stacklevel=2)
+                          f"{state_settings(other)}, this hook makes {state_settings(maker.like(other))}: their "
+                          "residuals carry over, their thresholds and boundaries start afresh", stacklevel=2)
         self.step = d["step"]
         self.totals = {"refused_steps": 0, **d["totals"]}
         self._canonical, self._starts_cache, self._calling, self._live, self._broken = {}, {}, None, None, None
@@ -93,29 +102,13 @@ class HookCheckpoints:
             if st.error_feedback and here:  # (else they wait, and the layout's next call adds them)
                 st.residual = torch.cat([saved[i] if i in saved else here[0].new_zeros(self._numel[i]) for i in key])
         placed = {i for key, st in self.buckets.items() if st.error_feedback for i in key}
-        self._pending = {i: r.clone() for i, r in saved.items() if i not in placed}
-        self._carried = {i: c.clone() for i, c in d.get("carried", {}).items()}
+        self._memory.parked = {i: r.clone() for i, r in saved.items() if i not in placed}
+        self._memory.carry.load(d.get("carried", {}))
         self._staged_last = [tuple(o) for o in d.get("staged", [])]
         orders = d.get("orders")
         self._orders_last = None if orders is None else [tuple(o) for o in orders]
-        self._scale = d.get("scale")
+        self._memory.scale.value = d.get("scale")
         self._resumed = True
-
-    def _mine(self, saved: State) -> tuple:
-        """The settings of the state this hook would make where ``saved`` was made. With
-        ``"auto"`` the saved choice of algorithm stands (a layout keeps its algorithm) if it is
-        one ``auto`` chooses from."""
-        name = self.algorithm
-        if name == AUTO:
-            name = saved.algorithm if saved.algorithm in CANDIDATES else "oktopk"
-        return self._settings(registry.get(name).state_class(self.density, **self._state_kwargs(name)))
-
-    @staticmethod
-    def _settings(state: State) -> tuple:
-        """What makes two per-layout states interchangeable: the class and its settings."""
-        settings = state.settings()
-        settings.pop("iteration", None)
-        return (type(state).__name__, tuple(sorted(settings.items())))
 
     def _check_checkpoint(self, d: dict) -> None:
         """Refuse a checkpoint of another model (see :meth:`load_state_dict`)."""

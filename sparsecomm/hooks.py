@@ -59,12 +59,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import choice, registry
 from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
 from .hook_checkpoints import HookCheckpoints
-from .memory import active_scaler
+from .memory import GradientMemory, StateMaker, active_scaler, split_flat
 from .schedules.engine import Engine
 from .state import State, check_density
 
@@ -149,7 +148,6 @@ class SparseHookState(HookCheckpoints):
                  network: Any = None) -> None:
         # Set by the user.
         self.algorithm, self.density, self.network = algorithm, check_density(density), network
-        self.spec = registry.get(choice.validated(algorithm, algorithm_options, network))
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         for name, value in (("warmup_steps", warmup_steps), ("min_bucket_elements", min_bucket_elements)):
@@ -159,12 +157,15 @@ class SparseHookState(HookCheckpoints):
         self.warmup_steps, self.min_bucket_elements = warmup_steps, min_bucket_elements
         self.error_feedback = error_feedback
         self.algorithm_options = dict(algorithm_options or {})
-        self.spec.state_class(density, **self._state_kwargs())  # validate the options now
+        maker = StateMaker(algorithm, self.density, self.algorithm_options, error_feedback, compressor, network,
+                           dense_keeps_residual=False)
         self.group, self._comm_arg = group, comm
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         # A disabled scaler (enabled=False, an fp32 run's switch) is no scaler: NaN/Inf must raise.
         self.overlap, self.scaler = overlap, active_scaler(scaler)
+        # Residuals no layout's state holds, results of refused steps, the scale they are in.
+        self._memory = GradientMemory(maker, self.scaler)
         # Internal.
         self._engine = None
         if overlap:
@@ -175,12 +176,9 @@ class SparseHookState(HookCheckpoints):
         self.buckets: Dict[Layout, State] = {}  # algorithm states of the held layouts reduced sparsely
         self._layouts: Dict[Layout, None] = {}  # every held layout (an ordered set), dense ones too
         self._holder: Dict[int, Layout] = {}  # parameter -> the held layout it belongs to
-        self._pending: Dict[int, torch.Tensor] = {}  # per-parameter residuals not in a state
-        self._carried: Dict[int, torch.Tensor] = {}  # per-parameter results of refused steps
         self._staged_last: List[Layout] = []  # orders staged in the last step
         self._orders_last: Optional[List[Layout]] = None  # the last step's orders, as the rules saw them
         self._resumed = False  # the next step is the first after load_state_dict
-        self._scale: Optional[float] = None  # the scaler's scale at the last step
         self._broken: Optional[BaseException] = None
         self._comm: Optional[Communicator] = None
         self._canonical: Dict[Layout, torch.Tensor] = {}  # per-layout staging buffers
@@ -190,21 +188,6 @@ class SparseHookState(HookCheckpoints):
         # Statistics.
         self.stats: List[List[dict]] = [[]]
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0, "refused_steps": 0}
-
-    def _state_kwargs(self, algorithm: Optional[str] = None) -> dict:
-        kwargs = dict(self.algorithm_options)
-        # Dense keeps a residual only when a compressor loses something (q8, fp16, ...):
-        # without one it would hold zeros, one more pass per bucket for nothing.
-        if (algorithm or self.algorithm) != "dense" or self.compressor is not None:
-            kwargs.setdefault("error_feedback", self.error_feedback)
-        return kwargs
-
-    def _new_state(self, key: Layout, device: torch.device, dtype: torch.dtype) -> State:
-        """A fresh state for layout ``key``: of this hook's algorithm, or of the one chosen for its size."""
-        name = self.algorithm if self.algorithm != choice.AUTO else choice.choose(
-            sum(self._numel[i] for i in key), self.density, self.comm.size, dtype, self.compressor, self.network,
-            device.type, self.comm)
-        return registry.get(name).state_class(self.density, **self._state_kwargs(name))
 
     @property
     def comm(self) -> Communicator:
@@ -218,42 +201,15 @@ class SparseHookState(HookCheckpoints):
         state = self.buckets.get(key)
         if state is not None:
             return state
-        state = self._new_state(key, device, dtype)
-        # A state without error feedback (dense, no compressor) would hold a residual it never
-        # adds: those wait in _pending, and the layout's calls add them (_owed).
-        if state.error_feedback and any(i in self._pending for i in key):
-            parts = [self._pending.pop(i, None) for i in key]
-            state.residual = torch.cat([torch.zeros(self._numel[i], device=device) if r is None
-                                        else r.to(device) for i, r in zip(key, parts)])
+        state = self._memory.maker.new(sum(self._numel[i] for i in key), dtype, device, self.comm)
+        self._memory.give(state, key, self._sizes(key))  # its parameters' parked residuals
+        if state.residual is not None:
+            state.residual = state.residual.to(device)
         self.buckets[key] = state
         return state
 
-    def _owed(self, key: Layout, buf: torch.Tensor, state: Optional[State]) -> List[int]:
-        """Add into ``buf`` the waiting residuals of ``key``'s parameters that the call would
-        otherwise never add (a dense call, or a state without error feedback); return which.
-
-        A residual left by a sparse layout that DDP's rebuilt buckets (or ``"auto"``) put in a
-        dense one is the gradient that was not sent yet: it goes with the next call, as error
-        feedback adds it. The caller forgets them once the call went through; a refused call
-        leaves them waiting.
-        """
-        if state is not None and state.error_feedback:
-            return []
-        owed = [i for i in key if i in self._pending]
-        starts = self._starts(key)
-        for i in owed:
-            buf[starts[i]:starts[i] + self._numel[i]] += self._pending[i].to(buf.device, buf.dtype)
-        return owed
-
-    def _split(self, key: Layout, flat: Optional[torch.Tensor]) -> Dict[int, torch.Tensor]:
-        """``flat`` (parameters ``key`` one after another) cut into per-parameter copies."""
-        if flat is None:
-            return {}
-        out, offset = {}, 0
-        for i in key:
-            out[i] = flat[offset:offset + self._numel[i]].clone()
-            offset += self._numel[i]
-        return out
+    def _sizes(self, key: Layout) -> List[int]:
+        return [self._numel[i] for i in key]
 
     def _starts(self, order: Layout) -> Dict[int, int]:
         """Where each parameter of ``order`` starts in a buffer laid out in that order."""
@@ -268,29 +224,14 @@ class SparseHookState(HookCheckpoints):
 
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every parameter's residual, by parameter position in ``model.parameters()``."""
-        out = {i: r.clone() for i, r in self._pending.items()}
+        out = {i: r.clone() for i, r in self._memory.parked.items()}
         for key, st in self.buckets.items():
-            out.update(self._split(key, st.residual))
+            out.update(split_flat(key, self._sizes(key), st.residual))
         return out
 
     def carried(self) -> Dict[int, torch.Tensor]:
         """Results of refused steps not applied yet (added at the next step), by parameter position."""
-        return {i: c.clone() for i, c in self._carried.items()}
-
-    def _rescale(self, scale: float) -> None:
-        """Residuals and carried results are in the scaler's units: follow its scale.
-
-        GradScaler moves the scale by powers of two (backoff 0.5, growth 2), so
-        the products are exact.
-        """
-        if self._scale is not None and scale != self._scale:
-            factor = scale / self._scale
-            for st in self.buckets.values():
-                if st.residual is not None:
-                    st.residual.mul_(factor)
-            for r in list(self._pending.values()) + list(self._carried.values()):
-                r.mul_(factor)
-        self._scale = scale
+        return {i: c.clone() for i, c in self._memory.carry.values.items()}
 
     # ---- layouts -------------------------------------------------------------------
     def _hold(self, key: Layout) -> None:
@@ -306,7 +247,7 @@ class SparseHookState(HookCheckpoints):
                 del self._holder[i]
         st = self.buckets.pop(key, None)
         if st is not None:
-            self._pending.update(self._split(key, st.residual))
+            self._memory.park(key, self._sizes(key), st.residual)
         self._canonical.pop(key, None)
 
     def _decide(self, order: Layout, adopt: bool) -> str:
@@ -404,8 +345,8 @@ class SparseHookState(HookCheckpoints):
 
     def _start_step(self, step: _Step) -> None:
         """Follow the scaler's scale; after a checkpoint, take the layout decisions of the step before it."""
-        if step.scale is not None:
-            self._rescale(step.scale)
+        if step.scale is not None:  # residuals and carried results are in the scaler's units
+            self._memory.rescale(self._memory.scale.moved_to(step.scale), self.buckets.values())
         if self._resumed and self._orders_last:
             step.pretend = True
             for order in self._orders_last:
@@ -491,7 +432,8 @@ class SparseHookState(HookCheckpoints):
         error, selected, refused, owed = None, 0, False, []
         try:
             st = None if dense else self._bucket_state(key, buf.device, buf.dtype)
-            owed = self._owed(key, buf, st)
+            if st is None or not st.error_feedback:  # a call without a residual of its own sends them
+                owed = self._memory.owed(key, self._sizes(key), buf)
             if st is None:
                 allreduce(buf, algorithm="dense", op=self.op, comm=comm, out=buf)
                 selected = buf.numel()
@@ -507,12 +449,11 @@ class SparseHookState(HookCheckpoints):
                 error = exc
                 step.error = step.error or exc
         else:
-            for i in owed:
-                del self._pending[i]
+            self._memory.settle(owed)
             if hold:
                 starts = self._starts(key)
                 for i in key:
-                    carried = self._carried.pop(i, None)
+                    carried = self._memory.carry.take(i)
                     if carried is not None:
                         buf[starts[i]:starts[i] + self._numel[i]] += carried.to(buf.dtype)
                 step.results.append((key, buf))
@@ -547,8 +488,7 @@ class SparseHookState(HookCheckpoints):
                 self._flush(step, key, index, comm, done)
         if step.refused:
             for key, buf in step.results:
-                for i, part in self._split(key, buf).items():
-                    self._carried[i] = part if i not in self._carried else self._carried[i] + part
+                self._memory.carry.keep_flat(key, self._sizes(key), buf)
             self.totals["refused_steps"] += 1
         step.results = []
         self._staged_last, self._orders_last = step.staged, step.orders

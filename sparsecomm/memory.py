@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
 from . import choice, registry
 from .state import State
 
-__all__ = ["flat_dtype", "Carry", "LossScale", "active_scaler", "split_residual", "join_residuals", "hold_residual", "StateMaker",
+__all__ = ["GradientMemory", "flat_dtype", "Carry", "LossScale", "active_scaler", "split_flat", "join_flat", "split_residual", "join_residuals", "hold_residual", "StateMaker",
            "state_settings", "adopt_state", "adopt_states", "snapshot"]
 
 
@@ -53,20 +53,25 @@ class StateMaker:
        thresholds and residual are never stranded by a switch; a new grouping (MG-WFBP's
        plan, DeAR's fusion size, a freeze) chooses again for the new sizes, and residuals
        move with their layers as for any regrouping.
-    3. Error feedback as the schedule asks, except dense without a compressor, which sends
-       everything and keeps nothing; under ``"auto"`` dense keeps it too, so a layer's
-       residual from a sparse group goes with its dense group's next call.
+    3. Error feedback as the loop asks, except dense without a compressor, which sends
+       everything and keeps nothing. Under ``"auto"``, with ``dense_keeps_residual``, dense
+       keeps it too, so a layer's residual from a sparse call goes with its dense call's next
+       one inside the state (see :func:`hold_residual` for when a loop wants which).
 
     Args:
         algorithm: a name from ``sparsecomm.algorithms()``, or ``"auto"`` (no options then).
         density, compressor, error_feedback, options: the states' settings.
         network: the profile ``"auto"`` models (``sparsecomm.choice.profile``).
+        dense_keeps_residual: a residual that moves into a dense call without a compressor
+            becomes its state's (the schedules) rather than waiting parked to be added to
+            its input (the DDP hook).
     """
 
     def __init__(self, algorithm: str, density: float, options: dict | None, error_feedback: bool,
-                 compressor: Any, network: Any) -> None:
+                 compressor: Any, network: Any, dense_keeps_residual: bool = True) -> None:
         self.algorithm, self.density, self.compressor, self.network = algorithm, density, compressor, network
         self.error_feedback, self.options = error_feedback, dict(options or {})
+        self.dense_keeps_residual = dense_keeps_residual
         self.make(choice.validated(algorithm, options, network))  # validate now
 
     @property
@@ -76,7 +81,7 @@ class StateMaker:
     def make(self, name: str) -> State:
         """A fresh state of algorithm ``name`` with this schedule's settings."""
         kwargs = dict(self.options)
-        if name != "dense" or self.compressor is not None or self.auto:
+        if name != "dense" or self.compressor is not None or (self.auto and self.dense_keeps_residual):
             kwargs.setdefault("error_feedback", self.error_feedback)
         return registry.get(name).state_class(self.density, **kwargs)
 
@@ -132,35 +137,55 @@ def adopt_states(saved: list, mine: list, what: str, maker: StateMaker) -> list:
     return [adopt_state(old, new, what, maker.like(old)) for old, new in zip(saved, mine)]
 
 
-def split_residual(params: list[torch.nn.Parameter], residual: torch.Tensor | None) -> dict[int, torch.Tensor]:
-    """A call's residual (``params``' entries one after another), copied apart per parameter, by
-    ``id``: how error feedback keeps every bit when groups change (a re-plan, a freeze)."""
+def split_flat(keys: Sequence[Hashable], sizes: Sequence[int], flat: torch.Tensor | None) -> dict:
+    """``flat`` (the keys' entries one after another, ``sizes[i]`` each) copied apart per key."""
     out, offset = {}, 0
-    if residual is None:
+    if flat is None:
         return out
-    for p in params:
-        out[id(p)] = residual[offset:offset + p.numel()].clone()
-        offset += p.numel()
+    for key, n in zip(keys, sizes):
+        out[key] = flat[offset:offset + n].clone()
+        offset += n
     return out
 
 
-def join_residuals(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The residual of a call over ``params``: each one's taken out of ``residuals``, zeros where it
-    has none; None when none has one (the state then starts without, as for a new tensor)."""
-    held = [residuals[id(p)] for p in params if id(p) in residuals]
-    if not held:
+def join_flat(keys: Sequence[Hashable], sizes: Sequence[int], held: dict) -> torch.Tensor | None:
+    """The keys' tensors of ``held`` one after another, taken out of it, zeros where a key has
+    none; None when none has one (a state then starts without, as for a new tensor)."""
+    found = [held[k] for k in keys if k in held]
+    if not found:
         return None
-    return torch.cat([residuals.pop(id(p)) if id(p) in residuals else held[0].new_zeros(p.numel())
-                      for p in params])
+    return torch.cat([held.pop(k) if k in held else found[0].new_zeros(n) for k, n in zip(keys, sizes)])
+
+
+def split_residual(params: list[torch.nn.Parameter], residual: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """A call's residual (``params``' entries one after another), copied apart per parameter, by
+    ``id``: how error feedback keeps every bit when groups change (a re-plan, a freeze)."""
+    return split_flat([id(p) for p in params], [p.numel() for p in params], residual)
+
+
+def join_residuals(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The residual of a call over ``params`` from ``residuals`` (by ``id``; see :func:`join_flat`)."""
+    return join_flat([id(p) for p in params], [p.numel() for p in params], residuals)
 
 
 def hold_residual(state: State, residual: torch.Tensor | None) -> None:
     """Give ``state`` a residual (a regrouped layer's, a checkpoint's) that its next call sends.
 
-    A dense state without error feedback (no compressor) would keep it and never add it:
-    it is switched to error feedback, so the residual goes with its next call (and a dense
-    call leaves zeros). Every rank does the same: a residual exists on all of them or on
-    none. A sparse state made with ``error_feedback=False`` drops it, as asked.
+    The one rule for a residual that moves into a call: it goes with that call's next run.
+    A state that keeps residuals (error feedback) takes it as its own. A call that keeps none
+    (a dense one without a compressor, or none at all: the DDP hook's warm-up steps and small
+    layouts) sends it in one of two ways, which :class:`GradientMemory` chooses by
+    ``StateMaker.dense_keeps_residual``:
+
+    1. Into the state: a dense state is switched to error feedback here (the residual goes with
+       its next call, and a dense call leaves zeros). The schedules do this: their call's input
+       is the gradients themselves, which must not change.
+    2. Parked, and added to the call's input (:meth:`GradientMemory.owed`), forgotten once the
+       call went through: a refused call leaves it exactly as it was, and no buffer of zeros is
+       kept. The DDP hook does this: its input is DDP's own bucket.
+
+    Every rank does the same: a residual exists on all of them or on none. A sparse state made
+    with ``error_feedback=False`` drops it, as asked.
     """
     if residual is None:
         return
@@ -171,31 +196,39 @@ def hold_residual(state: State, residual: torch.Tensor | None) -> None:
 
 
 class Carry:
-    """Reduced results of layers whose step was not applied, added to their next results.
+    """Reduced results of calls whose step was not applied, added to the same parameters' next results.
 
-    Keyed by the parameter itself (its ``id``), so a regrouping (a new plan, a
-    layer frozen or unfrozen) moves nothing. Every rank holds the same values:
-    the results are identical on every rank.
+    Keyed per parameter (its ``id`` in the schedules, its position in the DDP hook), so a
+    regrouping (a new plan, a layer frozen or unfrozen, a rebuilt bucket) moves nothing;
+    flat. Every rank holds the same values: the results are identical on every rank.
     """
 
     def __init__(self) -> None:
-        self.values: dict[int, torch.Tensor] = {}
+        self.values: dict = {}
+
+    def keep_flat(self, keys: Sequence[Hashable], sizes: Sequence[int], flat: torch.Tensor) -> None:
+        """Add ``flat`` (the keys' reduced gradients, one after another) to what is carried."""
+        offset = 0
+        for key, n in zip(keys, sizes):
+            part = flat[offset:offset + n].detach()
+            offset += n
+            held = self.values.get(key)
+            self.values[key] = part.clone() if held is None else held.add_(part)
 
     def keep(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-        """Add ``flat`` (``params``' reduced gradients, one after another) to what is carried."""
-        offset = 0
-        for p in params:
-            part = flat[offset:offset + p.numel()].detach().reshape(p.shape)
-            offset += p.numel()
-            held = self.values.get(id(p))
-            self.values[id(p)] = part.clone() if held is None else held.add_(part)
+        """:meth:`keep_flat` keyed by the parameters' ``id``."""
+        self.keep_flat([id(p) for p in params], [p.numel() for p in params], flat)
+
+    def take(self, key: Hashable) -> torch.Tensor | None:
+        """What is carried for ``key`` (flat), forgotten here; None if nothing is."""
+        return self.values.pop(key, None)
 
     def add_into(self, params: list[torch.nn.Parameter]) -> None:
         """Add what is carried for ``params`` into their ``.grad`` and forget it."""
         for p in params:
             held = self.values.pop(id(p), None)
             if held is not None and p.grad is not None:
-                p.grad.add_(held.to(p.grad.dtype))
+                p.grad.add_(held.view(p.grad.shape).to(p.grad.dtype))
             elif held is not None:
                 self.values[id(p)] = held  # no gradient to add it to this step: kept for the next
 
@@ -203,11 +236,76 @@ class Carry:
         for v in self.values.values():
             v.mul_(ratio)
 
-    def state_dict(self, index: dict[int, int]) -> dict[int, torch.Tensor]:
-        return {index[k]: v.clone() for k, v in self.values.items() if k in index}
+    def state_dict(self, index: dict | None = None) -> dict[int, torch.Tensor]:
+        """By parameter position: ``index`` maps a key to it (None: the keys are positions)."""
+        return {k if index is None else index[k]: v.clone() for k, v in self.values.items()
+                if index is None or k in index}
 
-    def load(self, saved: dict[int, torch.Tensor], params: list[torch.nn.Parameter]) -> None:
-        self.values = {id(params[i]): v.clone().to(params[i].device) for i, v in saved.items()}
+    def load(self, saved: dict[int, torch.Tensor], key_of: Callable[[int], Hashable] | None = None,
+             device: Callable[[int], torch.device] | None = None) -> None:
+        """Restore :meth:`state_dict` (its values flat, or shaped as checkpoints before kept them)."""
+        self.values = {i if key_of is None else key_of(i):
+                       v.clone().reshape(-1).to(v.device if device is None else device(i)) for i, v in saved.items()}
+
+
+class GradientMemory:
+    """What one training loop (a DDP hook's state, a schedule) remembers about gradients between
+    steps, per parameter key (a parameter's ``id`` in the schedules, its position in the hook).
+
+    1. ``maker``: makes the algorithm states of its calls, and says what a checkpoint's state
+       is compared with (:class:`StateMaker`).
+    2. ``parked``: residuals no call's state holds (a frozen layer's, a dropped layout's), sent
+       by the next call over their parameters (:meth:`give`, :meth:`owed`).
+    3. ``carry``: results of steps that were not applied, added to the next ones (:class:`Carry`).
+    4. ``scale``: the loss scaler's scale, which residuals and carried results follow (:meth:`rescale`).
+
+    The algorithm states themselves, and how a loop lays its calls out, stay the loop's own.
+    """
+
+    def __init__(self, maker: StateMaker, scaler: Any = None) -> None:
+        self.maker, self.scale = maker, LossScale(scaler)
+        self.parked: dict = {}
+        self.carry = Carry()
+
+    def park(self, keys: Sequence[Hashable], sizes: Sequence[int], residual: torch.Tensor | None) -> None:
+        """Keep a call's residual per parameter until a call over them sends it."""
+        self.parked.update(split_flat(keys, sizes, residual))
+
+    def give(self, state: State, keys: Sequence[Hashable], sizes: Sequence[int]) -> None:
+        """The parked residuals of ``keys`` go to ``state``, whose calls send them
+        (:func:`hold_residual`); a dense state keeps none when the maker says so, and they wait
+        here for :meth:`owed`."""
+        if state.error_feedback or state.algorithm != "dense" or self.maker.dense_keeps_residual:
+            hold_residual(state, join_flat(keys, sizes, self.parked))
+
+    def owed(self, keys: Sequence[Hashable], sizes: Sequence[int], buf: torch.Tensor) -> list:
+        """A call without a state over ``keys`` (laid out one after another in ``buf``): the
+        parked residuals of its parameters are added to its input; returns their keys, which
+        :meth:`settle` forgets once the call went through (a refused call leaves them parked)."""
+        owed, offset = [], 0
+        for key, n in zip(keys, sizes):
+            if key in self.parked:
+                buf[offset:offset + n] += self.parked[key].to(buf.device, buf.dtype)
+                owed.append(key)
+            offset += n
+        return owed
+
+    def settle(self, keys: Sequence[Hashable]) -> None:
+        """Forget residuals that a call went through with (:meth:`owed`)."""
+        for key in keys:
+            del self.parked[key]
+
+    def rescale(self, ratio: float | None, states: Iterable[State]) -> None:
+        """Residuals (the states' and the parked ones) and carried results times ``ratio``, when
+        the loss scale moved (:meth:`LossScale.moved`)."""
+        if ratio is None:
+            return
+        for st in states:
+            if getattr(st, "residual", None) is not None:
+                st.residual.mul_(ratio)
+        for r in self.parked.values():
+            r.mul_(ratio)
+        self.carry.scale(ratio)
 
 
 def active_scaler(scaler: Any) -> Any:
@@ -234,11 +332,18 @@ class LossScale:
         self.scaler = scaler
         self.value: float | None = None
 
+    def __getstate__(self) -> dict:  # a scaler does not pickle: an unpickled copy follows none
+        return {"scaler": None, "value": self.value}
+
     def moved(self) -> float | None:
         """new/old when the scale changed since the last call, else None."""
         if self.scaler is None or not self.scaler.is_enabled():
             return None
-        now = float(self.scaler.get_scale())
+        return self.moved_to(float(self.scaler.get_scale()))
+
+    def moved_to(self, now: float) -> float | None:
+        """:meth:`moved` with the scale read already (the DDP hook reads it on the caller's
+        thread and follows it on the thread that reduces)."""
         old, self.value = self.value, now
         return None if old is None or old == now else now / old
 

@@ -359,7 +359,7 @@ def amp_scaler(rank: int, size: int, overlap: bool, steps: int = 10, bad_step: i
     fed = [sum((torch.zeros_like(g) if i in refused[s] else g) / scales[s]
                for s in range(steps) for j, g in rec.steps[s].items() if j == i) for i in range(len(params))]
     residuals, carried = state.residuals(), state.carried()
-    last = state._scale  # the units of what the state holds: the scale of its last step
+    last = state._memory.scale.value  # the units of what the state holds: the scale of its last step
     zeros = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
     return {"fed": fed, "applied": applied, "scales": scales, "skipped": skipped, "refused": refused,
             "finite_residuals": finite_residuals, "last_scale": last,

@@ -118,7 +118,7 @@ def held(name: str, sched) -> dict[int, torch.Tensor]:
     """Every residual and carried result the schedule holds, by ``id`` of its parameter,
     carried results counted ``size`` times over by the caller (they are averaged)."""
     shapes = {id(p): p.shape for p in sched.model.parameters()}
-    out: dict[int, torch.Tensor] = {k: v.clone().view(shapes[k]).double() for k, v in sched._parked.items()}
+    out: dict[int, torch.Tensor] = {k: v.clone().view(shapes[k]).double() for k, v in sched._memory.parked.items()}
     for ps, st in calls(name, sched):
         r, offset = getattr(st, "residual", None), 0
         for p in ps:
@@ -225,14 +225,14 @@ def run_loop(rank: int, size: int, name: str, algorithm: str, events: list[str],
     final = [p.detach().clone() for p in net.parameters()]
     kept = held(name, sched)
     chosen = [(sum(p.numel() for p in ps), st.algorithm) for ps, st in calls(name, sched) if ps]
-    carry = getattr(sched, "_carry", None)  # Pipe-SGD has one call per step: nothing to carry
-    carried = {} if carry is None else {k: v.clone() for k, v in carry.values.items()}
+    carried = {k: v.clone() for k, v in sched._memory.carry.values.items()}  # (Pipe-SGD's stays empty)
     ids = [id(p) for p in net.parameters()]
     sched.close()
     return {"params": final, "fed": fed, "dropped": dropped,
             "applied": [(a - b) / LR for a, b in zip(start, final)],
             "held": [kept.get(k, torch.zeros_like(p)).double() for k, p in zip(ids, final)],
-            "carried": [carried.get(k, torch.zeros_like(p)).double() for k, p in zip(ids, final)],
+            "carried": [carried[k].view(p.shape).double() if k in carried else torch.zeros_like(p).double()
+                        for k, p in zip(ids, final)],
             "errors": errors, "scales": scales, "chosen": chosen}
 
 

@@ -79,7 +79,7 @@ import torch
 
 from ..api import begin_allreduce
 from ..errors import InputError, NonFiniteError, ScheduleError
-from ..memory import (Carry, LossScale, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
+from ..memory import (GradientMemory, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
                       join_residuals, snapshot, split_residual)
 from .base import Schedule, check_layers, check_optimizer, layer_settings, refused_job
 from .engine import (Engine, Job, at_backward_end, grad_versions, grads_changed, second_backward,
@@ -122,20 +122,18 @@ class DeAR(Schedule):
             raise ValueError("need tune_trials >= 1, tune_steps >= 2 and 1 <= tune_range[0] < tune_range[1]")
         self.model, self.optimizer = model, optimizer
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
-        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self._all = list(model.parameters())
         self._flags = tuple(p.requires_grad for p in self._all)
         if not any(self._flags):
             raise ValueError("the model has no trainable parameters")
         check_optimizer(optimizer, model, "DeAR")
         self.scaler = active_scaler(scaler)
-        self._scale = LossScale(self.scaler)
+        maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
+        self._memory = GradientMemory(maker, self.scaler)
         self._step_scale = 1.0  # the loss scale of the last backward
         self._pending_scale = 1.0  # the loss scale of the step whose updates are pending
         self._forwarded = False  # the model's forward ran since this backward's first gradient
         self._good_steps = 0  # steps applied in a row (the scaler's growth)
-        self._carry = Carry()  # unscaled: DeAR unscales as it applies
-        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
         self._accumulating = False
         self._ended = True  # the last backward ran to its end
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-dear")
@@ -164,10 +162,10 @@ class DeAR(Schedule):
         """
         if self._pending:
             raise RuntimeError("DeAR.regroup: updates are pending; call synchronize() first")
-        residuals, self._parked = dict(self._parked), {}
+        residuals, self._memory.parked = dict(self._memory.parked), {}
         for gi, (ps, st) in enumerate(zip(self.params, self.states)):
             r = getattr(st, "residual", None)
-            held, now = (self._group_scale[gi], self._scale.value) if self.scaler is not None else (None, None)
+            held, now = (self._group_scale[gi], self._memory.scale.value) if self.scaler is not None else (None, None)
             if r is not None and held is not None and now is not None and held != now:
                 r = r * (now / held)  # every residual moves (and is parked) in the current scale
             residuals.update(split_residual(ps, r))
@@ -195,11 +193,11 @@ class DeAR(Schedule):
             self.groups[-1].append(m)
             self.params[-1] += new
             size += sum(p.numel() * p.element_size() for p in new)
-        self.states = [self._maker.for_params(ps, self.engine.comm) for ps in self.params]
+        self.states = [self._memory.maker.for_params(ps, self.engine.comm) for ps in self.params]
         for ps, st in zip(self.params, self.states):
             hold_residual(st, join_residuals(ps, residuals))
-        self._parked = residuals  # layers not trainable now keep theirs for when they are again
-        self._group_scale = [self._scale.value] * len(self.groups)  # the loss scale of each residual
+        self._memory.parked = residuals  # layers not trainable now keep theirs for when they are again
+        self._group_scale = [self._memory.scale.value] * len(self.groups)  # the loss scale of each residual
         self._group_of = {id(p): gi for gi, ps in enumerate(self.params) for p in ps}
         # Per group: the gathered gradients, and the result in a buffer of its own, which the
         # first half's fused pass zeroes on its way (as the group schedules do, see groups.py).
@@ -238,9 +236,9 @@ class DeAR(Schedule):
         if not self._arrived:  # the first gradient of a backward
             self._ended, self._forwarded = False, False
             if self.scaler is not None:
-                ratio = self._scale.moved()
-                self._step_scale = self._scale.value
-                for r in self._parked.values():  # parked residuals are kept in the current scale
+                ratio = self._memory.scale.moved()
+                self._step_scale = self._memory.scale.value
+                for r in self._memory.parked.values():  # parked residuals are kept in the current scale
                     r.mul_(ratio or 1.0)
         if not self._queued:  # the last end wins: a reentrant checkpoint's inner backward ends first
             self._queued = True
@@ -410,7 +408,7 @@ class DeAR(Schedule):
                 continue
             flat = self._take(gi)  # its .grad is the user's to clear (zero_grad), or this backward's
             if flat is not None:
-                self._carry.keep(self.params[gi], flat / self._pending_scale if self.scaler is not None else flat)
+                self._memory.carry.keep(self.params[gi], flat / self._pending_scale if self.scaler is not None else flat)
         self._failed = None  # the refused calls' own errors: handled here
         if self.scaler is not None and all(isinstance(e, NonFiniteError) for e in errors):
             self._scaler_update(skipped=True)
@@ -456,7 +454,7 @@ class DeAR(Schedule):
             if self.scaler is not None:  # unscaled as applied (DeAR drives the scaler)
                 for p in self.params[gi]:
                     p.grad.div_(self._pending_scale)
-            self._carry.add_into(self.params[gi])
+            self._memory.carry.add_into(self.params[gi])
             self._step_only(self.params[gi])
         for p in self.params[gi]:  # the backward about to run accumulates afresh
             p.grad = None
@@ -533,7 +531,7 @@ class DeAR(Schedule):
                 flat = None
             self._first[gi] = self._second[gi] = None
             if flat is not None:
-                self._carry.keep(self.params[gi], flat / self._step_scale if self.scaler is not None else flat)
+                self._memory.carry.keep(self.params[gi], flat / self._step_scale if self.scaler is not None else flat)
         self._reset_backward()
         self._ended = True
 
@@ -547,8 +545,8 @@ class DeAR(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "DeAR", "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "buffer_bytes": self.buffer_bytes, "states": [snapshot(st) for st in self.states],
-                "parked": {index[k]: v.clone() for k, v in self._parked.items()},
-                "carried": self._carry.state_dict(index), "scale": self._scale.value,
+                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()},
+                "carried": self._memory.carry.state_dict(index), "scale": self._memory.scale.value,
                 "group_scale": list(self._group_scale), "good_steps": self._good_steps, "trials": list(self.trials)}
 
     def load_state_dict(self, d: dict) -> None:
@@ -562,10 +560,10 @@ class DeAR(Schedule):
         if self._tune is not None:  # the saved run had its fusion size: tuning is over
             self._tune, self.tuning = None, False
         self.regroup(d["buffer_bytes"])
-        self.states = adopt_states(d["states"], self.states, "DeAR", self._maker)
-        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
-        self._carry.load(d["carried"], self._all)
-        self._scale.value, self._group_scale = d["scale"], list(d["group_scale"])
+        self.states = adopt_states(d["states"], self.states, "DeAR", self._memory.maker)
+        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._memory.carry.load(d["carried"], lambda i: id(self._all[i]), lambda i: self._all[i].device)
+        self._memory.scale.value, self._group_scale = d["scale"], list(d["group_scale"])
         self._good_steps, self.trials = d["good_steps"], list(d["trials"])
 
     def close(self) -> None:

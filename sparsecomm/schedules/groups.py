@@ -51,7 +51,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import InputError, NonFiniteError, ScheduleError
-from ..memory import (Carry, LossScale, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
+from ..memory import (GradientMemory, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
                       join_residuals, snapshot, split_residual)
 from .base import Schedule, check_layers, check_optimizer, layer_settings, optimizer_size, refused_job
 from .engine import (Engine, Job, at_backward_end, grad_versions, grads_changed, grads_in, point_grads,
@@ -97,11 +97,9 @@ class GroupSchedule(Schedule):
         check_optimizer(optimizer, model, type(self).__name__)
         self._opt_size = optimizer_size(optimizer)
         self.algorithm, self.density, self.compressor, self.op = algorithm, density, compressor, op
-        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self.scaler = active_scaler(scaler)
-        self._scale = LossScale(self.scaler)
-        self._carry = Carry()
-        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
+        maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
+        self._memory = GradientMemory(maker, self.scaler)
         self._accumulating = False  # inside no_sync()
         self._forwarded = False  # the model's forward ran since this backward's first gradient
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-schedule")
@@ -136,10 +134,10 @@ class GroupSchedule(Schedule):
         # group (thresholds and boundaries restart, as for a state of a new tensor).
         for g in self.groups:
             params = [self.params[i] for i in g]
-            st = self._maker.for_params(params, self.engine.comm)
+            st = self._memory.maker.for_params(params, self.engine.comm)
             hold_residual(st, join_residuals(params, residuals))
             self._states.append(st)
-        self._parked.update(residuals)  # layers not trainable now keep theirs for when they are again
+        self._memory.parked.update(residuals)  # layers not trainable now keep theirs for when they are again
         # Per group: the gathered gradients, and the result, in a buffer of its own so that
         # the fused pass zeroes it on its way (kernels.ef_select's zero_out) instead of a
         # pass over the group after the call, competing with backward for the core. The
@@ -150,8 +148,8 @@ class GroupSchedule(Schedule):
 
     def _residuals_by_param(self) -> dict[int, torch.Tensor]:
         """Every residual held, by ``id`` of its parameter: the groups' slices and the parked ones."""
-        out = dict(self._parked)
-        self._parked = {}
+        out = dict(self._memory.parked)
+        self._memory.parked = {}
         for i, r in self._layer_residuals().items():
             out[id(self.params[i])] = r
         return out
@@ -208,7 +206,7 @@ class GroupSchedule(Schedule):
                 out = job.wait()
             except Exception:  # noqa: BLE001 - refused alike on every rank, or a broken engine (raised next)
                 continue
-            self._carry.keep([self.params[i] for i in self.groups[gi]], out)
+            self._memory.carry.keep([self.params[i] for i in self.groups[gi]], out)
         self._reset()
 
     def _retrain(self, flags: tuple) -> None:
@@ -229,22 +227,15 @@ class GroupSchedule(Schedule):
         if not self.params:
             raise ScheduleError(f"{type(self).__name__}: every parameter of the model is frozen")
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._parked = residuals
+        self._memory.parked = residuals
         self.groups, self._states = [], []
         self.set_groups(self._default_groups())
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _rescale(self) -> None:
-        """Once per step, before its first call: follow the loss scaler's scale (see LossScale)."""
+        """Once per step, before its first call: follow the loss scaler's scale (see memory.LossScale)."""
         self._rescaled = True
-        ratio = self._scale.moved()
-        if ratio is not None:
-            for st in self._states:
-                if getattr(st, "residual", None) is not None:
-                    st.residual.mul_(ratio)
-            for r in self._parked.values():
-                r.mul_(ratio)
-            self._carry.scale(ratio)
+        self._memory.rescale(self._memory.scale.moved(), self._states)
 
     # ---- during backward -------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -386,7 +377,7 @@ class GroupSchedule(Schedule):
                 self._buffers[gi], self._results[gi] = out, self._buffers[gi]
             else:
                 write_grads(params, out)
-            self._carry.add_into(params)
+            self._memory.carry.add_into(params)
         self.stats["exposed_seconds"].append(time.perf_counter() - t0)
         self._after_step()  # every rank makes its collective calls, whatever is raised below
         self._reset()
@@ -402,7 +393,7 @@ class GroupSchedule(Schedule):
         """
         for gi, out in enumerate(outs):
             if out is not None:
-                self._carry.keep([self.params[i] for i in self.groups[gi]], out)
+                self._memory.carry.keep([self.params[i] for i in self.groups[gi]], out)
         self._reset()
         skip = self.scaler is not None and all(isinstance(e, NonFiniteError) for e in errors)
         for gi, out in enumerate(outs):
@@ -462,8 +453,8 @@ class GroupSchedule(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": type(self).__name__, "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "groups": [list(g) for g in self.groups], "states": [snapshot(st) for st in self._states],
-                "parked": {index[k]: v.clone() for k, v in self._parked.items()},
-                "carried": self._carry.state_dict(index), "scale": self._scale.value, **self._extra_state()}
+                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()},
+                "carried": self._memory.carry.state_dict(index), "scale": self._memory.scale.value, **self._extra_state()}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of the same model (ValueError for another model's).
@@ -477,10 +468,10 @@ class GroupSchedule(Schedule):
             p.requires_grad_(trains)
         self._retrain(tuple(d["trainable"]))
         self.set_groups(d["groups"])
-        self._states = adopt_states(d["states"], self._states, what, self._maker)
-        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
-        self._carry.load(d["carried"], self._all)
-        self._scale.value = d["scale"]
+        self._states = adopt_states(d["states"], self._states, what, self._memory.maker)
+        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._memory.carry.load(d["carried"], lambda i: id(self._all[i]), lambda i: self._all[i].device)
+        self._memory.scale.value = d["scale"]
         self._load_extra_state(d)
 
     def _extra_state(self) -> dict:

@@ -243,7 +243,7 @@ class MGWFBP(GroupSchedule):
             for n in self.calibration_sizes:
                 gen = torch.Generator().manual_seed(comm.rank)
                 x = torch.randn(n, generator=gen)
-                state = self._maker.new(n, x.dtype, x.device, comm)
+                state = self._memory.maker.new(n, x.dtype, x.device, comm)
                 ts = []
                 for r in range(self.calibration_rounds + 1):
                     x.mul_(0.9).add_(torch.randn(n, generator=gen), alpha=0.1)

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError, NonFiniteError
-from ..memory import (LossScale, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual, join_residuals,
-                      snapshot, split_residual)
+from ..memory import (GradientMemory, StateMaker, active_scaler, adopt_states, flat_dtype, hold_residual,
+                      join_residuals, snapshot, split_residual)
 from .base import Schedule, check_layers, check_optimizer, layer_settings, optimizer_size, refused_job
 from .engine import Engine, Job, grads_in, point_grads, write_grads
 
@@ -94,15 +94,14 @@ class PipeSGD(Schedule):
             raise ValueError("the model has no trainable parameters")
         check_optimizer(optimizer, model, "PipeSGD")
         self._opt_size = optimizer_size(optimizer)
-        self._maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
         self.density = density
+        self.scaler = active_scaler(scaler)
+        maker = StateMaker(algorithm, density, algorithm_options, error_feedback, compressor, network)
+        self._memory = GradientMemory(maker, self.scaler)
         self.engine = Engine(group=group, comm=comm, threads=engine_threads, name="sparsecomm-pipesgd")
         self.state = self._new_state()
         self.options = {"state": self.state, "op": op, "compressor": compressor}
-        self.scaler = active_scaler(scaler)
-        self._scale = LossScale(self.scaler)
         self._accumulating = False
-        self._parked: dict[int, torch.Tensor] = {}  # residuals of frozen layers, by id of the parameter
         self._make_buffers()
         self.step_count = 0
         self._pending: Job | None = None  # the allreduce of the last step's gradient
@@ -181,7 +180,7 @@ class PipeSGD(Schedule):
         loss scale moved (see LossScale); the job in flight is waited for first, as it writes both."""
         if self.scaler is None:
             return
-        ratio = self._scale.moved()
+        ratio = self._memory.scale.moved()
         if ratio is None:
             return
         if self._pending is not None:
@@ -194,7 +193,7 @@ class PipeSGD(Schedule):
             self._ready.mul_(ratio)
         if getattr(self.state, "residual", None) is not None:
             self.state.residual.mul_(ratio)
-        for r in self._parked.values():
+        for r in self._memory.parked.values():
             r.mul_(ratio)
 
     def step(self) -> None:
@@ -245,7 +244,7 @@ class PipeSGD(Schedule):
 
     def _rebuild(self, flags: tuple) -> None:
         """The buffers and the state over the layers ``flags`` marks trainable."""
-        residuals = {**self._parked, **split_residual(self.params, getattr(self.state, "residual", None))}
+        residuals = {**self._memory.parked, **split_residual(self.params, getattr(self.state, "residual", None))}
         for p, trains in zip(self._all, flags):
             if not trains:
                 p.grad = None  # no longer reduced: a stale one would be stepped by each rank alone
@@ -254,12 +253,12 @@ class PipeSGD(Schedule):
         self.state = self._new_state()
         self.options["state"] = self.state
         hold_residual(self.state, join_residuals(self.params, residuals))
-        self._parked = {k: v for k, v in residuals.items() if k not in {id(p) for p in self.params}}
+        self._memory.parked = {k: v for k, v in residuals.items() if k not in {id(p) for p in self.params}}
         self._make_buffers()
 
     def _new_state(self) -> Any:
         """A state for one call over the trainable parameters (one flat buffer of their dtype)."""
-        return self._maker.for_params(self.params, self.engine.comm)
+        return self._memory.maker.for_params(self.params, self.engine.comm)
 
     def state_dict(self) -> dict:
         """Step count, the algorithm state and the aggregated gradient in flight (waited for; a
@@ -277,8 +276,8 @@ class PipeSGD(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "PipeSGD", "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "step_count": self.step_count, "algorithm_state": snapshot(self.state),
-                "in_flight": None if pending is None else pending.clone(), "scale": self._scale.value,
-                "parked": {index[k]: v.clone() for k, v in self._parked.items()}}
+                "in_flight": None if pending is None else pending.clone(), "scale": self._memory.scale.value,
+                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of the same model (ValueError for another model's); this
@@ -291,11 +290,11 @@ class PipeSGD(Schedule):
             p.requires_grad_(trains)
         self._follow_trainable()
         self.step_count = d["step_count"]
-        self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD", self._maker)[0]
+        self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD", self._memory.maker)[0]
         self.options["state"] = self.state
         self._ready = None if d["in_flight"] is None else d["in_flight"].clone()
-        self._scale.value = d["scale"]
-        self._parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._memory.scale.value = d["scale"]
+        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
 
     def close(self) -> None:
         self.engine.close()
