@@ -25,7 +25,7 @@ class HookCheckpoints:
         """What a checkpoint needs (take it between steps): step, per-parameter residuals and carried
         results, per-layout algorithm states, the layouts and the last step's orders, the scale."""
         algo = {}
-        for key, st in self.buckets.items():
+        for key, st in self.layout_states.items():
             copy = st.__class__.__new__(st.__class__)
             copy.__dict__ = {**st.__dict__, "residual": None}
             algo[key] = copy
@@ -43,6 +43,9 @@ class HookCheckpoints:
         return d
 
     def __setstate__(self, d: dict) -> None:
+        d = dict(d)
+        if "buckets" in d:  # pickled before the layouts' states had their own name
+            d["layout_states"] = d.pop("buckets")
         self.__dict__.update(d)
         if "_memory" not in d:  # pickled before the gradient memory was one object
             maker = StateMaker(self.algorithm, self.density, self.algorithm_options, self.error_feedback,
@@ -54,7 +57,7 @@ class HookCheckpoints:
             self.__dict__.pop("spec", None)
         if "_layouts" not in d:  # pickled before layouts were held: its states' layouts
             self._layouts, self._holder = {}, {}
-            for key in list(self.buckets):
+            for key in list(self.layout_states):
                 self._hold(key)
             self._staged_last, self._orders_last = [], None
             self._resumed, self.scaler = False, None
@@ -91,17 +94,17 @@ class HookCheckpoints:
         self._layouts, self._holder = {}, {}
         for key in d.get("layouts", list(d["algorithm_states"])):  # checkpoints before layouts: the states'
             self._hold(tuple(key))
-        self.buckets = {}
+        self.layout_states = {}
         for key, st in kept.items():
             st.residual = None
             if tuple(key) in self._layouts:
-                self.buckets[tuple(key)] = st
+                self.layout_states[tuple(key)] = st
         saved = d["residuals"]
-        for key, st in self.buckets.items():  # re-attach residuals to the saved layouts
+        for key, st in self.layout_states.items():  # re-attach residuals to the saved layouts
             here = [saved[i] for i in key if i in saved]
             if st.error_feedback and here:  # (else they wait, and the layout's next call adds them)
                 st.residual = torch.cat([saved[i] if i in saved else here[0].new_zeros(self._numel[i]) for i in key])
-        placed = {i for key, st in self.buckets.items() if st.error_feedback for i in key}
+        placed = {i for key, st in self.layout_states.items() if st.error_feedback for i in key}
         self._memory.parked = {i: r.clone() for i, r in saved.items() if i not in placed}
         self._memory.carry.load(d.get("carried", {}))
         self._staged_last = [tuple(o) for o in d.get("staged", [])]

@@ -54,6 +54,7 @@ again without communicating.
 # No "from __future__ import annotations" here: DDP checks the hook's annotations
 # against the real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -173,7 +174,7 @@ class SparseHookState(HookCheckpoints):
         self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self._numel = [p.numel() for p in model.parameters()]
         self.step = 0
-        self.buckets: Dict[Layout, State] = {}  # algorithm states of the held layouts reduced sparsely
+        self.layout_states: Dict[Layout, State] = {}  # algorithm states of the held layouts reduced sparsely
         self._layouts: Dict[Layout, None] = {}  # every held layout (an ordered set), dense ones too
         self._holder: Dict[int, Layout] = {}  # parameter -> the held layout it belongs to
         self._staged_last: List[Layout] = []  # orders staged in the last step
@@ -190,6 +191,12 @@ class SparseHookState(HookCheckpoints):
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0, "refused_steps": 0}
 
     @property
+    def buckets(self) -> Dict[Layout, State]:
+        """The old name of :attr:`layout_states` (a DDP bucket is not a layout); it will go."""
+        warnings.warn("SparseHookState.buckets is now layout_states", DeprecationWarning, stacklevel=2)
+        return self.layout_states
+
+    @property
     def comm(self) -> Communicator:
         if self._comm is None:
             self._comm = resolve(group=self.group, comm=self._comm_arg)
@@ -198,14 +205,14 @@ class SparseHookState(HookCheckpoints):
     # ---- per-parameter memory -----------------------------------------------------
     def _bucket_state(self, key: Layout, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """The algorithm state of held layout ``key``, made (with its parameters' residuals) when missing."""
-        state = self.buckets.get(key)
+        state = self.layout_states.get(key)
         if state is not None:
             return state
         state = self._memory.maker.new(sum(self._numel[i] for i in key), dtype, device, self.comm)
         self._memory.give(state, key, self._sizes(key))  # its parameters' parked residuals
         if state.residual is not None:
             state.residual = state.residual.to(device)
-        self.buckets[key] = state
+        self.layout_states[key] = state
         return state
 
     def _sizes(self, key: Layout) -> List[int]:
@@ -225,7 +232,7 @@ class SparseHookState(HookCheckpoints):
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every parameter's residual, by parameter position in ``model.parameters()``."""
         out = {i: r.clone() for i, r in self._memory.parked.items()}
-        for key, st in self.buckets.items():
+        for key, st in self.layout_states.items():
             out.update(split_flat(key, self._sizes(key), st.residual))
         return out
 
@@ -245,7 +252,7 @@ class SparseHookState(HookCheckpoints):
         for i in key:
             if self._holder.get(i) == key:
                 del self._holder[i]
-        st = self.buckets.pop(key, None)
+        st = self.layout_states.pop(key, None)
         if st is not None:
             self._memory.park(key, self._sizes(key), st.residual)
         self._canonical.pop(key, None)
@@ -346,7 +353,7 @@ class SparseHookState(HookCheckpoints):
     def _start_step(self, step: _Step) -> None:
         """Follow the scaler's scale; after a checkpoint, take the layout decisions of the step before it."""
         if step.scale is not None:  # residuals and carried results are in the scaler's units
-            self._memory.rescale(self._memory.scale.moved_to(step.scale), self.buckets.values())
+            self._memory.rescale(self._memory.scale.moved_to(step.scale), self.layout_states.values())
         if self._resumed and self._orders_last:
             step.pretend = True
             for order in self._orders_last:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,12 +119,12 @@ class Preselection:
     count: int
     values: torch.Tensor | None = None
     #: When the pass also counted the candidates at a ladder of ``rungs`` (host floats):
-    #: ``above[j]`` at or above rung j, ``top`` the largest magnitude, ``bucket`` each
+    #: ``above[j]`` at or above rung j, ``top`` the largest magnitude, ``rung`` each
     #: candidate's rung (``kernels.ef_select_counted``), read with the count.
     rungs: list[float] | None = None
     above: list[int] | None = None
     top: float | None = None
-    bucket: torch.Tensor | None = None
+    rung: torch.Tensor | None = None
     #: The largest |acc| of the call, when the pass saw every candidate (its largest, or
     #: the threshold when there were none): a bound on every value the call can send.
     peak: float | None = None
@@ -148,7 +149,7 @@ class Compensated:
         peak = (max(sel.top, threshold) if threshold is not None and sel.top is not None and sel.count <= capacity
                 else None)
         pre = Preselection(sel.indexes[:kept], sel.count, sel.values[:kept], rungs=rungs, above=sel.above,
-                           top=sel.top, bucket=None if sel.bucket is None else sel.bucket[:kept], peak=peak)
+                           top=sel.top, rung=None if sel.bucket is None else sel.bucket[:kept], peak=peak)
         return cls(acc, pre, nonfinite=sel.nonfinite, out_zeroed=out_zeroed)
 
     acc: torch.Tensor
@@ -178,8 +179,9 @@ class Compensated:
 
 @functools.lru_cache(maxsize=None)
 def _setting_names(cls: type) -> tuple[str, ...]:
-    """The ``__init__`` arguments of a State class (``inspect.signature``: ~0.5 ms, once per class)."""
-    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    """The ``__init__`` arguments of a State class (``inspect.signature``: ~0.5 ms, once per class),
+    without the old names of renamed settings (:attr:`State.RENAMED`)."""
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self" and p not in cls.RENAMED)
 
 
 class State:
@@ -199,6 +201,9 @@ class State:
     guided_topk = False
     #: Attributes that live for one call or are buffers: never saved in checkpoints.
     _TRANSIENT = ("_pool", "_maxima", "_scales_wanted")
+    #: Renamed settings, old name -> new: the old keyword still works (with a
+    #: DeprecationWarning, :meth:`_renamed`) and checkpoints that hold it load.
+    RENAMED: dict[str, str] = {}
     #: How many result buffers a plain call (no ``out=``) may keep (:meth:`result_buffer`):
     #: two serve ``out = allreduce(g, state=s)``, whose previous result lives through the call.
     RESULT_BUFFERS = 2
@@ -474,6 +479,22 @@ class State:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, d: dict) -> None:
+        d = dict(d)
+        for old, new in self.RENAMED.items():  # a checkpoint from before the rename
+            if old in d and new not in d:
+                d[new] = d.pop(old)
+        self.__dict__.update(d)
+
+    def _renamed(self, old: str, value: Any, current: Any) -> Any:
+        """``current``, or ``value`` given under the setting's old name ``old`` (with a warning)."""
+        if value is None:
+            return current
+        new = self.RENAMED[old]
+        warnings.warn(f"{type(self).__name__}({old}=) is now {new}=; the old name will go", DeprecationWarning,
+                      stacklevel=3)
+        return value
 
     def keep_all(self, acc: torch.Tensor) -> None:
         """After a call that delivered nothing: the whole accumulated input stays in the residual."""

@@ -35,10 +35,10 @@ def check_comm(comm: Communicator) -> dict:
     def part(i: int, j: int) -> list[int]:
         return [(16 * i + j) % 256] * ((i + 2 * j) % 3)
 
-    for bucket in (None, 2):
+    for window in (None, 2):
         send = torch.tensor(sum((part(r, j) for j in range(P)), []), dtype=torch.uint8)
         got = comm.alltoallv(send, [len(part(r, j)) for j in range(P)], [len(part(i, r)) for i in range(P)],
-                             bucket=bucket)
+                             window=window)
         assert got.tolist() == sum((part(i, r) for i in range(P)), []), got
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):

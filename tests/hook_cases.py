@@ -144,7 +144,7 @@ def conservation(rank: int, size: int, steps: int = 15, algorithm: str = "oktopk
     residuals = state.residuals()
     res = [residuals.get(i, torch.zeros(p.numel())).double().view_as(p) for i, p in enumerate(params)]
     return {"fed": fed, "results": results, "residuals": res, "layouts": layouts,
-            "state_layouts": set(state.buckets), "sparse": state.totals["sparse_buckets"]}
+            "state_layouts": set(state.layout_states), "sparse": state.totals["sparse_buckets"]}
 
 
 def save_restore(rank: int, size: int, make: str = "mlp", cap_mb: float | None = None, overlap: bool = False,

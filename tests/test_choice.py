@@ -114,10 +114,10 @@ def test_the_hook_chooses_per_bucket_and_its_checkpoint_keeps_the_choice():
         for _ in range(3):
             sparse_allreduce_hook(st, FakeBucket(params[:1], 0, False)).wait()
             sparse_allreduce_hook(st, FakeBucket(params[1:], 1, True)).wait()
-        chosen = {key: type(s).__name__ for key, s in st.buckets.items()}
+        chosen = {key: type(s).__name__ for key, s in st.layout_states.items()}
         again = SparseHookState(model, "auto", 0.01, min_bucket_elements=0, network="1gbe")
         again.load_state_dict(pickle.loads(pickle.dumps(st.state_dict())))
-        kept = {key: (type(s).__name__, s.iteration) for key, s in again.buckets.items()}
+        kept = {key: (type(s).__name__, s.iteration) for key, s in again.layout_states.items()}
         return chosen, kept
 
     for chosen, kept in sparsecomm.simulate(2, body).results:

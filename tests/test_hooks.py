@@ -238,7 +238,7 @@ def test_new_layout_inherits_residuals_and_state_pickles():
             kept = after[i] != 0
             assert kept.sum() > 0.8 * params[i].numel() and before[i].count_nonzero() > 0.8 * params[i].numel()
             assert torch.equal(after[i][kept], (before[i] + params[i].grad)[kept])
-        assert set(st.buckets) == {(2, 0)}  # keyed by the layout: the new bucket's own order
+        assert set(st.layout_states) == {(2, 0)}  # keyed by the layout: the new bucket's own order
         copy = pickle.loads(pickle.dumps(st))
         assert copy.residuals().keys() == after.keys()
         assert all(torch.equal(copy.residuals()[i], after[i]) for i in after)
@@ -313,14 +313,14 @@ def test_checkpoint_with_other_settings_keeps_this_hooks_settings_and_the_residu
         hook.load_state_dict(ckpt)
     assert all(torch.equal(hook.residuals()[i], saved.residuals()[i]) for i in (0, 1))
     sparse_allreduce_hook(hook, FakeBucket(params)).wait()
-    (state,) = hook.buckets.values()
+    (state,) = hook.layout_states.values()
     assert type(state) is sparsecomm.TopkAState and state.density == 0.2
     # The same settings: the saved state itself goes on, no warning.
     same = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(pickle.loads(pickle.dumps(saved.state_dict())))
-    assert [st.iteration for st in same.buckets.values()] == [3]
+    assert [st.iteration for st in same.layout_states.values()] == [3]
 
 
 def test_checkpoint_of_another_model_is_refused_at_load():
@@ -366,20 +366,20 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
                 got[i] += part.double()
 
         call([0, 1, 2])
-        first = st.buckets[(0, 1, 2)]
+        first = st.layout_states[(0, 1, 2)]
         call([2, 1, 0])  # once: copied into the layout (0, 1, 2)
-        assert set(st.buckets) == {(0, 1, 2)} and st.buckets[(0, 1, 2)] is first and first.iteration == 2
+        assert set(st.layout_states) == {(0, 1, 2)} and st.layout_states[(0, 1, 2)] is first and first.iteration == 2
         call([2, 1, 0])  # twice in a row: the new layout
-        assert set(st.buckets) == {(2, 1, 0)} and st.buckets[(2, 1, 0)].iteration == 1
+        assert set(st.layout_states) == {(2, 1, 0)} and st.layout_states[(2, 1, 0)].iteration == 1
         assert not st._canonical  # reduced in place: no copy buffer kept
-        rebuilt = st.buckets[(2, 1, 0)]
+        rebuilt = st.layout_states[(2, 1, 0)]
         call([0, 1, 2])  # a resumed run's first step: copied, the layout stays
         call([2, 1, 0])
-        assert set(st.buckets) == {(2, 1, 0)} and st.buckets[(2, 1, 0)] is rebuilt and rebuilt.iteration == 3
+        assert set(st.layout_states) == {(2, 1, 0)} and st.layout_states[(2, 1, 0)] is rebuilt and rebuilt.iteration == 3
         call([0, 1, 2])  # an order that alternates never takes over
-        assert st.buckets[(2, 1, 0)] is rebuilt and set(st._canonical) == {(2, 1, 0)}
+        assert st.layout_states[(2, 1, 0)] is rebuilt and set(st._canonical) == {(2, 1, 0)}
         call([0, 1])  # other sets: the old layout, and its copy buffer, go
-        assert set(st.buckets) == {(0, 1)} and not st._canonical
+        assert set(st.layout_states) == {(0, 1)} and not st._canonical
         return fed, got, st.residuals()
 
     res = sparsecomm.simulate(3, body).results

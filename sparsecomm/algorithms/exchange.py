@@ -10,7 +10,7 @@
   as a ``kernels.pack_message`` (indexes as 16-bit offsets within 65536-wide
   blocks where that is smaller) and sums what it receives for its own region.
   Every part travels in one ``Communicator.alltoallv``: in the destination
-  rotation (step s: send to i+s, receive from i-s, no hot spots), ``bucket``
+  rotation (step s: send to i+s, receive from i-s, no hot spots), ``window``
   steps in flight, on real engines; in one rendezvous in the simulated world.
 """
 
@@ -87,7 +87,7 @@ def region_sizes(starts: Sequence[int]) -> list[int]:
 
 def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[int],
                      comm: Communicator, index_dtype: torch.dtype, work_dtype: torch.dtype,
-                     bucket: int, region: Callable[[], torch.Tensor] | None = None, padded: bool = False,
+                     window: int, region: Callable[[], torch.Tensor] | None = None, padded: bool = False,
                      check: CarriedCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted region-relative indexes touched by any rank, and their sums over ranks.
 
@@ -149,7 +149,7 @@ def split_and_reduce(local_idx: torch.Tensor, values: Encoded, starts: Sequence[
     counts_in = list(recv_counts)
     counts_in[me] = 0
     recv_sizes = kernels.messages_bytes(counts_in, [span[me]] * P, index_dtype, codec.wire_dtype)
-    received = comm.alltoallv(send, send_sizes, recv_sizes, bucket)
+    received = comm.alltoallv(send, send_sizes, recv_sizes, window)
     # Parts are added in step order (from rank - 1, rank - 2, ...), so the sums are the same
     # whatever engine moved them.
     at = [0]

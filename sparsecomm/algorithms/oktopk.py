@@ -57,7 +57,8 @@ class OkTopkState(State):
             when it is (almost) all zero does the next call re-evaluate
             exactly. The global result is held within the bounds on every
             call (see ``_global_select``).
-        bucket: split-and-reduce steps whose messages are posted at once.
+        window: split-and-reduce steps whose messages are posted at once (``bucket=``, its old
+            name, still works with a DeprecationWarning).
         local_select: how the local threshold is re-evaluated every ``tau``
             calls (and when none could be estimated): ``"exact"`` selects exactly
             the top-k (the paper); ``"estimate"`` uses
@@ -91,17 +92,20 @@ class OkTopkState(State):
     global_spacing = 1 / 80
     #: The local rungs' spacing (see ``checked_select``); also the default for older checkpoints.
     local_spacing = 1 / 80
+    RENAMED = {"bucket": "window"}
 
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
                  balance_factor: float = 4.0, count_bounds: tuple[float, float] = (2 / 3, 4 / 3),
-                 bucket: int = 4, local_select: str = "exact", global_select: str = "auto") -> None:
+                 window: int = 4, local_select: str = "exact", global_select: str = "auto",
+                 bucket: int | None = None) -> None:
         super().__init__(density, error_feedback)
+        window = self._renamed("bucket", bucket, window)
         if local_select not in ("exact", "estimate"):
             raise ValueError(f"local_select must be 'exact' or 'estimate', got {local_select!r}")
         if global_select not in METHODS:
             raise ValueError(f"global_select must be one of {METHODS}, got {global_select!r}")
-        for name, value in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
+        for name, value in (("tau", tau), ("tau_prime", tau_prime), ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(balanced, bool):
@@ -111,7 +115,7 @@ class OkTopkState(State):
         lo, hi = count_bounds
         if not (0 <= lo <= 1 <= hi):
             raise ValueError(f"count_bounds must satisfy 0 <= low <= 1 <= high, got {count_bounds!r}")
-        self.tau, self.tau_prime, self.bucket = tau, tau_prime, bucket
+        self.tau, self.tau_prime, self.window = tau, tau_prime, window
         self.balanced, self.balance_factor = balanced, float(balance_factor)
         self.count_bounds = (float(lo), float(hi))
         self.local_select = local_select
@@ -227,7 +231,7 @@ def oktopk_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkSt
         sent_local = local.decoded(acc.dtype)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
         red_rel, red_val = split_and_reduce(local_idx, local, starts, comm, index_dtype,
-                                             acc.dtype, state.bucket, region, padded=True, check=check)
+                                             acc.dtype, state.window, region, padded=True, check=check)
         if check is not None:
             stats.events["check_carried"] = 1
 
@@ -297,8 +301,8 @@ def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
        of their selected indexes are summed (one allreduce), and the P-1 cuts
        split that global distribution into equal counts. Rank j owns region j.
     3. Split and reduce: region j's part goes to rank j, steps rotated
-       (step s: send to i+s, receive from i-s) and posted ``bucket`` steps at
-       a time, reducing one bucket while the next is in flight.
+       (step s: send to i+s, receive from i-s) and posted ``window`` steps at
+       a time, reducing one window's parts while the next is in flight.
     4. Global selection of the reduced entries: every ``tau`` calls exactly
        (distributed radix select, ``algorithms.distselect``); in between with
        the reused global threshold or a rung near it, whichever one round of
@@ -442,7 +446,7 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         # bucket > j: at or above edges[j]. Counts and masks both come from the buckets, so
         # they agree whatever mag holds (a NaN sum lands above every edge, where a comparison
         # would leave it out of the mask but not of the count), and zeros fall below every edge.
-        bucket, hist = kernels.bucketize(mag, edges)
+        rung, hist = kernels.bucketize(mag, edges)
         above = hist.flip(0).cumsum(0).flip(0)[1:]
         nonzero = torch.count_nonzero(mag).reshape(1).to(above.dtype)
         # int32 on the wire (the allgather is P x 18 counts, the only control traffic of a
@@ -464,7 +468,7 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
                 stats.events["global_moved"] = 1
                 if j in (0, 2 * GRID_HALF):
                     st.global_spacing = min(2 * s, SPACING_MAX)
-            return bucket > j, [row[j] for row in per_rank], peak
+            return rung > j, [row[j] for row in per_rank], peak
         # No rung fits: the grid is too coarse if the total jumps over the bounds between
         # two rungs (it is non-increasing along the grid), else too narrow, unless too few
         # reduced entries are nonzero for any threshold to fit.
@@ -480,7 +484,7 @@ def _global_select(val: torch.Tensor, k: int, st: OkTopkState, t: int, comm: Com
         enough = [j for j, total in enumerate(totals) if total >= k]
         if enough:  # the exact top-k are among the fewest candidates that hold k
             j = enough[-1]
-            masked = torch.where(bucket > j, mag, torch.zeros_like(mag))
+            masked = torch.where(rung > j, mag, torch.zeros_like(mag))
             mask, counts, st.global_threshold = global_topk_mask(masked, k, comm, st.global_select, totals[j])
             stats.events["global_corrected"] = 1
             return mask, counts, peak

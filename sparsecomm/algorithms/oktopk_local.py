@@ -218,10 +218,10 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
     lo, hi = st.count_bounds
     s = st.local_spacing
     if ladder is not None:  # counted by the fused pass, at these same rungs
-        rungs, above, top, bucket = ladder.rungs, list(ladder.above), ladder.top, ladder.bucket
+        rungs, above, top, rung = ladder.rungs, list(ladder.above), ladder.top, ladder.rung
     else:
         grid, rungs = rung_grid(floor, s, 0, LOCAL_BELOW + LOCAL_ABOVE, mag.dtype)
-        bucket, hist = kernels.bucketize(mag, kernels.dispatch.upload(grid, grid.dtype, mag.device))
+        rung, hist = kernels.bucketize(mag, kernels.dispatch.upload(grid, grid.dtype, mag.device))
         # One read for the counts (above[j]: candidates at or above rung j) and the largest
         # candidate (the ceiling of the next threshold): float64 holds both exactly.
         *above, top = torch.cat([hist.flip(0).cumsum(0).flip(0)[1:].to(torch.float64),
@@ -242,7 +242,7 @@ def _ladder_select(idx: torch.Tensor, val: torch.Tensor, mag: torch.Tensor, coun
         elif bracket_too_wide(above, k):
             st.local_spacing = max(s / 2, SPACING_MIN)
         if j:  # above the floor: keep the candidates at or above rung j (above[j] of them)
-            idx, val, mag = masked(bucket > j, idx, val, mag, count=above[j])
+            idx, val, mag = masked(rung > j, idx, val, mag, count=above[j])
         if j != LOCAL_BELOW:  # not the predicted threshold's rung
             stats.events["local_moved"] = 1
     return idx, val, mag, est, top

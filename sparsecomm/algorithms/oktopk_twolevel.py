@@ -78,10 +78,10 @@ class OkTopkTwoLevelState(OkTopkState):
     def __init__(self, density: float = 0.01, tau: int = 32, tau_prime: int = 64,
                  error_feedback: bool = True, balanced: bool = True,
                  balance_factor: float = 4.0, count_bounds: tuple[float, float] = (2 / 3, 4 / 3),
-                 bucket: int = 4, local_select: str = "exact", global_select: str = "auto",
-                 ranks_per_node: int | None = None, grid: bool = False) -> None:
+                 window: int = 4, local_select: str = "exact", global_select: str = "auto",
+                 ranks_per_node: int | None = None, grid: bool = False, bucket: int | None = None) -> None:
         super().__init__(density, tau, tau_prime, error_feedback, balanced, balance_factor, count_bounds,
-                         bucket, local_select, global_select)
+                         self._renamed("bucket", bucket, window), local_select, global_select)
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
                                            or ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")

@@ -27,15 +27,20 @@ __all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
 
 class TopkDSAState(State):
-    """State of TopkDSA: density, error feedback (default on) and the reduce-scatter bucket."""
+    """State of TopkDSA: density, error feedback (default on) and the reduce-scatter's window
+    (steps posted at once; ``bucket=``, its old name, still works with a DeprecationWarning)."""
 
     guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
 
-    def __init__(self, density: float = 0.01, error_feedback: bool = True, bucket: int = 4) -> None:
+    RENAMED = {"bucket": "window"}
+
+    def __init__(self, density: float = 0.01, error_feedback: bool = True, window: int = 4,
+                 bucket: int | None = None) -> None:
         super().__init__(density, error_feedback)
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket must be an integer >= 1, got {bucket!r}")
-        self.bucket = bucket
+        window = self._renamed("bucket", bucket, window)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.window = window
 
 
 @dataclass
@@ -72,7 +77,7 @@ def topkdsa_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSA
     with rec.phase("reduce_scatter"):
         mine = codec.encode_shared(comm, val)
         region = lambda: state.scratch("region", starts[me + 1] - starts[me], acc.dtype, acc.device)  # noqa: E731
-        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.bucket, region,
+        rel, val = split_and_reduce(idx, mine, starts, comm, index_dtype, acc.dtype, state.window, region,
                                     check=check)
     peak = preselected.peak if preselected is not None and codec.exact_for(acc.dtype) else None
     return _Reduced(acc, codec, stats, idx, mine.decoded(acc.dtype), rel, val, starts, index_dtype, peak)

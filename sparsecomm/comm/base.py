@@ -257,14 +257,14 @@ class Communicator(abc.ABC):
         return self._alltoall(t.contiguous())
 
     def alltoallv(self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
-                  bucket: int | None = None) -> torch.Tensor:
+                  window: int | None = None) -> torch.Tensor:
         """Rank r gets ``send_sizes[r]`` bytes of ``send`` (1-D uint8, the parts end to end in
         rank order); returns what every rank sent here, end to end in rank order
         (``recv_sizes[r]`` bytes from rank r, which both ends know).
 
         Counted as the point-to-point messages it is: one a peer with something to send.
         Backends move them with point-to-point sends in a rotation (step s: to rank + s,
-        from rank - s), ``bucket`` steps in flight at once (None: all), so that no rank is
+        from rank - s), ``window`` steps in flight at once (None: all), so that no rank is
         every peer's first destination; the simulated world moves them in one rendezvous
         and models each message's time as those sends would take.
         """
@@ -275,10 +275,10 @@ class Communicator(abc.ABC):
             raise ValueError(f"alltoallv: need 1-D uint8 bytes of {self.size} parts (own part the same size "
                              f"both ways), got {tuple(send.shape)} {send.dtype}, sizes {len(send_sizes)} and "
                              f"{len(recv_sizes)} summing to {sum(send_sizes)}")
-        return self._alltoallv(send.contiguous(), send_sizes, recv_sizes, bucket or self.size)
+        return self._alltoallv(send.contiguous(), send_sizes, recv_sizes, window or self.size)
 
     def _alltoallv(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                   bucket: int) -> torch.Tensor:
+                   window: int) -> torch.Tensor:
         """The rotation of point-to-point sends (a backend may override it with its own)."""
         P, me = self.size, self.rank
         out_at = [0]
@@ -293,7 +293,7 @@ class Communicator(abc.ABC):
 
         def post(first: int) -> list[Request]:
             recvs = []
-            for s in range(first, min(first + bucket, P)):
+            for s in range(first, min(first + window, P)):
                 dst, src = (me + s) % P, (me - s) % P
                 if recv_sizes[src]:
                     recvs.append(self.irecv(out[out_at[src]:out_at[src + 1]], src, _TAG_ALLTOALLV))
@@ -301,8 +301,8 @@ class Communicator(abc.ABC):
                     sends.append(self.isend(send[send_at[dst]:send_at[dst + 1]], dst, _TAG_ALLTOALLV))
             return recvs
 
-        # Bucket b + 1 is posted before bucket b is waited for: one bucket always in flight.
-        firsts = list(range(1, P, bucket))
+        # Bucket b + 1 is posted before window b is waited for: one window always in flight.
+        firsts = list(range(1, P, window))
         pending = post(firsts[0]) if firsts else []
         for b in range(len(firsts)):
             following = post(firsts[b + 1]) if b + 1 < len(firsts) else []

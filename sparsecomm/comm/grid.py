@@ -77,7 +77,7 @@ class GridCommunicator(Communicator):
 
     # ---- the two-hop exchanges ---------------------------------------------------
     def alltoallv(self, send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
-                  bucket: int | None = None) -> torch.Tensor:
+                  window: int | None = None) -> torch.Tensor:
         """``Communicator.alltoallv`` in two hops (module docstring), after a hop of sizes.
 
         1. Sizes: each rank tells every intermediate of its parts the size of each.
@@ -87,7 +87,7 @@ class GridCommunicator(Communicator):
         """
         P, me, inner = self.size, self.rank, self.inner
         if P <= 2:
-            return inner.alltoallv(send, send_sizes, recv_sizes, bucket)
+            return inner.alltoallv(send, send_sizes, recv_sizes, window)
         sizes = np.asarray([int(x) for x in send_sizes], dtype=np.int64)
         want = np.asarray([int(x) for x in recv_sizes], dtype=np.int64)
         if send.numel() != int(sizes.sum()) or sizes[me] != want[me]:
@@ -109,7 +109,7 @@ class GridCommunicator(Communicator):
         head_in = np.zeros(P, dtype=np.int64)
         for s, ds in relayed:
             head_in[s] = 8 * ds.size
-        got = inner.alltoallv(head.view(torch.uint8), head_out.tolist(), head_in.tolist(), bucket)
+        got = inner.alltoallv(head.view(torch.uint8), head_out.tolist(), head_in.tolist(), window)
         relay_sizes = got.view(torch.int64).numpy() if got.numel() else np.zeros(0, np.int64)
 
         # 2. hop 1: the parts themselves.
@@ -128,7 +128,7 @@ class GridCommunicator(Communicator):
             for d, size in zip(ds.tolist(), part.tolist()):
                 held.append((s, d, size, pos))
                 pos += size
-        hop1 = inner.alltoallv(out1, hop1_out.tolist(), hop1_in.tolist(), bucket)
+        hop1 = inner.alltoallv(out1, hop1_out.tolist(), hop1_in.tolist(), window)
 
         # 3. hop 2: what this rank holds for others (its own parts it relays itself among them).
         own = ranks[(via_out == me) & (ranks != me)]
@@ -148,7 +148,7 @@ class GridCommunicator(Communicator):
         hop2_in = np.zeros(P, dtype=np.int64)
         relayed_in = (via_in != me) & (ranks != me)
         np.add.at(hop2_in, via_in[relayed_in], want[relayed_in])
-        hop2 = inner.alltoallv(out2, hop2_out.tolist(), hop2_in.tolist(), bucket)
+        hop2 = inner.alltoallv(out2, hop2_out.tolist(), hop2_in.tolist(), window)
 
         # 4. in origin order: hop 2's (by intermediate, then origin), hop 1's own parts, mine.
         start = np.zeros(P, dtype=np.int64)

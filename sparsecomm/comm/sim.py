@@ -381,7 +381,7 @@ class SimCommunicator(Communicator):
         return _raise_if_message(self._exchange("alltoall", t, stack))[:, self.rank].clone()
 
     def _alltoallv(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                   bucket: int) -> torch.Tensor:
+                   window: int) -> torch.Tensor:
         """All parts in one rendezvous: every byte moved by one gather over the whole world, each
         rank's clock as the rotation of point-to-point sends would leave it (:func:`_rotation_clocks`)."""
         me, net = self.rank, self._world.network
@@ -409,7 +409,7 @@ class SimCommunicator(Communicator):
             return flat[where], np.concatenate([[0], np.cumsum(recv)]), clocks
 
         payload = (send, np.asarray(send_sizes, dtype=np.int64), np.asarray(recv_sizes, dtype=np.int64), self.clock,
-                   bucket)
+                   window)
         gathered, at, clocks = _raise_if_message(self._exchange("alltoallv", payload, combine))
         if clocks is not None:
             self.clock = float(clocks[me])
@@ -437,11 +437,11 @@ class SimCommunicator(Communicator):
         self._exchange("barrier", None)
 
 
-def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, alpha: "float | np.ndarray",
+def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], window: int, alpha: "float | np.ndarray",
                      beta: "float | np.ndarray") -> np.ndarray:
     """Every rank's clock after the point-to-point rotation of ``Communicator._alltoallv``.
 
-    Each rank posts bucket b + 1 before it waits for bucket b. A send of m bytes occupies
+    Each rank posts window b + 1 before it waits for window b. A send of m bytes occupies
     its sender for beta m and arrives alpha + beta m after it starts; a receive completes
     no earlier than its arrival: the model of ``isend``/``irecv``, with the same floating
     point operations in the same order (so the same times to the bit), over the whole
@@ -454,7 +454,7 @@ def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, al
 
     def send(first: int) -> None:
         nonlocal clock
-        steps = np.arange(first, min(first + bucket, P))[None, :]
+        steps = np.arange(first, min(first + window, P))[None, :]
         dst = (ranks + steps) % P
         nbytes = sizes[ranks, dst]
         a, b = (alpha[ranks, dst], beta[ranks, dst]) if np.ndim(alpha) else (alpha, beta)
@@ -464,13 +464,13 @@ def _rotation_clocks(sizes: np.ndarray, clocks: Sequence[float], bucket: int, al
 
     def wait(first: int) -> None:
         nonlocal clock
-        steps = np.arange(first, min(first + bucket, P))[None, :]
+        steps = np.arange(first, min(first + window, P))[None, :]
         src = (ranks - steps) % P
         arrived = arrivals.pop(first)[src, steps - first]
         arrived = np.where(sizes[src, ranks] > 0, arrived, -np.inf)
         clock = np.maximum(clock, arrived.max(axis=1))
 
-    firsts = list(range(1, P, bucket))
+    firsts = list(range(1, P, window))
     if firsts:
         send(firsts[0])
     for b, first in enumerate(firsts):

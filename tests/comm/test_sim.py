@@ -100,8 +100,8 @@ def test_sixty_four_ranks_one_million_elements():
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 8, 13])
-@pytest.mark.parametrize("bucket", [1, 2, 4, None])
-def test_alltoallv_in_one_rendezvous_moves_counts_and_times_as_point_to_point_sends(P, bucket):
+@pytest.mark.parametrize("window", [1, 2, 4, None])
+def test_alltoallv_in_one_rendezvous_moves_counts_and_times_as_point_to_point_sends(P, window):
     # The simulated world's alltoallv (one gather over the world) against the backends' rotation
     # of isend/irecv: the same bytes, counters and modelled clocks, to the bit. Ranks enter at
     # different clocks (an allgather of unequal sizes first is not enough: a p2p send is).
@@ -120,9 +120,9 @@ def test_alltoallv_in_one_rendezvous_moves_counts_and_times_as_point_to_point_se
         before = c.stats.snapshot()
         ss, rs = sizes[rank].tolist(), sizes[:, rank].tolist()
         if native:
-            got = c.alltoallv(send, ss, rs, bucket)
+            got = c.alltoallv(send, ss, rs, window)
         else:
-            got = sparsecomm.comm.Communicator._alltoallv(c, send, ss, rs, bucket or P)
+            got = sparsecomm.comm.Communicator._alltoallv(c, send, ss, rs, window or P)
         return got, c.stats - before, c.clock
 
     native = sparsecomm.simulate(P, body, True, network="pizdaint")

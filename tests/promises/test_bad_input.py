@@ -222,12 +222,27 @@ def test_peer_exception_does_not_hang_others():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"density": 0}, "density"), ({"tau": 0}, "tau"), ({"tau_prime": 1.5}, "tau_prime"),
-    ({"bucket": True}, "bucket"), ({"balance_factor": 0.5}, "balance_factor"),
+    ({"window": True}, "window"), ({"balance_factor": 0.5}, "balance_factor"),
     ({"count_bounds": (1.2, 2)}, "count_bounds"), ({"error_feedback": "yes"}, "error_feedback"),
 ])
 def test_state_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sparsecomm.OkTopkState(**kwargs)
+
+
+def test_a_renamed_setting_works_under_its_old_name_with_a_warning_and_old_checkpoints_load():
+    # OkTopkState(bucket=) and TopkDSAState(bucket=) are window= now ("bucket" is DDP's word).
+    for cls in (sparsecomm.OkTopkState, sparsecomm.TopkDSAState):
+        with pytest.warns(DeprecationWarning, match="is now window="):
+            st = cls(0.05, bucket=2)
+        assert st.window == 2 and "bucket" not in st.settings()
+        with pytest.raises(ValueError, match="window"):
+            cls(0.05, bucket=0)
+        old = st.__getstate__()
+        old["bucket"] = old.pop("window")  # as a checkpoint from before the rename holds it
+        back = cls.__new__(cls)
+        back.__setstate__(old)
+        assert back.window == 2 and back.settings() == st.settings()
 
 
 def test_state_pickles_with_its_residual():
