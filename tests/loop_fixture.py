@@ -38,6 +38,19 @@ def _roundtrip(obj: dict) -> dict:
     return torch.load(buf)
 
 
+def _checkpoint(saved: dict | None, before, parts: dict) -> dict | None:
+    """Run ``before`` and return a checkpoint of ``parts`` (name -> an object with a state_dict),
+    taken through torch.save at once (a state_dict's tensors are the live ones, which later
+    steps change); or, given ``saved``, load it into them, in that order, and return None."""
+    if saved is None:
+        before()
+        return _roundtrip({name: part.state_dict() for name, part in parts.items()})
+    saved = _roundtrip(saved)
+    for name, part in parts.items():
+        part.load_state_dict(saved[name])
+    return None
+
+
 def _poison(param: torch.nn.Parameter):
     return param.register_hook(lambda g: g * float("nan"))
 
@@ -69,16 +82,8 @@ def _schedule_steps(rank: int, name: str, net, opt, sched, events: list[str], fi
 def schedule_loop(rank: int, name: str, algorithm: str, saved: dict | None = None) -> tuple[dict | None, str]:
     """One schedule's loop on this rank (``sparsecomm.simulate``): (its checkpoint, the digest)."""
     net, opt, sched = loop_cases.build(name, algorithm)
-    ckpt = None
-    if saved is None:
-        _schedule_steps(rank, name, net, opt, sched, BEFORE, 0)
-        # Through torch.save at once: a state_dict's tensors are the live ones, which the steps change.
-        ckpt = _roundtrip({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
-    else:
-        saved = _roundtrip(saved)
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
+    ckpt = _checkpoint(saved, lambda: _schedule_steps(rank, name, net, opt, sched, BEFORE, 0),
+                       {"model": net, "opt": opt, "sched": sched})
     _schedule_steps(rank, name, net, opt, sched, AFTER, len(BEFORE))
     sched.close()
     return ckpt, digest(net.parameters())
@@ -107,14 +112,7 @@ def adamw_loop(rank: int, saved: dict | None = None) -> tuple[dict | None, str]:
                 for h in handles:
                     h.remove()
 
-    ckpt = None
-    if saved is None:
-        steps(BEFORE, 0)
-        ckpt = _roundtrip({"model": net.state_dict(), "opt": opt.state_dict()})
-    else:
-        saved = _roundtrip(saved)
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
+    ckpt = _checkpoint(saved, lambda: steps(BEFORE, 0), {"model": net, "opt": opt})
     steps(AFTER, len(BEFORE))
     return ckpt, digest(net.parameters())
 
@@ -146,14 +144,8 @@ def hook_loop(rank: int, size: int, checkpoints: list | None = None) -> tuple[di
                 for h in handles:
                     h.remove()
 
-    ckpt, saved = None, None if checkpoints is None else checkpoints[rank]
-    if saved is None:
-        steps(0, 4, bad=3)  # a checkpoint from the second step on resumes exactly
-        ckpt = _roundtrip({"model": net.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
-    else:
-        saved = _roundtrip(saved)
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state.load_state_dict(saved["hook"])
+    saved = None if checkpoints is None else checkpoints[rank]
+    # A checkpoint from the second step on resumes exactly.
+    ckpt = _checkpoint(saved, lambda: steps(0, 4, bad=3), {"model": net, "opt": opt, "hook": state})
     steps(4, 8, bad=None)
     return ckpt, digest(net.parameters())
