@@ -8,9 +8,9 @@ A call's modelled time on the busiest rank (the calibration's model, ``tools.cal
 
     T = alpha * M + beta * B + gamma_a * n + delta_a
 
-* M, B: the critical-path messages and bytes of a steady call, from :func:`traffic`'s
-  formulas (fitted to the simulated world's counts, which ``tests/test_choice.py`` holds
-  them to).
+* M, B: the critical-path messages and bytes of a steady call, from the algorithm's traffic
+  model (``register(traffic=)``, read by :func:`traffic`; fitted to the simulated world's
+  counts, which ``tests/test_choice.py`` holds them to).
 * alpha, beta: the network profile (:func:`profile`): ``network=``, else the
   ``SPARSECOMM_AUTO_NETWORK`` variable, else the simulated world's network, else ``10gbe``.
   A profile saved by ``sparsecomm calibrate --save`` also brings its measured local costs.
@@ -29,7 +29,6 @@ bucket), so thresholds and residuals are never stranded by a switch.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from . import registry
 from .comm import resolve
 from .compress import get_compressor
-from .network import PROFILES, Network, TwoLevel, profile_dir, resolve_network
+from .network import PROFILES, Network, TwoLevel, Traffic, profile_dir, resolve_network
 from .state import State, check_density, topk_count
 
 __all__ = ["AUTO", "CANDIDATES", "LOCAL_ADDS", "LOCAL_CALL_S", "ADD_S_PER_ELEMENT", "Traffic", "Profile",
@@ -63,25 +62,6 @@ LOCAL_CALL_S = {"dense": 0.2e-3, "oktopk": 0.7e-3, "oktopk2d": 0.8e-3}
 
 
 @dataclass(frozen=True)
-class Traffic:
-    """Critical-path messages and bytes of the busiest rank in one steady call; ``intra_*``:
-    the part of them that stays within a node (two-level algorithms only)."""
-
-    messages: float
-    bytes: float
-    intra_messages: float = 0.0
-    intra_bytes: float = 0.0
-
-    def time(self, network: "Network | TwoLevel") -> float:
-        """Modelled seconds on ``network``: the node's part on a two-level network's ``intra``
-        link, everything else (all of it on one level) on the network's ``inter`` one."""
-        if isinstance(network, TwoLevel):
-            return network.inter.time(self.messages, self.bytes) + network.intra.time(self.intra_messages,
-                                                                                      self.intra_bytes)
-        return network.time(self.messages + self.intra_messages, self.bytes + self.intra_bytes)
-
-
-@dataclass(frozen=True)
 class Profile:
     """A network (alpha s/message, beta s/byte) and, when calibrated, local costs per algorithm."""
 
@@ -92,70 +72,21 @@ class Profile:
 
 def traffic(algorithm: str, n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1,
             grid: bool = False) -> Traffic:
-    """Critical-path messages and bytes of a steady call of ``algorithm`` on the busiest rank.
+    """Critical-path messages and bytes of a steady call of ``algorithm`` on the busiest rank:
+    its registered model (``register(traffic=)``, beside the algorithm; ValueError without one).
 
-    1. dense: reduce-scatter and allgather by recursive halving and doubling (the simulated
-       world's and MPI's for powers of two): 2 ceil(log2 P) messages, 2 (P - 1) / P of the
-       tensor.
-    2. oktopk: a split-and-reduce to every other rank and a gather from every other rank,
-       each with its sizes: 4 (P - 1) messages; bytes: 2 k (P - 1) / P entries of an index
-       and a value (:data:`_ENTRY_SHARE` of that: indexes travel as 16-bit offsets where
-       they fit), and the control words (counts, boundaries, the check), 800 + 50 P bytes.
-    3. oktopk2d: the same exchanges in two hops on a grid of c = ceil(sqrt P) columns and
-       r = ceil(P / c) rows: 6 (c + r - 2) messages, :data:`_GRID_DATA` times the data (an
-       entry travels twice, a part of it combined on the way). Two ranks make no grid.
-
-    4. oktopk2l, G ranks a node: within the node a dense reduce-scatter in the work dtype
-       (ceil(log2 G) messages, 4 n (G - 1) / G bytes) and an all-gather of the shards'
-       results (2 (G - 1) messages, 8 k (G - 1) / G bytes and 16 a peer); between nodes
-       Ok-Topk's traffic on n/G entries, ceil(k/G) selected, P/G ranks (``grid``: oktopk2d's).
-    5. The baselines, for projections (``benchmarks/two_level_projection.py``): gtopk, a tree
-       up and down (2 log2 P messages of k entries, 9 bytes each with a float32 value, and a
-       16-byte header); topka, an allgather of every rank's k entries (16-bit offsets) and of
-       the counts (2 (P - 1) messages, 6k + 24 bytes from each peer); cltk, the
-       leader's k indexes broadcast and an allreduce of k values (2.5 log2 P + 0.5
-       messages on average over a period of two calls, (log2 P + 1) 4k + 2k (P - 1)/P value bytes).
-
-    Fitted to the simulated world at P = 2 to 16 (``tests/test_choice.py`` holds them within
-    30%) and checked against its counts at P = 64 to 1024
-    (``benchmarks/results/2026-11-26-cpu-vm-oktopk2d-at-scale/rows.csv``: within 21%).
+    Each model is fitted to the simulated world at P = 2 to 16 (``tests/test_choice.py`` holds
+    them within 30%) and, for Ok-Topk and its grid, checked against its counts at P = 64 to
+    1024 (``benchmarks/results/2026-11-26-cpu-vm-oktopk2d-at-scale/rows.csv``: within 21%).
+    ``ranks_per_node`` and ``grid`` are the two-level algorithm's (``oktopk2l``); the others
+    ignore them.
     """
+    model = registry.get(algorithm).traffic
+    if model is None:
+        raise ValueError(f"no traffic model for {algorithm!r}")
     if P <= 1:
         return Traffic(0.0, 0.0)
-    G = ranks_per_node if algorithm == "oktopk2l" else 1
-    if G > 1:
-        m, kk = -(-n // G), -(-k // G)
-        node = Traffic(0.0, 0.0, math.ceil(math.log2(G)) + 2.0 * (G - 1),
-                       4.0 * n * (G - 1) / G + 8.0 * kk * (G - 1) + 16.0 * (G - 1))
-        across = traffic("oktopk2d" if grid else "oktopk", m, kk, P // G, value_bytes)
-        return Traffic(across.messages, across.bytes, node.intra_messages, node.intra_bytes)
-    levels = math.ceil(math.log2(P))
-    entry = value_bytes + _INDEX_BYTES
-    if algorithm == "dense":
-        return Traffic(2.0 * levels, 2.0 * (P - 1) / P * n * value_bytes)
-    if algorithm == "gtopk":
-        return Traffic(2.0 * levels, 2.0 * levels * (k * (entry + 1) + 16))
-    if algorithm == "topka":
-        return Traffic(2.0 * (P - 1), (P - 1) * (k * (value_bytes + 2) + 24.0))
-    if algorithm == "cltk":
-        return Traffic(2.5 * levels + 0.5, (levels + 1) * 4.0 * k + 2.0 * k * (P - 1) / P * value_bytes)
-    data = 2.0 * k * (P - 1) / P * entry * _ENTRY_SHARE
-    control = 800.0 + 50.0 * P
-    if algorithm in ("oktopk", "oktopk2l") or (algorithm == "oktopk2d" and P <= 2):
-        return Traffic(4.0 * (P - 1), data + control)
-    if algorithm == "oktopk2d":
-        cols = math.ceil(math.sqrt(P))
-        rows = math.ceil(P / cols)
-        return Traffic(6.0 * (cols + rows - 2), _GRID_DATA * data + control)
-    raise ValueError(f"no traffic model for {algorithm!r}")
-
-
-#: Bytes of an index on the wire, where it does not fit 16 bits.
-_INDEX_BYTES = 4
-#: A steady Ok-Topk call's data bytes over 2k(P-1)/P full entries (16-bit offsets save the rest).
-_ENTRY_SHARE = 0.83
-#: The grid's data over Ok-Topk's.
-_GRID_DATA = 1.4
+    return model(n, k, P, value_bytes, ranks_per_node, grid)
 
 
 def profile(network: Any = None, comm: Any = None) -> "Profile":

@@ -148,3 +148,22 @@ def resolve_network(network: "str | tuple[float, float] | Network | TwoLevel | N
                          "by `sparsecomm calibrate --save` (or its .json path), or a custom (alpha, beta) pair")
     alpha, beta = network
     return Network(float(alpha), float(beta))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Critical-path messages and bytes of the busiest rank in one steady call; ``intra_*``:
+    the part of them that stays within a node (two-level algorithms only)."""
+
+    messages: float
+    bytes: float
+    intra_messages: float = 0.0
+    intra_bytes: float = 0.0
+
+    def time(self, network: Network | TwoLevel) -> float:
+        """Modelled seconds on ``network``: the node's part on a two-level network's ``intra``
+        link, everything else (all of it on one level) on the network's ``inter`` one."""
+        if isinstance(network, TwoLevel):
+            return network.inter.time(self.messages, self.bytes) + network.intra.time(self.intra_messages,
+                                                                                      self.intra_bytes)
+        return network.time(self.messages + self.intra_messages, self.bytes + self.intra_bytes)

@@ -44,13 +44,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .network import Traffic
 from .result import SparseResult
 from .state import State, allow_in_checkpoints
 
-__all__ = ["AlgorithmSpec", "Volume", "register", "get", "names", "tree_levels"]
+__all__ = ["AlgorithmSpec", "Volume", "TrafficModel", "INDEX_BYTES", "register", "get", "names", "tree_levels"]
 
 #: ``volume(n, k, P)`` -> (lower, upper) words (4 bytes) received per rank by one call.
 Volume = Callable[[int, int, int], tuple[float, float]]
+#: ``traffic(n, k, P, value_bytes, ranks_per_node, grid)`` -> the busiest rank's critical-path
+#: messages and bytes in one steady call, for P > 1 (``choice.traffic``: what ``"auto"`` and the
+#: projections model; ``ranks_per_node`` and ``grid`` matter to two-level algorithms only).
+TrafficModel = Callable[[int, int, int, float, int, bool], Traffic]
+#: Bytes of an index on the wire where it does not fit 16 bits (traffic models use it).
+INDEX_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class AlgorithmSpec:
     takes_check: bool = False
     #: Its communication volume by formula (Table 1 of the Ok-Topk paper), or None.
     volume: Volume | None = None
+    #: Its modelled traffic in a steady call (fitted to the simulated world), or None.
+    traffic: TrafficModel | None = None
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -74,7 +83,7 @@ _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 def register(name: str, state_class: type[State], *,
              split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None,
-             volume: Volume | None = None) -> Callable:
+             volume: Volume | None = None, traffic: TrafficModel | None = None) -> Callable:
     """Decorator registering an algorithm function under ``name``.
 
     Args:
@@ -83,6 +92,8 @@ def register(name: str, state_class: type[State], *,
         split: its two halves, if it has them (see the module docstring).
         volume: words received per rank, (lower, upper), as a function of (n, k, P):
             what ``sparsecomm study volume`` compares the measured traffic with.
+        traffic: its steady call's modelled traffic (:data:`TrafficModel`): what ``"auto"``
+            chooses by and the projections use.
     """
 
     def deco(fn: Callable[..., SparseResult]) -> Callable[..., SparseResult]:
@@ -94,7 +105,8 @@ def register(name: str, state_class: type[State], *,
             if split is not None and taken != (arg in inspect.signature(split[0]).parameters):
                 raise ValueError(f"algorithm {name!r}: fn and its first half must both take {arg}=, or neither")
         _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split, takes_limit=takes["limit"],
-                                        takes_check=takes["check"], volume=volume)
+                                        takes_check=takes["check"], volume=volume,
+                                        traffic=traffic)
         state_class.algorithm = name
         allow_in_checkpoints(state_class)
         return fn

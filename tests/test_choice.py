@@ -17,6 +17,19 @@ from sparsecomm.tools.calibrate import traffic as simulated_traffic
 from test_hooks import FakeBucket, _params
 
 
+def test_each_algorithms_traffic_model_is_registered_beside_it():
+    # One place per formula: choice.traffic reads the registry, so a candidate (or a projection's
+    # algorithm) without a model is refused by name, not modelled by another's.
+    for name in sparsecomm.algorithms():
+        model = sparsecomm.registry.get(name).traffic
+        assert (model is None) == (name in ("topkdsa", "gaussiank")), name
+        if model is not None:
+            assert model.__module__ == sparsecomm.registry.get(name).fn.__module__, name
+            assert choice.traffic(name, 1000, 10, 1, 4) == choice.Traffic(0.0, 0.0)  # one rank sends nothing
+    with pytest.raises(ValueError, match="no traffic model for 'topkdsa'"):
+        choice.traffic("topkdsa", 1000, 10, 4, 4)
+
+
 @pytest.mark.parametrize("algorithm", choice.CANDIDATES)
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 def test_the_traffic_model_follows_the_simulated_world(algorithm, P):

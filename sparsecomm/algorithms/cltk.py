@@ -16,6 +16,7 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor
+from ..network import Traffic
 from ..registry import register, tree_levels
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
@@ -57,7 +58,14 @@ def cltk_volume(n: int, k: int, P: int) -> tuple[float, float]:
     return 2 * k * f, 2 * k * max(tree_levels(P), 1 if P > 1 else 0) + 2 * k * f
 
 
-@register("cltk", CltkState, volume=cltk_volume)
+def cltk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1, grid: bool = False) -> Traffic:
+    """The leader's k indexes broadcast and an allreduce of k values: 2.5 log2 P + 0.5 messages
+    on average over a period of two calls, (log2 P + 1) 4k + 2k (P - 1) / P value bytes."""
+    levels = tree_levels(P)
+    return Traffic(2.5 * levels + 0.5, (levels + 1) * 4.0 * k + 2.0 * k * (P - 1) / P * value_bytes)
+
+
+@register("cltk", CltkState, volume=cltk_volume, traffic=cltk_traffic)
 def cltk(acc: torch.Tensor, k: int, comm: Communicator, state: CltkState,
          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """Shared-index top-k (CLT-k) sparse allreduce.

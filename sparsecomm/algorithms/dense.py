@@ -16,7 +16,8 @@ import torch
 
 from ..comm.base import Communicator, Request
 from ..compress import Compressor
-from ..registry import register
+from ..network import Traffic
+from ..registry import register, tree_levels
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State
 from .exchange import equal_boundaries
@@ -130,7 +131,13 @@ def dense_volume(n: int, k: int, P: int) -> tuple[float, float]:
     return 2 * n * f, 2 * n * f
 
 
-@register("dense", DenseState, split=(dense_reduce, dense_gather), volume=dense_volume)
+def dense_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1, grid: bool = False) -> Traffic:
+    """Reduce-scatter and allgather by recursive halving and doubling (the simulated world's and
+    MPI's for powers of two): 2 ceil(log2 P) messages, 2 (P - 1) / P of the tensor."""
+    return Traffic(2.0 * tree_levels(P), 2.0 * (P - 1) / P * n * value_bytes)
+
+
+@register("dense", DenseState, split=(dense_reduce, dense_gather), volume=dense_volume, traffic=dense_traffic)
 def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
           codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
     """Dense allreduce of every value through the communicator.

@@ -24,7 +24,8 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
-from ..registry import register, tree_levels
+from ..network import Traffic
+from ..registry import INDEX_BYTES, register, tree_levels
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 
@@ -60,7 +61,14 @@ def gtopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
     return 4 * k * tree_levels(P), 4 * k * tree_levels(P)
 
 
-@register("gtopk", GTopkState, volume=gtopk_volume)
+def gtopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1, grid: bool = False) -> Traffic:
+    """A tree up and down: 2 log2 P messages of k entries (an index, a value and a byte each)
+    and a 16-byte header."""
+    levels = tree_levels(P)
+    return Traffic(2.0 * levels, 2.0 * levels * (k * (value_bytes + INDEX_BYTES + 1) + 16))
+
+
+@register("gtopk", GTopkState, volume=gtopk_volume, traffic=gtopk_traffic)
 def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """gTopk sparse allreduce (tree of top-k merges, then delivery to all).

@@ -18,7 +18,8 @@ from .. import kernels
 from ..check import CarriedCheck
 from ..comm.base import Communicator
 from ..compress import Compressor, Encoded
-from ..registry import register
+from ..network import Traffic
+from ..registry import INDEX_BYTES, register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, count_dtype, global_topk_mask
@@ -287,7 +288,29 @@ def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
     return 2 * k * f, 6 * k * f
 
 
-@register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather), volume=oktopk_volume)
+#: A steady Ok-Topk call's data bytes over 2k(P-1)/P full entries (16-bit offsets save the rest).
+ENTRY_SHARE = 0.83
+
+
+def oktopk_data_bytes(k: int, P: int, value_bytes: float) -> float:
+    """The entries a steady call's busiest rank sends: 2 k (P - 1) / P of an index and a value,
+    :data:`ENTRY_SHARE` of that (indexes travel as 16-bit offsets where they fit)."""
+    return 2.0 * k * (P - 1) / P * (value_bytes + INDEX_BYTES) * ENTRY_SHARE
+
+
+def control_bytes(P: int) -> float:
+    """The control words of a call (counts, boundaries, the check): 800 + 50 P bytes."""
+    return 800.0 + 50.0 * P
+
+
+def oktopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1, grid: bool = False) -> Traffic:
+    """A split-and-reduce to every other rank and a gather from every other rank, each with its
+    sizes: 4 (P - 1) messages; the data and control bytes."""
+    return Traffic(4.0 * (P - 1), oktopk_data_bytes(k, P, value_bytes) + control_bytes(P))
+
+
+@register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather), volume=oktopk_volume,
+          traffic=oktopk_traffic)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
            codec: Compressor, preselected: Preselection | None = None,
            check: CarriedCheck | None = None) -> SparseResult:

@@ -27,16 +27,20 @@ the parts' sizes (s words from each row peer): between 3k(1 - 1/s) and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..check import CarriedCheck
 from ..comm.base import Communicator
 from ..comm.grid import GridCommunicator
 from ..compress import Compressor
+from ..network import Traffic
 from ..registry import register
 from ..result import SparseResult
 from ..state import Preselection
-from .oktopk import OkTopkState, _Reduced, oktopk, oktopk_gather, oktopk_reduce
+from .oktopk import (OkTopkState, _Reduced, control_bytes, oktopk, oktopk_data_bytes, oktopk_gather, oktopk_reduce,
+                     oktopk_traffic)
 
 __all__ = ["OkTopkGridState", "oktopk2d", "oktopk2d_volume", "on_grid"]
 
@@ -70,7 +74,23 @@ def oktopk2d_gather(r: _Reduced, comm: Communicator) -> SparseResult:
     return oktopk_gather(r, on_grid(comm))
 
 
-@register("oktopk2d", OkTopkGridState, split=(oktopk2d_reduce, oktopk2d_gather), volume=oktopk2d_volume)
+#: The grid's data over Ok-Topk's (an entry travels twice, a part of it combined on the way).
+GRID_DATA = 1.4
+
+
+def oktopk2d_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1,
+                     grid: bool = False) -> Traffic:
+    """Ok-Topk's exchanges in two hops on a grid of c = ceil(sqrt P) columns and r = ceil(P / c)
+    rows: 6 (c + r - 2) messages, :data:`GRID_DATA` times the data. Two ranks make no grid."""
+    if P <= 2:
+        return oktopk_traffic(n, k, P, value_bytes)
+    cols = math.ceil(math.sqrt(P))
+    rows = math.ceil(P / cols)
+    return Traffic(6.0 * (cols + rows - 2), GRID_DATA * oktopk_data_bytes(k, P, value_bytes) + control_bytes(P))
+
+
+@register("oktopk2d", OkTopkGridState, split=(oktopk2d_reduce, oktopk2d_gather), volume=oktopk2d_volume,
+          traffic=oktopk2d_traffic)
 def oktopk2d(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, codec: Compressor,
              preselected: Preselection | None = None, check: CarriedCheck | None = None) -> SparseResult:
     """Ok-Topk with every all-to-all exchange in two hops over a sqrt(P) x sqrt(P) grid.

@@ -52,12 +52,13 @@ import torch
 from .. import kernels
 from ..comm.base import Communicator, launcher_node_size
 from ..compress import Compressor
+from ..network import Traffic
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import Compensated, PhaseStats, Preselection, State
 from .exchange import peak_bits, peak_of
-from .oktopk import OkTopkState, _Reduced, oktopk_gather, oktopk_reduce, oktopk_volume
-from .oktopk_grid import oktopk2d_volume, on_grid
+from .oktopk import OkTopkState, _Reduced, oktopk_gather, oktopk_reduce, oktopk_traffic, oktopk_volume
+from .oktopk_grid import oktopk2d_traffic, oktopk2d_volume, on_grid
 
 __all__ = ["OkTopkTwoLevelState", "oktopk2l", "oktopk2l_volume", "node_levels"]
 
@@ -234,7 +235,25 @@ def oktopk2l_gather(h: _Half, comm: Communicator) -> SparseResult:
     return SparseResult(n=n, indexes=indexes, values=values, contributed=None, sent=sent, stats=stats)
 
 
-@register("oktopk2l", OkTopkTwoLevelState, split=(oktopk2l_reduce, oktopk2l_gather), volume=oktopk2l_volume)
+def oktopk2l_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1,
+                     grid: bool = False) -> Traffic:
+    """G = ``ranks_per_node`` ranks a node: within the node a dense reduce-scatter in the work
+    dtype (ceil(log2 G) messages, 4 n (G - 1) / G bytes) and an all-gather of the shards'
+    results (2 (G - 1) messages, 8 k (G - 1) / G bytes and 16 a peer); between nodes Ok-Topk's
+    traffic on n/G entries, ceil(k/G) selected, P/G ranks (``grid``: Ok-Topk's grid's). One
+    rank a node: Ok-Topk's."""
+    G = ranks_per_node
+    if G <= 1:
+        return oktopk_traffic(n, k, P, value_bytes)
+    m, kk, nodes = -(-n // G), -(-k // G), P // G
+    across = (Traffic(0.0, 0.0) if nodes <= 1 else
+              (oktopk2d_traffic if grid else oktopk_traffic)(m, kk, nodes, value_bytes))
+    return Traffic(across.messages, across.bytes, math.ceil(math.log2(G)) + 2.0 * (G - 1),
+                   4.0 * n * (G - 1) / G + 8.0 * kk * (G - 1) + 16.0 * (G - 1))
+
+
+@register("oktopk2l", OkTopkTwoLevelState, split=(oktopk2l_reduce, oktopk2l_gather), volume=oktopk2l_volume,
+          traffic=oktopk2l_traffic)
 def oktopk2l(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkTwoLevelState,
              codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
     """Two-level Ok-Topk: dense within each node, Ok-Topk between nodes on each shard.

@@ -11,6 +11,7 @@ from .. import kernels
 from ..check import CarriedCheck, carried_words
 from ..comm.base import Communicator
 from ..compress import Compressor
+from ..network import Traffic
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
@@ -33,7 +34,13 @@ def topka_volume(n: int, k: int, P: int) -> tuple[float, float]:
     return 2 * k * (P - 1), 2 * k * (P - 1)
 
 
-@register("topka", TopkAState, volume=topka_volume)
+def topka_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int = 1, grid: bool = False) -> Traffic:
+    """An allgather of every rank's k entries (16-bit offsets) and of the counts: 2 (P - 1)
+    messages, 6k + 24 bytes from each peer with float32 values."""
+    return Traffic(2.0 * (P - 1), (P - 1) * (k * (value_bytes + 2) + 24.0))
+
+
+@register("topka", TopkAState, volume=topka_volume, traffic=topka_traffic)
 def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
           codec: Compressor, preselected: Preselection | None = None,
           check: CarriedCheck | None = None) -> SparseResult:
