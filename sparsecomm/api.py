@@ -1,6 +1,6 @@
 """The public entry points: ``allreduce``, ``begin_allreduce``, ``sparse_allreduce`` and ``algorithms``.
 
-Each resolves its arguments into a :class:`~sparsecomm.check.Call` and hands
+Each resolves its arguments into a :class:`~sparsecomm.call.Call` and hands
 it to the call pipeline (:mod:`sparsecomm.pipeline`), whose first step is the
 collective input check (:mod:`sparsecomm.check`): bad or mismatched input
 raises on every rank, never a hang.
@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from . import registry
-from .check import Call
+from .call import Call
 from .compress import Compressor
 from .pipeline import Pending, execute
 from .result import SparseResult

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import check
-from .check import Call
+from .call import Call
 from .compress import Compressor
 from .errors import InputError
 from .kernels import shares_memory
