@@ -34,7 +34,6 @@ class CltkState(State):
     rank leads once every P calls, so a guide would be P calls old).
     """
 
-    guided_topk = False
     #: The inner dense state of the k values (its buffers) is rebuilt, never saved.
     _TRANSIENT = State._TRANSIENT + ("_values_state",)
 

@@ -27,17 +27,18 @@ from ..compress import Compressor, Encoded
 from ..network import Traffic
 from ..registry import INDEX_BYTES, register, tree_levels
 from ..result import PhaseRecorder, SparseResult
-from ..state import CallStats, Preselection, State
+from ..state import CallStats, Preselection
+
+from .guided import GuidedTopkState
 
 __all__ = ["GTopkState", "gtopk"]
 
 _TAG_UP, _TAG_DOWN = 0x5C11, 0x5C12
 
 
-class GTopkState(State):
+class GTopkState(GuidedTopkState):
     """State of gTopk: density and error feedback (default on)."""
 
-    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__(density, error_feedback)
@@ -73,7 +74,7 @@ def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """gTopk sparse allreduce (tree of top-k merges, then delivery to all).
 
-    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
+    1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Up the binomial tree (:func:`_reduce_up`): receive a child's set, sum,
        keep the top k. Keep, for this rank's own entries and for each
        child's, a mask of the entries still alive (kept by every merge so

@@ -16,14 +16,14 @@ from ..registry import register
 from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Preselection, State
 from .exchange import carry_or_run, merges, peak_bits, peak_of
+from .guided import GuidedTopkState
 
 __all__ = ["TopkAState", "topka", "allgather_and_sum"]
 
 
-class TopkAState(State):
+class TopkAState(GuidedTopkState):
     """State of TopkA: density and error feedback (default on, as in training)."""
 
-    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__(density, error_feedback)
@@ -46,7 +46,7 @@ def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
           check: CarriedCheck | None = None) -> SparseResult:
     """TopkA sparse allreduce (allgather of local top-k).
 
-    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
+    1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Allgather the counts (with the collective check, when ``check`` is given, and each
        rank's largest magnitude), then allgatherv each rank's (index, value) list as one
        ``kernels.pack_message`` (16-bit offsets within 65536-wide blocks where

@@ -20,17 +20,17 @@ from ..comm.base import Communicator
 from ..compress import Compressor
 from ..registry import register
 from ..result import PhaseRecorder, SparseResult
-from ..state import CallStats, Preselection, State
+from ..state import CallStats, Preselection
 from .exchange import carry_or_run, equal_starts, peak_bits, peak_of, region_sizes, split_and_reduce
+from .guided import GuidedTopkState
 
 __all__ = ["TopkDSAState", "topkdsa", "topkdsa_reduce", "topkdsa_gather"]
 
 
-class TopkDSAState(State):
+class TopkDSAState(GuidedTopkState):
     """State of TopkDSA: density, error feedback (default on) and the reduce-scatter's window
     (steps posted at once; ``bucket=``, its old name, still works with a DeprecationWarning)."""
 
-    guided_topk = True  # error-feedback calls collect the top-k's candidates while accumulating
 
     RENAMED = {"bucket": "window"}
 
@@ -149,7 +149,7 @@ def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
             check: CarriedCheck | None = None) -> SparseResult:
     """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
 
-    1. Select the exact local top-k of |acc| (:meth:`State.exact_topk`).
+    1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Sparse reduce-scatter over P equal regions (rotated, bucketed sends).
     3. Each owner picks its region's representation by the switching rule.
     4. Allgather (count, dense flag) per rank, then allgatherv the payload bytes.

@@ -1,4 +1,4 @@
-"""The exact local top-k found among candidates collected while accumulating (``State.exact_topk``).
+"""The exact local top-k found among candidates collected while accumulating (``GuidedTopkState.exact_topk``).
 
 TopkA, gTopk and TopkDSA select the exact top-k of |residual + gradient| on
 every call. With error feedback the accumulating pass also collects every
@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import sparsecomm
+from sparsecomm.algorithms.guided import GuidedTopkState
 
 #: The algorithms whose states select the exact local top-k with a guide.
-GUIDED = [a for a in sparsecomm.algorithms() if sparsecomm.registry.get(a).state_class.guided_topk]
+GUIDED = [a for a in sparsecomm.algorithms()
+          if issubclass(sparsecomm.registry.get(a).state_class, GuidedTopkState)]
 N = 3001
 
 
@@ -101,18 +103,18 @@ def test_the_next_guide_from_the_rungs_lands_near_the_2k_th_largest(shift):
     # The fused pass counts its candidates (every |acc| at or above the guide) at the guide's
     # rungs; the next guide comes from those counts alone: between rungs when at least 2k
     # are above the guide, extended below it when fewer.
-    from sparsecomm.state import Preselection, State
+    from sparsecomm.state import Preselection
 
     k = 1000
     mag = torch.randn(200_000, generator=torch.Generator().manual_seed(7)).abs()
     want = float(torch.sort(mag, descending=True).values[2 * k - 1])
     guide = want * shift
     cand = mag[mag >= guide]
-    rungs = [guide * State.GUIDE_STEP ** j for j in range(State.GUIDE_RUNGS)]
+    rungs = [guide * GuidedTopkState.GUIDE_STEP ** j for j in range(GuidedTopkState.GUIDE_RUNGS)]
     above = [int((cand >= r).sum()) for r in rungs]
     pre = Preselection(torch.arange(cand.numel()), cand.numel(), cand, rungs=rungs, above=above)
-    got = State(0.01)._guide_from_rungs(pre, k, 2 * k)
+    got = GuidedTopkState(0.01)._guide_from_rungs(pre, k, 2 * k)
     if shift <= 1:  # between two rungs: close
         assert abs(got / want - 1) < 0.01, (got, want)
     else:  # extrapolated: what matters is that the next call's candidates hold k and fit
-        assert k <= int((mag >= got).sum()) <= State.GUIDE_CAPACITY * k, (got, want)
+        assert k <= int((mag >= got).sum()) <= GuidedTopkState.GUIDE_CAPACITY * k, (got, want)
