@@ -24,7 +24,7 @@ from ..result import PhaseRecorder, SparseResult
 from ..state import CallStats, Compensated, Preselection, State, topk_count
 from .distselect import METHODS, count_dtype, global_topk_mask
 from .exchange import carry_or_run, equal_boundaries, peak_bits, peak_of, region_sizes, split_and_reduce
-from .oktopk_local import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
+from .ladder import (LOCAL_ABOVE, LOCAL_BELOW, SPACING_MAX, SPACING_MIN, bracket_too_wide, local_select, masked, nearest_rung,
                            rung_grid)
 
 __all__ = ["OkTopkState", "oktopk", "oktopk_reduce", "oktopk_gather"]

@@ -467,7 +467,7 @@ def test_a_gradient_jump_past_the_fused_buffer_selects_again_and_narrows_the_lad
 def test_a_gradient_past_float32s_range_over_the_threshold_raises_nothing():
     # Magnitudes 1e10 over a threshold of 1e-29: the tail fit's ratios overflowed float32,
     # its exponent came out 0 and the estimate divided by it (on one rank: the others hung).
-    from sparsecomm.algorithms.oktopk_local import tail_threshold
+    from sparsecomm.algorithms.ladder import tail_threshold
 
     assert tail_threshold(torch.full((80,), 1e10), 80, 5e-30, 100) is not None
     n = 10_000

@@ -1,9 +1,15 @@
-"""Ok-Topk's local selection: exact every tau calls, else the ladder of rungs around a reused threshold.
+"""The rung ladder: counts of candidates at rungs around a predicted threshold, and the
+threshold chosen from them; Ok-Topk's local selection, built on it.
 
-A reusing call's fused accumulate-and-select pass collects every entry above
-the lowest rung; :func:`checked_select` keeps those above the rung whose count
-is nearest k, corrects above the bounds and selects again below them, and
-moves the prediction for the next call (docs/design.md, Ok-Topk, step 1).
+A ladder is a few magnitudes ``base * exp(spacing * j)`` (:func:`rung_grid`) at which the
+candidates are counted in one pass; the rung whose count is nearest k is the threshold
+(:func:`nearest_rung`), and the spacing follows how well the last prediction did. Ok-Topk's
+local selection (:func:`local_select`) is exact every tau calls, else a reusing call's fused
+accumulate-and-select pass collects every entry above the lowest rung and
+:func:`checked_select` keeps those above the chosen rung, corrects above the bounds and
+selects again below them, and moves the prediction for the next call (docs/design.md,
+Ok-Topk, step 1). The global selection (``oktopk.py``) counts its reduced values on the same
+kind of ladder.
 """
 
 from __future__ import annotations
