@@ -203,7 +203,7 @@ class SparseHookState(HookCheckpoints):
         return self._comm
 
     # ---- per-parameter memory -----------------------------------------------------
-    def _bucket_state(self, key: Layout, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
+    def _layout_state(self, key: Layout, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """The algorithm state of held layout ``key``, made (with its parameters' residuals) when missing."""
         state = self.layout_states.get(key)
         if state is not None:
@@ -438,7 +438,7 @@ class SparseHookState(HookCheckpoints):
         dense = self.step < self.warmup_steps or buf.numel() < self.min_bucket_elements
         error, selected, refused, owed = None, 0, False, []
         try:
-            st = None if dense else self._bucket_state(key, buf.device, buf.dtype)
+            st = None if dense else self._layout_state(key, buf.device, buf.dtype)
             if st is None or not st.error_feedback:  # a call without a residual of its own sends them
                 owed = self._memory.owed(key, self._sizes(key), buf)
             if st is None:
