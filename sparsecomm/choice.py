@@ -181,8 +181,9 @@ def auto_state(tensor: torch.Tensor, density: float = 0.01, *, comm: Any = None,
         st = sparsecomm.auto_state(grad, density=0.01)
         out = sparsecomm.allreduce(grad, state=st)
     """
+    from .memory import StateMaker  # (memory makes states with this module's choice: no cycle at import)
+
     c = resolve(group=group, comm=comm)
     name = choose(tensor.numel(), density, c.size, tensor.dtype, compressor, network, tensor.device.type, c)
-    # Dense keeps a residual only when a compressor loses something (as the DDP hook decides).
-    keep = error_feedback and (name != "dense" or compressor is not None)
-    return registry.get(name).state_class(density, error_feedback=keep)
+    # The training loops' rule: dense keeps a residual only when a compressor loses something.
+    return StateMaker(name, density, None, error_feedback, compressor, network, dense_keeps_residual=False).make(name)
