@@ -29,8 +29,8 @@ from .algorithms import (
     TopkAState,
     TopkDSAState,
 )
-from .api import Pending, algorithms, allreduce, begin_allreduce, sparse_allreduce
-from .choice import auto_state, choose
+from .api import Pending, algorithms, allreduce, auto_state, begin_allreduce, sparse_allreduce
+from .choice import choose
 from .comm import Communicator, SimResult, resolve, simulate
 from .errors import (
     CommTimeoutError,

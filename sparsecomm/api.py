@@ -13,14 +13,16 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import registry
+from . import choice, registry
 from .call import Call
+from .comm import resolve
 from .compress import Compressor
+from .memory import StateMaker
 from .pipeline import Pending, execute
 from .result import SparseResult
 from .state import State
 
-__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms"]
+__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "auto_state"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -165,3 +167,19 @@ def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algor
     call = Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     return Pending(execute(call, check, tensor.dtype, scale, split=True), out)
+
+
+def auto_state(tensor: torch.Tensor, density: float = 0.01, *, comm: Any = None, group: Any = None,
+               compressor: Any = None, network: Any = None, error_feedback: bool = True) -> State:
+    """A State of the algorithm :func:`choose` picks for ``tensor``: pass it as ``state=``
+    to every call on tensors of this size (the choice stays with the state).
+
+    Example::
+
+        st = sparsecomm.auto_state(grad, density=0.01)
+        out = sparsecomm.allreduce(grad, state=st)
+    """
+    c = resolve(group=group, comm=comm)
+    name = choice.choose(tensor.numel(), density, c.size, tensor.dtype, compressor, network, tensor.device.type, c)
+    # The training loops' rule: dense keeps a residual only when a compressor loses something.
+    return StateMaker(name, density, None, error_feedback, compressor, network, dense_keeps_residual=False).make(name)

@@ -22,7 +22,7 @@ The choice depends only on values every rank shares (size, density, P, dtype,
 compressor) and on the profile: ranks given different profiles can choose differently,
 and then the collective input check, which compares the algorithm, refuses the call on
 every rank instead of letting them run different algorithms. A state is made for the
-algorithm chosen and stays with it (:func:`auto_state`; the DDP hook makes one per
+algorithm chosen and stays with it (:func:`sparsecomm.api.auto_state`; the DDP hook makes one per
 bucket), so thresholds and residuals are never stranded by a switch.
 """
 
@@ -36,13 +36,12 @@ from typing import Any
 import torch
 
 from . import registry
-from .comm import resolve
 from .compress import get_compressor
 from .network import PROFILES, Network, TwoLevel, Traffic, profile_dir, resolve_network
-from .state import State, check_density, topk_count
+from .state import check_density, topk_count
 
 __all__ = ["AUTO", "CANDIDATES", "LOCAL_ADDS", "LOCAL_CALL_S", "ADD_S_PER_ELEMENT", "Traffic", "Profile",
-           "traffic", "profile", "modelled_times", "choose", "validated", "auto_state"]
+           "traffic", "profile", "modelled_times", "choose", "validated"]
 
 #: The name users pass.
 AUTO = "auto"
@@ -169,21 +168,3 @@ def validated(algorithm: str, options: dict | None, network: Any) -> str:
                          "algorithm, so leave them out (or name the algorithm)")
     profile(network)
     return "oktopk"
-
-
-def auto_state(tensor: torch.Tensor, density: float = 0.01, *, comm: Any = None, group: Any = None,
-               compressor: Any = None, network: Any = None, error_feedback: bool = True) -> State:
-    """A State of the algorithm :func:`choose` picks for ``tensor``: pass it as ``state=``
-    to every call on tensors of this size (the choice stays with the state).
-
-    Example::
-
-        st = sparsecomm.auto_state(grad, density=0.01)
-        out = sparsecomm.allreduce(grad, state=st)
-    """
-    from .memory import StateMaker  # (memory makes states with this module's choice: no cycle at import)
-
-    c = resolve(group=group, comm=comm)
-    name = choose(tensor.numel(), density, c.size, tensor.dtype, compressor, network, tensor.device.type, c)
-    # The training loops' rule: dense keeps a residual only when a compressor loses something.
-    return StateMaker(name, density, None, error_feedback, compressor, network, dense_keeps_residual=False).make(name)

@@ -43,8 +43,8 @@ from typing import Any, Sequence
 import torch
 
 from .. import __version__, registry
-from ..api import allreduce
-from ..choice import AUTO, auto_state
+from ..api import allreduce, auto_state
+from ..choice import AUTO
 from ..comm.base import Communicator
 from ..state import topk_count
 from .launch import local_rank
