@@ -63,16 +63,12 @@ import torch.distributed as dist
 from .api import allreduce
 from .comm import Communicator, resolve
 from .errors import InputError, NonFiniteError
-from .hook_checkpoints import HookCheckpoints
-from .memory import GradientMemory, StateMaker, active_scaler, split_flat
+from .hook_layouts import Layout, Layouts
+from .memory import GradientMemory, StateMaker, active_scaler
 from .schedules.engine import Engine
 from .state import State, check_density
 
 __all__ = ["SparseHookState", "sparse_allreduce_hook"]
-
-#: Parameter positions (in ``model.parameters()``), in the order one buffer holds them.
-Layout = Tuple[int, ...]
-
 
 class _Waiting:
     """A bucket whose future is not complete yet: its buffer, order and unreduced parameters."""
@@ -103,7 +99,7 @@ class _Step:
         self.reported = False
 
 
-class SparseHookState(HookCheckpoints):
+class SparseHookState:
     """State of :func:`sparse_allreduce_hook` for one DDP model.
 
     Args:
@@ -174,21 +170,20 @@ class SparseHookState(HookCheckpoints):
         self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self._numel = [p.numel() for p in model.parameters()]
         self.step = 0
-        self.layout_states: Dict[Layout, State] = {}  # algorithm states of the held layouts reduced sparsely
-        self._layouts: Dict[Layout, None] = {}  # every held layout (an ordered set), dense ones too
-        self._holder: Dict[int, Layout] = {}  # parameter -> the held layout it belongs to
-        self._staged_last: List[Layout] = []  # orders staged in the last step
-        self._orders_last: Optional[List[Layout]] = None  # the last step's orders, as the rules saw them
+        self._layouts = Layouts(self._numel)  # which parameters reduce as one buffer, with which state
         self._resumed = False  # the next step is the first after load_state_dict
         self._broken: Optional[BaseException] = None
         self._comm: Optional[Communicator] = None
-        self._canonical: Dict[Layout, torch.Tensor] = {}  # per-layout staging buffers
-        self._starts_cache: Dict[Layout, Dict[int, int]] = {}
         self._calling: Optional[_Step] = None  # the step the caller's thread is in
         self._live: Optional[_Step] = None  # the step the reducing thread is in
         # Statistics.
         self.stats: List[List[dict]] = [[]]
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_buckets": 0, "sparse_buckets": 0, "refused_steps": 0}
+
+    @property
+    def layout_states(self) -> Dict[Layout, State]:
+        """The algorithm states of the held layouts reduced sparsely, by layout."""
+        return self._layouts.states
 
     @property
     def buckets(self) -> Dict[Layout, State]:
@@ -202,83 +197,52 @@ class SparseHookState(HookCheckpoints):
             self._comm = resolve(group=self.group, comm=self._comm_arg)
         return self._comm
 
-    # ---- per-parameter memory -----------------------------------------------------
-    def _layout_state(self, key: Layout, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
-        """The algorithm state of held layout ``key``, made (with its parameters' residuals) when missing."""
-        state = self.layout_states.get(key)
-        if state is not None:
-            return state
-        state = self._memory.maker.new(sum(self._numel[i] for i in key), dtype, device, self.comm)
-        self._memory.give(state, key, self._sizes(key))  # its parameters' parked residuals
-        if state.residual is not None:
-            state.residual = state.residual.to(device)
-        self.layout_states[key] = state
-        return state
-
-    def _sizes(self, key: Layout) -> List[int]:
-        return [self._numel[i] for i in key]
-
-    def _starts(self, order: Layout) -> Dict[int, int]:
-        """Where each parameter of ``order`` starts in a buffer laid out in that order."""
-        starts = self._starts_cache.get(order)
-        if starts is None:
-            starts, pos = {}, 0
-            for i in order:
-                starts[i] = pos
-                pos += self._numel[i]
-            self._starts_cache[order] = starts
-        return starts
-
+    # ---- per-parameter memory and checkpoints ---------------------------------------
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every parameter's residual, by parameter position in ``model.parameters()``."""
-        out = {i: r.clone() for i, r in self._memory.parked.items()}
-        for key, st in self.layout_states.items():
-            out.update(split_flat(key, self._sizes(key), st.residual))
-        return out
+        return self._layouts.residuals(self._memory)
 
     def carried(self) -> Dict[int, torch.Tensor]:
         """Results of refused steps not applied yet (added at the next step), by parameter position."""
         return {i: c.clone() for i, c in self._memory.carry.values.items()}
 
-    # ---- layouts -------------------------------------------------------------------
-    def _hold(self, key: Layout) -> None:
-        self._layouts[key] = None
-        for i in key:
-            self._holder[i] = key
+    def state_dict(self) -> dict:
+        """What a checkpoint needs (take it between steps): step, per-parameter residuals and carried
+        results, per-layout algorithm states, the layouts and the last step's orders, the scale."""
+        memory = self._memory.state_dict()
+        return {"step": self.step, "residuals": self.residuals(), "totals": dict(self.totals),
+                "carried": memory["carried"], "scale": memory["scale"], **self._layouts.state_dict()}
 
-    def _drop(self, key: Layout) -> None:
-        """Stop holding layout ``key``: its residuals wait per parameter for the next layout."""
-        del self._layouts[key]
-        for i in key:
-            if self._holder.get(i) == key:
-                del self._holder[i]
-        st = self.layout_states.pop(key, None)
-        if st is not None:
-            self._memory.park(key, self._sizes(key), st.residual)
-        self._canonical.pop(key, None)
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a :meth:`state_dict`: the step, every parameter's residual, the layouts and their states.
 
-    def _decide(self, order: Layout, adopt: bool) -> str:
-        """How a bucket of parameters ``order`` is reduced.
-
-        1. "inplace": ``order`` is a held layout.
-        2. "staged": its parameters all belong to held layouts (in any sets), and
-           unless ``adopt`` is False the same order was not staged in the last step.
-        3. "new": anything else; the caller makes ``order`` a layout (:meth:`_new_layout`).
+        1. A checkpoint of another model (a residual, carried result or layout naming
+           a parameter this model lacks, or one of another size) raises ValueError
+           here, not at the first bucket.
+        2. This hook's settings (algorithm, density, options, error feedback) win, as the
+           user just gave them: a saved state made with other settings is dropped (with a
+           warning naming both); its residuals carry over to the states this hook makes,
+           so the gradient memory goes on while thresholds and boundaries start afresh.
+           With the same settings the run resumes bit for bit.
+        3. The next step takes its layout decisions from the orders of the step before
+           the checkpoint; DDP's initial buckets are staged into them.
         """
-        if order in self._layouts:
-            return "inplace"
-        held = all(i in self._holder for i in order)
-        if held and not (adopt and order in self._staged_last):
-            return "staged"
-        return "new"
+        self._layouts.check(d)
+        self._memory.load_state_dict({"carried": d.get("carried", {}), "scale": d.get("scale")})
+        self._layouts.load(d, self._memory)  # the residuals: into the saved layouts' states, the rest parked
+        self.step = d["step"]
+        self.totals = {"refused_steps": 0, **d["totals"]}
+        self._calling, self._live, self._broken = None, None, None
+        self._resumed = True
 
-    def _staging_buffer(self, key: Layout, like: torch.Tensor) -> torch.Tensor:
-        """Layout ``key``'s staging buffer (kept across steps, so staged steps allocate nothing)."""
-        n = sum(self._numel[i] for i in key)
-        buf = self._canonical.get(key)
-        if buf is None or buf.numel() != n or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._canonical[key] = torch.empty(n, dtype=like.dtype, device=like.device)
-        return buf
+    def __getstate__(self) -> dict:  # communicators, engines and scalers do not pickle; buffers are rebuilt
+        d = dict(self.__dict__)
+        d["_comm"] = d["_engine"] = d["scaler"] = d["_calling"] = d["_live"] = d["_broken"] = None
+        d["group"] = d["_comm_arg"] = None
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(_upgrade_pickled(d))
 
     # ---- one step's reductions (on the reducing thread, in bucket order) -------------
     def _open_call(self, index: int, last: bool) -> _Step:
@@ -354,12 +318,12 @@ class SparseHookState(HookCheckpoints):
         """Follow the scaler's scale; after a checkpoint, take the layout decisions of the step before it."""
         if step.scale is not None:  # residuals and carried results are in the scaler's units
             self._memory.rescale(self._memory.scale.moved_to(step.scale), self.layout_states.values())
-        if self._resumed and self._orders_last:
+        if self._resumed and self._layouts.orders_last:
             step.pretend = True
-            for order in self._orders_last:
-                if self._decide(order, adopt=True) == "new":
+            for order in self._layouts.orders_last:
+                if self._layouts.decide(order, adopt=True) == "new":
                     self._new_layout(order, step, 0, None, [])
-                elif order not in self._layouts:
+                elif order not in self._layouts.held:
                     step.staged.append(order)
                 step.orders.append(order)
         self._resumed = False
@@ -370,7 +334,7 @@ class SparseHookState(HookCheckpoints):
             # Not exactly its parameters (never seen from DDP): reduced as DDP laid it out.
             self._reduce(step, order, flat, index, comm, done, staged=False, hold=False)
             return
-        how = self._decide(order, adopt=not step.pretend)
+        how = self._layouts.decide(order, adopt=not step.pretend)
         if not step.pretend:
             step.orders.append(order)
             if how == "staged":
@@ -380,11 +344,11 @@ class SparseHookState(HookCheckpoints):
         if how != "staged":
             self._reduce(step, order, flat, index, comm, done, staged=False)
             return
-        starts, touched = self._starts(order), []
+        starts, touched = self._layouts.starts(order), []
         for i in order:
-            key = self._holder[i]
-            buf = self._staging_buffer(key, flat)
-            at, n = self._starts(key)[i], self._numel[i]
+            key = self._layouts.holder[i]
+            buf = self._layouts.buffer(key, flat)
+            at, n = self._layouts.starts(key)[i], self._numel[i]
             buf[at:at + n].copy_(flat[starts[i]:starts[i] + n])
             arrived = step.arrived.setdefault(key, set())
             if not arrived:
@@ -393,30 +357,30 @@ class SparseHookState(HookCheckpoints):
         for key in touched:
             if len(step.arrived[key]) == len(key):
                 del step.arrived[key]
-                self._reduce(step, key, self._canonical[key], index, comm, done, staged=True)
+                self._reduce(step, key, self._layouts.buffers[key], index, comm, done, staged=True)
 
     def _new_layout(self, order: Layout, step: _Step, index: int, comm: Optional[Communicator],
                     done: List[_Waiting]) -> None:
         """Hold ``order`` as a layout, dropping the held layouts it overlaps (their residuals wait
         per parameter); one with parameters staged this step reduces those first (:meth:`_flush`)."""
-        for key in {self._holder[i]: None for i in order if i in self._holder}:
+        for key in {self._layouts.holder[i]: None for i in order if i in self._layouts.holder}:
             if key in step.arrived:
                 self._flush(step, key, index, comm, done)
-        for key in {self._holder[i]: None for i in order if i in self._holder}:
-            self._drop(key)
-        self._hold(order)
+        for key in {self._layouts.holder[i]: None for i in order if i in self._layouts.holder}:
+            self._layouts.drop(key, self._memory)
+        self._layouts.hold(order)
 
     def _flush(self, step: _Step, key: Layout, index: int, comm: Communicator, done: List[_Waiting]) -> None:
         """Held layout ``key`` will not complete this step: reduce its staged parameters, per
         waiting bucket in that bucket's order, as layouts of their own."""
         del step.arrived[key]
-        parts = [(w, tuple(i for i in w.order if i in w.remaining and self._holder.get(i) == key))
+        parts = [(w, tuple(i for i in w.order if i in w.remaining and self._layouts.holder.get(i) == key))
                  for w in step.waiting]
         for w, part in parts:
             if not part:
                 continue
             self._new_layout(part, step, index, comm, done)
-            starts = self._starts(w.order)
+            starts = self._layouts.starts(w.order)
             buf = w.flat if part == w.order else torch.cat(
                 [w.flat[starts[i]:starts[i] + self._numel[i]] for i in part])
             self._reduce(step, part, buf, index, comm, done, staged=part != w.order)
@@ -438,9 +402,9 @@ class SparseHookState(HookCheckpoints):
         dense = self.step < self.warmup_steps or buf.numel() < self.min_bucket_elements
         error, selected, refused, owed = None, 0, False, []
         try:
-            st = None if dense else self._layout_state(key, buf.device, buf.dtype)
+            st = None if dense else self._layouts.state(key, self._memory, self.comm, buf.device, buf.dtype)
             if st is None or not st.error_feedback:  # a call without a residual of its own sends them
-                owed = self._memory.owed(key, self._sizes(key), buf)
+                owed = self._memory.owed(key, self._layouts.sizes(key), buf)
             if st is None:
                 allreduce(buf, algorithm="dense", op=self.op, comm=comm, out=buf)
                 selected = buf.numel()
@@ -458,7 +422,7 @@ class SparseHookState(HookCheckpoints):
         else:
             self._memory.settle(owed)
             if hold:
-                starts = self._starts(key)
+                starts = self._layouts.starts(key)
                 for i in key:
                     carried = self._memory.carry.take(i)
                     if carried is not None:
@@ -471,13 +435,13 @@ class SparseHookState(HookCheckpoints):
                                "staged": staged, "refused": refused})
         self.totals["bytes_sent"] += delta.bytes_sent
         self.totals["dense_buckets" if dense else "sparse_buckets"] += 1
-        params, starts = set(key), self._starts(key)
+        params, starts = set(key), self._layouts.starts(key)
         for w in list(step.waiting):
             common = w.remaining & params
             if not common:
                 continue
             if w.flat is not buf:
-                at = self._starts(w.order)
+                at = self._layouts.starts(w.order)
                 for i in common:
                     n = self._numel[i]
                     w.flat[at[i]:at[i] + n].copy_(buf[starts[i]:starts[i] + n])
@@ -495,16 +459,43 @@ class SparseHookState(HookCheckpoints):
                 self._flush(step, key, index, comm, done)
         if step.refused:
             for key, buf in step.results:
-                self._memory.carry.keep_flat(key, self._sizes(key), buf)
+                self._memory.carry.keep_flat(key, self._layouts.sizes(key), buf)
             self.totals["refused_steps"] += 1
         step.results = []
-        self._staged_last, self._orders_last = step.staged, step.orders
+        self._layouts.staged_last, self._layouts.orders_last = step.staged, step.orders
         self.step += 1
         self.totals["steps"] += 1
         self.stats.append([])
         if len(self.stats) > 1000:  # keep memory bounded on long runs
             del self.stats[:-1000]
         step.ended = True
+
+
+def _upgrade_pickled(d: dict) -> dict:
+    """The attributes of a :class:`SparseHookState` pickled by an earlier version, as they are now."""
+    d = dict(d)
+    if "buckets" in d:  # before the layouts' states had their own name
+        d["layout_states"] = d.pop("buckets")
+    if "_memory" not in d:  # before the gradient memory was one object
+        maker = StateMaker(d["algorithm"], d["density"], d["algorithm_options"], d["error_feedback"],
+                           d["compressor"], d.get("network"), dense_keeps_residual=False)
+        d["_memory"] = memory = GradientMemory(maker)
+        memory.parked, memory.carry.values = d.pop("_pending", {}), d.pop("_carried", {})
+        memory.scale.value = d.pop("_scale", None)
+        d.pop("spec", None)
+    if not isinstance(d.get("_layouts"), Layouts):  # before the layouts were one object
+        layouts = Layouts(d["_numel"])
+        layouts.states = d.pop("layout_states", {})
+        for key in d.pop("_layouts", None) or list(layouts.states):  # before layouts were held: its states'
+            layouts.hold(key)
+        layouts.staged_last, layouts.orders_last = d.pop("_staged_last", []), d.pop("_orders_last", None)
+        for name in ("_holder", "_canonical", "_starts_cache", "_reordered"):
+            d.pop(name, None)
+        d["_layouts"] = layouts
+    for name in ("_resumed", "scaler", "_calling", "_live", "_broken"):
+        d.setdefault(name, False if name == "_resumed" else None)
+    d["totals"].setdefault("refused_steps", 0)
+    return d
 
 
 def sparse_allreduce_hook(state: SparseHookState,

@@ -295,6 +295,22 @@ class GradientMemory:
         for key in keys:
             del self.parked[key]
 
+    def state_dict(self, index: dict | None = None) -> dict:
+        """The memory's part of a checkpoint: ``parked`` residuals, ``carried`` results and the
+        ``scale``, by parameter position (``index`` maps a key to it; None: the keys are positions).
+        The states are the loop's: it saves them beside this."""
+        pos = (lambda k: k) if index is None else index.__getitem__
+        return {"parked": {pos(k): v.clone() for k, v in self.parked.items()},
+                "carried": self.carry.state_dict(index), "scale": self.scale.value}
+
+    def load_state_dict(self, d: dict, key_of: Callable[[int], Hashable] | None = None,
+                        device: Callable[[int], torch.device] | None = None) -> None:
+        """Restore :meth:`state_dict` (``key_of``: a position's key here; ``device``: where its tensors go)."""
+        key = (lambda i: i) if key_of is None else key_of
+        self.parked = {key(i): v.clone() for i, v in d.get("parked", {}).items()}
+        self.carry.load(d.get("carried", {}), key_of, device)
+        self.scale.value = d.get("scale")
+
     def rescale(self, ratio: float | None, states: Iterable[State]) -> None:
         """Residuals (the states' and the parked ones) and carried results times ``ratio``, when
         the loss scale moved (:meth:`LossScale.moved`)."""

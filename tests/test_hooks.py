@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from pathlib import Path
 
 import engines
 import hook_cases
@@ -323,6 +324,40 @@ def test_checkpoint_with_other_settings_keeps_this_hooks_settings_and_the_residu
     assert [st.iteration for st in same.layout_states.values()] == [3]
 
 
+def test_a_state_pickled_by_an_earlier_version_goes_on_bit_for_bit():
+    # tests/data/make_hook_pickles.py pickled each rank's whole state with the code of 31f8aa1,
+    # whose hook kept its layouts and checkpoints in attributes of its own: a held Ok-Topk layout,
+    # a residual parked by a refused dense call, a refused step's carried results. Unpickled here,
+    # it holds the same memory, and through its state_dict() a hook of a new model makes the
+    # steps that followed with the same results, bit for bit.
+    with open(Path(__file__).resolve().parent / "data" / "hook_pickles_31f8aa1.pkl", "rb") as f:
+        fixture = pickle.load(f)
+
+    def body(rank):
+        saved = fixture["ranks"][rank]
+        old = pickle.loads(saved["pickle"])
+        mine, carried = old.residuals(), old.carried()
+        assert mine.keys() == saved["residuals"].keys() and carried.keys() == saved["carried"].keys()
+        assert all(torch.equal(mine[i], saved["residuals"][i]) for i in mine)
+        assert all(torch.equal(carried[i], saved["carried"][i]) for i in carried) and carried
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in fixture["sizes"]]
+        model = torch.nn.Module()
+        model.ps = torch.nn.ParameterList(params)
+        hook = SparseHookState(model, "oktopk", 0.05, min_bucket_elements=500)
+        hook.load_state_dict(old.state_dict())
+        for grads, buckets, expected in zip(saved["grads"], fixture["steps"], saved["results"]):
+            futures = []
+            for k, b in enumerate(buckets):
+                for i in b:
+                    params[i].grad = grads[i].clone()
+                futures.append(sparse_allreduce_hook(hook, FakeBucket([params[i] for i in b], k, k == len(buckets) - 1)))
+            got = [f.wait() for f in futures]
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), "not the earlier version's results"
+        return len(saved["results"])
+
+    assert sparsecomm.simulate(2, body).results == [2, 2]
+
+
 def test_checkpoint_of_another_model_is_refused_at_load():
     saved, _, _ = _hook_after_steps([300, 200, 100], "oktopk", 0.05)
     for sizes, match in (([300, 200], "parameter 2; this model has 2 parameters"),
@@ -371,15 +406,15 @@ def test_a_bucket_order_that_repeats_becomes_the_layout():
         assert set(st.layout_states) == {(0, 1, 2)} and st.layout_states[(0, 1, 2)] is first and first.iteration == 2
         call([2, 1, 0])  # twice in a row: the new layout
         assert set(st.layout_states) == {(2, 1, 0)} and st.layout_states[(2, 1, 0)].iteration == 1
-        assert not st._canonical  # reduced in place: no copy buffer kept
+        assert not st._layouts.buffers  # reduced in place: no copy buffer kept
         rebuilt = st.layout_states[(2, 1, 0)]
         call([0, 1, 2])  # a resumed run's first step: copied, the layout stays
         call([2, 1, 0])
         assert set(st.layout_states) == {(2, 1, 0)} and st.layout_states[(2, 1, 0)] is rebuilt and rebuilt.iteration == 3
         call([0, 1, 2])  # an order that alternates never takes over
-        assert st.layout_states[(2, 1, 0)] is rebuilt and set(st._canonical) == {(2, 1, 0)}
+        assert st.layout_states[(2, 1, 0)] is rebuilt and set(st._layouts.buffers) == {(2, 1, 0)}
         call([0, 1])  # other sets: the old layout, and its copy buffer, go
-        assert set(st.layout_states) == {(0, 1)} and not st._canonical
+        assert set(st.layout_states) == {(0, 1)} and not st._layouts.buffers
         return fed, got, st.residuals()
 
     res = sparsecomm.simulate(3, body).results

@@ -545,9 +545,7 @@ class DeAR(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "DeAR", "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "buffer_bytes": self.buffer_bytes, "states": [snapshot(st) for st in self.states],
-                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()},
-                "carried": self._memory.carry.state_dict(index), "scale": self._memory.scale.value,
-                "group_scale": list(self._group_scale), "good_steps": self._good_steps, "trials": list(self.trials)}
+                **self._memory.state_dict(index), "group_scale": list(self._group_scale), "good_steps": self._good_steps, "trials": list(self.trials)}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of the same model (ValueError for another model's); this
@@ -561,9 +559,8 @@ class DeAR(Schedule):
             self._tune, self.tuning = None, False
         self.regroup(d["buffer_bytes"])
         self.states = adopt_states(d["states"], self.states, "DeAR", self._memory.maker)
-        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
-        self._memory.carry.load(d["carried"], lambda i: id(self._all[i]), lambda i: self._all[i].device)
-        self._memory.scale.value, self._group_scale = d["scale"], list(d["group_scale"])
+        self._memory.load_state_dict(d, lambda i: id(self._all[i]), lambda i: self._all[i].device)
+        self._group_scale = list(d["group_scale"])
         self._good_steps, self.trials = d["good_steps"], list(d["trials"])
 
     def close(self) -> None:

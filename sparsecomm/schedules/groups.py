@@ -453,8 +453,7 @@ class GroupSchedule(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": type(self).__name__, "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "groups": [list(g) for g in self.groups], "states": [snapshot(st) for st in self._states],
-                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()},
-                "carried": self._memory.carry.state_dict(index), "scale": self._memory.scale.value, **self._extra_state()}
+                **self._memory.state_dict(index), **self._extra_state()}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of the same model (ValueError for another model's).
@@ -469,9 +468,7 @@ class GroupSchedule(Schedule):
         self._retrain(tuple(d["trainable"]))
         self.set_groups(d["groups"])
         self._states = adopt_states(d["states"], self._states, what, self._memory.maker)
-        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
-        self._memory.carry.load(d["carried"], lambda i: id(self._all[i]), lambda i: self._all[i].device)
-        self._memory.scale.value = d["scale"]
+        self._memory.load_state_dict(d, lambda i: id(self._all[i]), lambda i: self._all[i].device)
         self._load_extra_state(d)
 
     def _extra_state(self) -> dict:

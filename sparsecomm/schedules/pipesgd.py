@@ -276,8 +276,7 @@ class PipeSGD(Schedule):
         index = {id(p): i for i, p in enumerate(self._all)}
         return {"schedule": "PipeSGD", "layers": layer_settings(self._all), "trainable": list(self._flags),
                 "step_count": self.step_count, "algorithm_state": snapshot(self.state),
-                "in_flight": None if pending is None else pending.clone(), "scale": self._memory.scale.value,
-                "parked": {index[k]: v.clone() for k, v in self._memory.parked.items()}}
+                "in_flight": None if pending is None else pending.clone(), **self._memory.state_dict(index)}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of the same model (ValueError for another model's); this
@@ -293,8 +292,7 @@ class PipeSGD(Schedule):
         self.state = adopt_states([d["algorithm_state"]], [self.state], "PipeSGD", self._memory.maker)[0]
         self.options["state"] = self.state
         self._ready = None if d["in_flight"] is None else d["in_flight"].clone()
-        self._memory.scale.value = d["scale"]
-        self._memory.parked = {id(self._all[i]): v.clone() for i, v in d["parked"].items()}
+        self._memory.load_state_dict(d, lambda i: id(self._all[i]), lambda i: self._all[i].device)
 
     def close(self) -> None:
         self.engine.close()
