@@ -81,6 +81,11 @@ class AlgorithmSpec:
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
+def first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (an algorithm's summary, its volume's formula)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def register(name: str, state_class: type[State], *,
              split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None,
              volume: Volume | None = None, traffic: TrafficModel | None = None) -> Callable:
@@ -99,7 +104,7 @@ def register(name: str, state_class: type[State], *,
     def deco(fn: Callable[..., SparseResult]) -> Callable[..., SparseResult]:
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} is already registered")
-        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        summary = first_paragraph(fn.__doc__)
         takes = {arg: arg in inspect.signature(fn).parameters for arg in ("limit", "check")}
         for arg, taken in takes.items():
             if split is not None and taken != (arg in inspect.signature(split[0]).parameters):

@@ -50,3 +50,41 @@ def test_halves_must_agree_on_the_limit():
 @pytest.mark.parametrize("P,levels", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (256, 8)])
 def test_tree_levels(P, levels):
     assert registry.tree_levels(P) == levels
+
+
+def test_the_readme_table_of_algorithms_is_the_registry_s():
+    # Made from the registrations (python -m sparsecomm.tools.tables --write README.md): a row
+    # cannot drift from the algorithm's docstring, volume or traffic model.
+    from pathlib import Path
+
+    from sparsecomm.tools import tables
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert tables.replace_table(readme, tables.algorithm_table()) == readme, (
+        "README.md's algorithm table is stale: run python -m sparsecomm.tools.tables --write README.md")
+    rows = tables.algorithm_table().splitlines()[2:]
+    assert [r.split("`")[1] for r in rows] == ["oktopk"] + [n for n in registry.names() if n != "oktopk"]
+
+
+def test_the_table_tool_writes_between_the_markers_and_refuses_a_file_without_them(tmp_path):
+    import subprocess
+    import sys
+
+    from sparsecomm.tools import tables
+
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{tables.BEGIN}\nold rows\n{tables.END}\nafter\n", encoding="utf-8")
+    run = [sys.executable, "-m", "sparsecomm.tools.tables", "--write", str(page)]
+    assert subprocess.run(run, capture_output=True, text=True).returncode == 0
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("intro\n") and text.endswith("after\n") and "old rows" not in text
+    assert tables.algorithm_table() in text
+    page.write_text("no markers here\n", encoding="utf-8")
+    bad = subprocess.run(run, capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "markers" in bad.stderr
+
+
+def test_every_volume_docstring_states_its_formula_first():
+    for name in registry.names():
+        doc = registry.first_paragraph(registry.get(name).volume.__doc__)
+        assert doc.startswith("Words received per rank: ") and len(doc) < 200, (name, doc)

@@ -49,8 +49,9 @@ class CltkState(State):
 
 
 def cltk_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank (not in Table 1): the leader's k int64 indexes (2 words each)
-    go down a binomial tree (the leader sends them ceil(log2 P) times, every other rank
+    """Words received per rank: 2k(P-1)/P to 2k ceil(log2 P) + 2k(P-1)/P.
+
+    Not in Table 1: the leader's k int64 indexes (2 words each) go down a binomial tree (the leader sends them ceil(log2 P) times, every other rank
     receives them once), then a ring allreduce of the k values: at least the ring's, at
     most the leader's traffic."""
     f = (P - 1) / P
@@ -67,7 +68,8 @@ def cltk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int
 @register("cltk", CltkState, volume=cltk_volume, traffic=cltk_traffic)
 def cltk(acc: torch.Tensor, k: int, comm: Communicator, state: CltkState,
          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
-    """Shared-index top-k (CLT-k) sparse allreduce.
+    """CLT-k (ScaleCom's shared-index top-k): a rotating leader's indexes, one dense allreduce
+    of k values.
 
     1. The leader (``state.iteration mod P``) selects the exact top-k of its
        |acc|, ties to the lower index (sorted indexes): always k of them, so

@@ -126,7 +126,9 @@ def dense_gather(h: _Half, comm: Communicator) -> SparseResult:
 
 
 def dense_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: a reduce-scatter and an all-gather of n values, 2n(P-1)/P."""
+    """Words received per rank: 2n(P-1)/P.
+
+    A reduce-scatter and an all-gather of n values."""
     f = (P - 1) / P
     return 2 * n * f, 2 * n * f
 
@@ -140,7 +142,8 @@ def dense_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: in
 @register("dense", DenseState, split=(dense_reduce, dense_gather), volume=dense_volume, traffic=dense_traffic)
 def dense(acc: torch.Tensor, k: int, comm: Communicator, state: DenseState,
           codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
-    """Dense allreduce of every value through the communicator.
+    """Dense: the backend's allreduce (with a compressor, a compressed reduce-scatter and
+    allgather).
 
     1. No compressor: the backend's own allreduce (ring, Rabenseifner) in the
        input's dtype, accounted as 2n(P-1)/P values per rank.

@@ -148,7 +148,9 @@ def _select_on_device_bucketized(acc: torch.Tensor, k: int, density: float
 
 
 def gaussiank_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: as TopkA, every peer's (about) k entries, 2k(P-1)."""
+    """Words received per rank: about 2k(P-1).
+
+    As TopkA: every peer's (about) k entries."""
     return 2 * k * (P - 1), 2 * k * (P - 1)
 
 
@@ -156,7 +158,7 @@ def gaussiank_volume(n: int, k: int, P: int) -> tuple[float, float]:
 def gaussiank(acc: torch.Tensor, k: int, comm: Communicator, state: GaussiankState,
               codec: Compressor, preselected: Preselection | None = None,
               check: CarriedCheck | None = None) -> SparseResult:
-    """Gaussiank sparse allreduce.
+    """Gaussiank: a threshold from a Gaussian fit of the gradient; TopkA's allgather.
 
     1. th = |mean(acc)| + z * std(acc), z = Phi^-1(1 - density / 2).
     2. While fewer than 3k/4 nonzero entries have |acc| >= th (and lowering can

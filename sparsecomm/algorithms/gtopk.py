@@ -58,7 +58,9 @@ def _merge(a_idx: torch.Tensor, a_val: torch.Tensor, b_idx: torch.Tensor, b_val:
 
 
 def gtopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: k entries up and down each of ceil(log2 P) tree levels, 4k log P."""
+    """Words received per rank: 4k ceil(log2 P).
+
+    k entries up and down each of the ceil(log2 P) tree levels."""
     return 4 * k * tree_levels(P), 4 * k * tree_levels(P)
 
 
@@ -72,7 +74,7 @@ def gtopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: in
 @register("gtopk", GTopkState, volume=gtopk_volume, traffic=gtopk_traffic)
 def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
-    """gTopk sparse allreduce (tree of top-k merges, then delivery to all).
+    """gTopk: a binomial tree keeping the top k at each merge, then back down.
 
     1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Up the binomial tree (:func:`_reduce_up`): receive a child's set, sum,

@@ -283,7 +283,9 @@ def _kept(r: _Reduced, owned: Encoded, start: int) -> dict[str, torch.Tensor | N
 
 
 def oktopk_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: 2k(P-1)/P (balanced regions, no overlap) to 6k(P-1)/P."""
+    """Words received per rank: 2k(P-1)/P to 6k(P-1)/P.
+
+    The lower bound with balanced regions and no overlap between the ranks' selections."""
     f = (P - 1) / P
     return 2 * k * f, 6 * k * f
 
@@ -314,7 +316,7 @@ def oktopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: i
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
            codec: Compressor, preselected: Preselection | None = None,
            check: CarriedCheck | None = None) -> SparseResult:
-    """Ok-Topk sparse allreduce (O(k) volume) on one rank.
+    """Ok-Topk (O(k) volume): a balanced split-and-reduce, a global top-k, a balanced allgatherv.
 
     1. Local selection: every ``tau`` calls the exact top-k of |acc|; in
        between the entries above the reused local threshold, corrected when

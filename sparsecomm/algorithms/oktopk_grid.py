@@ -55,7 +55,9 @@ def on_grid(comm: Communicator) -> Communicator:
 
 
 def oktopk2d_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: 3k(1 - 1/s) to 7k(1 - 1/s), s = ceil(sqrt(P)) (module docstring)."""
+    """Words received per rank: 3k(1 - 1/s) to 7k(1 - 1/s), s = ceil(sqrt(P)).
+
+    The module docstring derives it."""
     if P <= 2:
         return 2 * k * (P - 1) / P, 6 * k * (P - 1) / P
     s = GridCommunicator.columns(P)
@@ -93,7 +95,8 @@ def oktopk2d_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node:
           traffic=oktopk2d_traffic)
 def oktopk2d(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, codec: Compressor,
              preselected: Preselection | None = None, check: CarriedCheck | None = None) -> SparseResult:
-    """Ok-Topk with every all-to-all exchange in two hops over a sqrt(P) x sqrt(P) grid.
+    """Ok-Topk on a grid of sqrt(P) x sqrt(P) ranks: its split, gathers and counts in two hops
+    (row, column); Ok-Topk's result bit for bit.
 
     1. Lay the ranks out as ceil(sqrt(P)) columns (``comm.grid.GridCommunicator``).
     2. Run :func:`~sparsecomm.algorithms.oktopk.oktopk` on it: its split goes row then

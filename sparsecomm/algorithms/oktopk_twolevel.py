@@ -16,7 +16,7 @@ Per rank and call, with N = P/G nodes, m = n/G and k' = ceil(k/G):
 ==================  ==================================  ==================================
 exchange            words (received)                    messages (critical path)
 ==================  ==================================  ==================================
-node reduce-scatter m (G - 1) / G, fast fabric          ceil(log2 G)
+node reduce-scatter m (G - 1) = n (G - 1) / G, fabric   ceil(log2 G)
 Ok-Topk on a shard  2k'(N - 1)/N to 6k'(N - 1)/N        about 4 (N - 1) + its allreduces
 node all-gather     the other shards' results (k' each) G - 1 (two small allgathers)
 ==================  ==================================  ==================================
@@ -129,11 +129,14 @@ def node_levels(comm: Communicator, ranks_per_node: int | None) -> tuple[Communi
 
 
 def oktopk2l_volume(n: int, k: int, P: int, G: int = 1, grid: bool = False) -> tuple[float, float]:
-    """Words received per rank: the node's dense reduce-scatter and all-gather of results, and
-    Ok-Topk's volume on a shard among P/G ranks (on a grid of them: oktopk2d's; module docstring)."""
+    """Words received per rank: n(G-1)/G + 2k(G-1)/G within the node, Ok-Topk's for n/G
+    entries and k/G selected among P/G ranks between nodes.
+
+    The node's dense reduce-scatter and all-gather of results, and Ok-Topk's volume on a shard
+    (on a grid of the nodes: oktopk2d's; module docstring)."""
     N, m, kk = P // G, -(-n // G), -(-k // G)
     lo, hi = (oktopk2d_volume if grid else oktopk_volume)(m, kk, N) if N > 1 else (0.0, 0.0)
-    node = m * (G - 1) / G + 2 * kk * (G - 1)  # the reduce-scatter, and G - 1 shards' indexes and values
+    node = m * (G - 1) + 2 * kk * (G - 1)  # the reduce-scatter (G - 1 shards of m), and G - 1 shards' entries
     return node + lo, node + hi
 
 
@@ -256,7 +259,9 @@ def oktopk2l_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node:
           traffic=oktopk2l_traffic)
 def oktopk2l(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkTwoLevelState,
              codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
-    """Two-level Ok-Topk: dense within each node, Ok-Topk between nodes on each shard.
+    """Two-level Ok-Topk on nodes of G ranks: a dense reduce-scatter within the node, Ok-Topk
+    between nodes on each shard (P/G ranks, n/G entries, k/G selected), the shards' results
+    gathered within the node.
 
     1. The levels (:func:`node_levels`): the node's G ranks, and the P/G ranks holding
        the same shard on every node.

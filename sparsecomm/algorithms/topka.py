@@ -30,7 +30,9 @@ class TopkAState(GuidedTopkState):
 
 
 def topka_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: every peer's k entries (2 words each), 2k(P-1)."""
+    """Words received per rank: 2k(P-1).
+
+    Every peer's k entries, 2 words each."""
     return 2 * k * (P - 1), 2 * k * (P - 1)
 
 
@@ -44,7 +46,7 @@ def topka_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: in
 def topka(acc: torch.Tensor, k: int, comm: Communicator, state: TopkAState,
           codec: Compressor, preselected: Preselection | None = None,
           check: CarriedCheck | None = None) -> SparseResult:
-    """TopkA sparse allreduce (allgather of local top-k).
+    """TopkA: an allgather of every rank's top-k, summed locally.
 
     1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Allgather the counts (with the collective check, when ``check`` is given, and each

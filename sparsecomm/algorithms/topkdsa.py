@@ -137,8 +137,10 @@ def topkdsa_gather(r: _Reduced, comm: Communicator) -> SparseResult:
 
 
 def topkdsa_volume(n: int, k: int, P: int) -> tuple[float, float]:
-    """Words received per rank: 4k(P-1)/P when the reduced entries stay sparse, up to
-    2k(P-1)/P + n(P-1)/P when they fill their regions (sent dense)."""
+    """Words received per rank: 4k(P-1)/P to 2k(P-1)/P + n(P-1)/P.
+
+    The lower bound when the reduced entries stay sparse, the upper when they fill their
+    regions (sent dense)."""
     f = (P - 1) / P
     return 4 * k * f, 2 * k * f + n * f
 
@@ -147,7 +149,8 @@ def topkdsa_volume(n: int, k: int, P: int) -> tuple[float, float]:
 def topkdsa(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
             codec: Compressor, preselected: Preselection | None = None,
             check: CarriedCheck | None = None) -> SparseResult:
-    """TopkDSA sparse allreduce (exact: the sum of every rank's local top-k).
+    """TopkDSA (SparCML; exact: the sum of every rank's local top-k): a sparse reduce-scatter,
+    an allgather switching regions to dense.
 
     1. Select the exact local top-k of |acc| (:meth:`GuidedTopkState.exact_topk`).
     2. Sparse reduce-scatter over P equal regions (rotated, bucketed sends).

@@ -153,6 +153,22 @@ def test_the_network_carries_a_gth_of_flat_ok_topk():
     assert min(ph["node_reduce_scatter"] for ph in two) == 4 * (n // G) * (G - 1)
 
 
+@pytest.mark.parametrize("P,G", [(4, 4), (8, 4), (8, 2), (9, 3)])
+def test_the_registered_volume_bounds_the_words_each_rank_receives(P, G):
+    """The formula the README's table shows (``oktopk2l_volume``, node part and Ok-Topk's) holds
+    the simulated world's counts: words received per rank, headers and counts aside (2%)."""
+    n, d = 40_000, 0.01
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(P)]
+
+    def body(rank):
+        out = sparsecomm.sparse_allreduce(grads[rank], d, algorithm="oktopk2l", check=False)
+        return out.stats.bytes_received / 4
+
+    words = sparsecomm.simulate(P, body, network=TwoLevel(PROFILES["1gbe"], PROFILES["1gbe"], G)).results
+    low, high = sparsecomm.registry.get("oktopk2l").volume(n, sparsecomm.state.topk_count(d, n), P, G)
+    assert 0.98 * low <= min(words) and max(words) <= 1.02 * high, (low, words, high)
+
+
 @pytest.mark.parametrize("P,G", [(6, 2), (8, 2), (10, 2), (16, 2), (9, 3), (7, 1)])
 @pytest.mark.parametrize("compressor", [None, "q8"])
 def test_on_a_grid_of_nodes_results_and_residuals_are_the_flat_ones_bit_for_bit(P, G, compressor):
