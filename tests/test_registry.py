@@ -66,22 +66,21 @@ def test_the_readme_table_of_algorithms_is_the_registry_s():
     assert [r.split("`")[1] for r in rows] == ["oktopk"] + [n for n in registry.names() if n != "oktopk"]
 
 
-def test_the_table_tool_writes_between_the_markers_and_refuses_a_file_without_them(tmp_path):
-    import subprocess
-    import sys
-
+def test_the_table_tool_writes_between_the_markers_and_refuses_a_file_without_them(tmp_path, capsys):
     from sparsecomm.tools import tables
 
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{tables.BEGIN}\nold rows\n{tables.END}\nafter\n", encoding="utf-8")
-    run = [sys.executable, "-m", "sparsecomm.tools.tables", "--write", str(page)]
-    assert subprocess.run(run, capture_output=True, text=True).returncode == 0
+    assert tables.main(["--write", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
     assert text.startswith("intro\n") and text.endswith("after\n") and "old rows" not in text
     assert tables.algorithm_table() in text
     page.write_text("no markers here\n", encoding="utf-8")
-    bad = subprocess.run(run, capture_output=True, text=True)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "markers" in bad.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        tables.main(["--write", str(page)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "markers" in err
 
 
 def test_every_volume_docstring_states_its_formula_first():
