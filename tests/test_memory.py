@@ -149,3 +149,55 @@ def test_a_saved_state_is_compared_with_the_one_the_maker_would_make_there():
     # One auto does not choose from, or another density: the maker's own state, not the saved one.
     assert type(maker.like(sparsecomm.TopkAState(0.05))) is sparsecomm.OkTopkState
     assert state_settings(StateMaker("oktopk2d", 0.1, None, True, None, None).like(saved)) != state_settings(saved)
+
+
+def test_the_memory_checkpoint_holds_positions_and_loads_under_new_keys():
+    # The schedules key by id(p), which does not outlive the process: a checkpoint holds
+    # positions, and a new process's memory takes them back under its own keys.
+    a, b, c = object(), object(), object()
+    mem = _memory("oktopk", True)
+    mem.park([id(a), id(c)], [3, 2], torch.cat([_flat(1)[:3], _flat(1)[:2]]))
+    mem.carry.keep_flat([id(b)], [5], _flat(2)[:5])
+    mem.scale.value = 1024.0
+    saved = pickle.loads(pickle.dumps(mem.state_dict({id(a): 0, id(b): 1, id(c): 2})))
+    assert set(saved["parked"]) == {0, 2} and set(saved["carried"]) == {1} and saved["scale"] == 1024.0
+    new = [object(), object(), object()]
+    again = _memory("oktopk", True)
+    again.load_state_dict(saved, lambda i: id(new[i]), lambda i: torch.device("cpu"))
+    assert torch.equal(again.parked[id(new[0])], _flat(1)[:3]) and torch.equal(again.parked[id(new[2])], _flat(1)[:2])
+    assert torch.equal(again.carry.take(id(new[1])), _flat(2)[:5]) and again.scale.value == 1024.0
+    again.load_state_dict({"scale": None})  # a loop's checkpoint from before it carried anything
+    assert not again.parked and not again.carry.values and again.scale.value is None
+
+
+def test_the_hook_layouts_keep_every_residual_through_drops_new_states_and_checkpoints():
+    # hook_layouts.Layouts: a dropped layout parks its residuals per parameter, the next layout
+    # over them takes them, and the checkpoint's residuals land where they were; nothing is lost.
+    from sparsecomm.hook_layouts import Layouts
+
+    mem = _memory("topka", True)
+    lay = Layouts(SIZES)
+    lay.hold((0, 1, 2))
+    st = lay.state((0, 1, 2), mem, None, torch.device("cpu"))
+    st.residual = _flat(9)
+    lay.drop((0, 1, 2), mem)
+    assert not lay.held and not lay.states and torch.equal(torch.cat([mem.parked[i] for i in (0, 1, 2)]), _flat(9))
+    lay.hold((2, 0))
+    st = lay.state((2, 0), mem, None, torch.device("cpu"))
+    assert torch.equal(st.residual, torch.cat([_flat(9)[8:], _flat(9)[:3]])) and list(mem.parked) == [1]
+    assert lay.decide((2, 0), adopt=True) == "inplace" and lay.decide((1,), adopt=True) == "new"
+    saved = {"step": 3, "residuals": lay.residuals(mem), "totals": {}, **lay.state_dict()}
+    assert torch.equal(torch.cat([saved["residuals"][i] for i in (0, 1, 2)]), _flat(9))
+    # Loaded where the maker makes the same states: the saved state goes on with its residuals.
+    mem2, lay2 = _memory("topka", True), Layouts(SIZES)
+    lay2.check(saved)
+    lay2.load(pickle.loads(pickle.dumps(saved)), mem2)
+    assert list(lay2.held) == [(2, 0)] and torch.equal(lay2.states[(2, 0)].residual, st.residual)
+    assert list(mem2.parked) == [1] and torch.equal(mem2.parked[1], _flat(9)[3:8])
+    # Where it makes others: a warning, and every residual waits per parameter for the new states.
+    mem3, lay3 = _memory("oktopk", True), Layouts(SIZES)
+    with pytest.warns(UserWarning, match="TopkAState.*OkTopkState"):
+        lay3.load(pickle.loads(pickle.dumps(saved)), mem3)
+    assert not lay3.states and torch.equal(torch.cat([mem3.parked[i] for i in (0, 1, 2)]), _flat(9))
+    with pytest.raises(ValueError, match="another model"):
+        Layouts([3, 5]).check(saved)
