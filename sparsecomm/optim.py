@@ -8,6 +8,9 @@
 This is Algorithm 2 of the Ok-Topk paper with the learning rate applied by the
 optimizer: acc = residual + g; (U, I) = sparse_allreduce(acc); residual = acc
 with the entries this rank contributed (I) removed; the gradient becomes U / P.
+
+Also here: :class:`SparseAdamW` (AdamW whose momentum travels through the sparse allreduce) and
+:class:`DiLoCo` (``sparsecomm/diloco.py``: outer steps of low-communication training).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import torch
 
 from . import registry
 from .api import allreduce
+from .diloco import DiLoCo
 from .errors import NonFiniteError
 from .memory import adopt_state
 from .state import State, check_density
 
-__all__ = ["SparseGradientReducer", "SparseAdamW", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
+__all__ = ["SparseGradientReducer", "SparseAdamW", "DiLoCo", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
 
 
 class SparseGradientReducer:

@@ -151,7 +151,8 @@ def _train(args: argparse.Namespace) -> int:
             results += train.run([config], ranks=args.ranks, epochs=args.epochs, compute_per_step=compute, lr=args.lr,
                                  batch=args.batch, network=args.network, schedule=args.schedule, task=args.task,
                                  optimizer=args.optimizer, warmup_steps=args.warmup_steps,
-                                 momentum=args.momentum, eval_every=args.eval_every, seed=args.seed)
+                                 momentum=args.momentum, eval_every=args.eval_every, seed=args.seed,
+                                 diloco_options={"sync_every": args.sync_every})
         except Exception as exc:  # noqa: BLE001 - reported, and the next configuration runs
             failed.append(config)
             # The error itself, not the note on how a process then ended (the JSON has it all).
@@ -181,6 +182,8 @@ def _train_problem(args: argparse.Namespace) -> str | None:
     """An option combination ``train`` would refuse for a configuration, before any rank starts."""
     _train_plan(args)
     for config in args.configs:
+        if (train.config_settings(parse_config(config)[0]) or {}).get("diloco") and args.schedule != "none":
+            return f"argument --schedule: {config} communicates at its outer steps, under no schedule"
         try:
             check_warmup(parse_config(config)[1] or args.schedule, args.warmup_steps)
         except ValueError as exc:
@@ -317,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the Python standard library's sources")
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
                     default=None,
-                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook], e.g. "
-                         f"oktopk, topka-q8, dense-q8, oktopk-hook (default: {','.join(train.QUICK_CONFIGS)}; "
+                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco], "
+                         "e.g. oktopk, topka-q8, dense-q8, oktopk-hook, oktopk-diloco (outer steps every "
+                         f"--sync-every steps; dense-diloco: DiLoCo) (default: {','.join(train.QUICK_CONFIGS)}; "
                          f"--full: {','.join(train.FULL_CONFIGS)}); each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=at.positive_int, default=4)
     tr.add_argument("--epochs", type=at.positive_int, default=None,
@@ -337,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmup-steps", type=at.nonnegative_int, default=0,
                     help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first; "
                          "AdamW with a sparse configuration: SparseAdamW's dense steps (default 10)")
+    tr.add_argument("--sync-every", type=at.positive_int, default=10,
+                    help="-diloco configurations: inner steps between outer steps")
     tr.add_argument("--network", type=network, default="10gbe", help="profile for the modelled time")
     tr.add_argument("--eval-every", type=at.nonnegative_int, default=10,
                     help="evaluate every so many steps too, for the time to accuracy (0: per epoch only)")

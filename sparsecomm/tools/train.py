@@ -24,6 +24,7 @@ every allreduce's messages and bytes as if none overlapped (an upper bound).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -34,11 +35,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import registry, schedules
 from ..api import allreduce
+from ..comm import resolve
 from ..comm.sim import single_rank
 from ..compress import COMPRESSORS
 from ..hooks import SparseHookState, sparse_allreduce_hook
 from ..network import PROFILES, resolve_network
-from ..optim import SparseAdamW, local_gradient_hook
+from ..optim import DiLoCo, SparseAdamW, local_gradient_hook
 from ..schedules import SCHEDULES as REGISTERED_SCHEDULES
 from . import output
 from .launch import preload, spawn
@@ -69,22 +71,27 @@ DENSITY = 0.01
 def config_settings(config: str) -> dict | None:
     """The hook settings a configuration name stands for (None: DDP's own dense allreduce).
 
-    "dense", or ALGORITHM[-COMPRESSOR][-hook] for any registered algorithm and compressor:
-    a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense with a compressor
-    (``dense-q8``); ``-hook`` keeps the DDP hook in front of the task's own optimizer even
-    under AdamW (error feedback on the gradient, then torch's AdamW: the naive path that
-    SparseAdamW replaces). ValueError for anything else.
+    "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco] for any registered algorithm and
+    compressor: a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense with a
+    compressor (``dense-q8``); ``-hook`` keeps the DDP hook in front of the task's own optimizer
+    even under AdamW (error feedback on the gradient, then torch's AdamW: the naive path that
+    SparseAdamW replaces); ``-diloco``: low-communication training, the task's optimizer for
+    ``sync_every`` steps a round without communication, then an outer step on the pseudo-gradient
+    reduced by the algorithm (:class:`sparsecomm.optim.DiLoCo`; ``dense-diloco`` is DiLoCo
+    itself). ValueError for anything else.
     """
     if config == "dense":
         return None
-    name, hook = (config[:-len("-hook")], True) if config.endswith("-hook") else (config, False)
+    hook = config.endswith("-hook")
+    diloco = config.endswith("-diloco")
+    name = config[:-len("-hook")] if hook else (config[:-len("-diloco")] if diloco else config)
     algorithm, dash, compressor = name.partition("-")
     known = (algorithm in registry.names() and (not dash or compressor in COMPRESSORS)
-             and not (algorithm == "dense" and (hook or not compressor)))
+             and not (algorithm == "dense" and (hook or not (compressor or diloco))))
     if not known:
         raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook] with an "
                          f"algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
-                         "(dense takes a compressor and no -hook)")
+                         "(dense takes a compressor or -diloco, and no -hook)")
     settings: dict = {"algorithm": algorithm}
     if algorithm != "dense":
         settings["density"] = DENSITY
@@ -92,6 +99,8 @@ def config_settings(config: str) -> dict | None:
         settings["compressor"] = compressor
     if hook:
         settings["hook"] = True
+    if diloco:
+        settings["diloco"] = True
     return settings
 
 
@@ -100,7 +109,8 @@ def parse_config(name: str) -> tuple[str, str | None]:
     config, _, schedule = name.partition("/")
     if schedule and schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule in {name!r}: /schedule is one of {SCHEDULES}")
-    config_settings(config)
+    if (config_settings(config) or {}).get("diloco") and schedule:
+        raise ValueError(f"{name!r}: a -diloco configuration communicates at its outer steps, under no schedule")
     return config, schedule or None
 
 
@@ -124,7 +134,8 @@ def _schedule(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, set
 def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int = 16, lr: float | None = None,
                network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none",
                task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0,
-               momentum: float = 0.9, adamw_options: dict | None = None, eval_every: int = 10) -> dict:
+               momentum: float = 0.9, adamw_options: dict | None = None, eval_every: int = 10,
+               diloco_options: dict | None = None) -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised).
 
     ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
@@ -138,7 +149,9 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     ``local_gradient_hook``); ``warmup_steps`` (default 10) are its dense steps and
     ``adamw_options`` its other keyword arguments. The metric is also evaluated every
     ``eval_every`` steps (``curve``: the step, the metric, and the modelled communication
-    seconds so far on each profile of :data:`CURVE_PROFILES`).
+    seconds so far on each profile of :data:`CURVE_PROFILES`). A ``-diloco`` configuration
+    takes :class:`~sparsecomm.optim.DiLoCo`'s keyword arguments from ``diloco_options``
+    (``sync_every`` default 10); it is evaluated on the outer model.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
@@ -150,7 +163,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     job = get_task(task, seed)
     settings = config_settings(config)
     kind = optimizer or job.default_optimizer
-    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none"
+    diloco = settings is not None and settings.get("diloco", False)
+    if diloco and schedule != "none":
+        raise ValueError("a -diloco configuration runs without a schedule")
+    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none" and not diloco
                     and not settings.get("hook") and settings["algorithm"] != "dense")
     plain = job.model(seed)
     model = DDP(plain) if schedule == "none" else plain
@@ -165,6 +181,8 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                           compressor=settings.get("compressor"), algorithm_options=options,
                           warmup_steps=warmup_steps or 10, **(adamw_options or {}))
         warmup_steps = opt.warmup_steps
+    elif diloco:
+        model.register_comm_hook(None, local_gradient_hook)  # DiLoCo communicates at its outer steps only
     elif settings is not None and schedule == "none":
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         state = SparseHookState(model, settings["algorithm"], settings.get("density", 1.0),
@@ -173,6 +191,12 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
         model.register_comm_hook(state, sparse_allreduce_hook)
     if not sparse_adamw:
         opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
+    outer = None
+    if diloco:
+        outer_kw = {"sync_every": 10, "density": settings.get("density", 1.0), **(diloco_options or {})}
+        outer = DiLoCo(plain, opt, algorithm=settings["algorithm"], compressor=settings.get("compressor"),
+                       **outer_kw)
+        outer_comm = resolve()
     sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
@@ -202,7 +226,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             opt.zero_grad()
             loss = job.loss(model, x, y)
             loss.backward()
-            if sched_comm is None:
+            if outer is not None:
+                before = outer_comm.stats.snapshot()
+                outer.step()
+            elif sched_comm is None:
                 opt.step()
             else:
                 sched_comm.step()  # waits for this step's allreduces (Pipe-SGD: the last step's)
@@ -214,6 +241,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                 hook_s = call["seconds"]
                 if not call["dense"]:
                     selected.append(call["selected"] / max(call["k"], 1))
+            elif outer is not None:  # nothing, or the outer step's allreduce
+                delta = outer_comm.stats - before
+                traffic = [(delta.messages_sent, delta.bytes_sent)]
+                hook_s = 0.0
             elif sched_comm is not None:  # every allreduce of the step, as if none overlapped
                 delta = sched_comm.engine.comm.stats - before
                 traffic = [(delta.messages_sent, delta.bytes_sent)]
@@ -239,12 +270,12 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             step += 1
             if eval_every and step % eval_every == 0:  # a schedule's updates in flight stay in flight
                 curve["step"].append(step)
-                curve[job.metric].append(job.evaluate(plain) if rank == 0 else math.nan)
+                curve[job.metric].append(_evaluate(job, plain, outer) if rank == 0 else math.nan)
                 for name in CURVE_PROFILES:
                     curve[name].append(on_curve[name])
         if sched_comm is not None:
             sched_comm.finish()  # evaluate with every update applied (Pipe-SGD's last, DeAR's pending)
-        score = job.evaluate(plain) if rank == 0 else math.nan  # rank 0's record is the one returned
+        score = _evaluate(job, plain, outer) if rank == 0 else math.nan  # rank 0's record is the one returned
         history["loss"].append(total_loss / steps_per_epoch)
         history[job.metric].append(score)
         history["modelled_seconds"].append(modelled)
@@ -267,10 +298,20 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             "ranks": size, "epochs": epochs, "steps_per_epoch": steps_per_epoch, "params": n_params,
             "bytes_per_step": float(sent), "network": net.name,
             "selected_per_k": {"mean": sum(selected) / len(selected), "min": min(selected)} if selected else None,
-            "path": "SparseAdamW" if sparse_adamw else ("hook" if state is not None else
-                                                         ("schedule" if sched_comm is not None else "ddp")),
+            "path": "SparseAdamW" if sparse_adamw else ("DiLoCo" if outer is not None else (
+                "hook" if state is not None else ("schedule" if sched_comm is not None else "ddp"))),
+            "diloco_options": diloco_options if outer is not None else None,
             "adamw_options": adamw_options if sparse_adamw else None,
             "curve": curve, **history}
+
+
+def _evaluate(job: Any, model: torch.nn.Module, outer: "DiLoCo | None") -> float:
+    """The task's metric of ``model``; under DiLoCo mid-round, of the outer model (a copy)."""
+    if outer is None or outer.synced:
+        return job.evaluate(model)
+    synced = copy.deepcopy(model)
+    torch.nn.utils.vector_to_parameters(outer.anchor.clone(), [p for p in synced.parameters() if p.requires_grad])
+    return job.evaluate(synced)
 
 
 def measure_compute(task: str = "digits", batch: int = 16, optimizer: str | None = None,
@@ -321,7 +362,7 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     """Run each configuration on ``ranks`` local gloo processes; rank 0's records.
 
     Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task,
-    optimizer, adamw_options, eval_every). A configuration may name its own schedule,
+    optimizer, adamw_options, eval_every, diloco_options). A configuration may name its own schedule,
     ``"oktopk/pipesgd"``; the others take ``schedule`` (default none). Each record also
     holds ``compute_per_step`` (:func:`measure_compute`, measured once, before the runs,
     unless given: a comparison made of several calls measures it once) and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time
@@ -336,7 +377,10 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     if compute is None:
         compute = measure_compute(task, kwargs.get("batch", 16), kwargs.get("optimizer"), seed=kwargs.get("seed", 0))
     n = sum(p.numel() for p in get_task(task).model().parameters())
-    local = [measure_local_cost(config, n) for config, _ in runs]
+    # A -diloco configuration makes its call once a round (every sync_every steps).
+    every = [((config_settings(c) or {}).get("diloco") and (kw.get("diloco_options") or {}).get("sync_every", 10))
+             or 1 for c, kw in runs]
+    local = [measure_local_cost(config, n) / k for (config, _), k in zip(runs, every)]
     # One set of processes trains every configuration in turn: each configuration builds its
     # model, optimizer and states anew from the seed, and a launch per configuration cost
     # seconds of process start each. Training runs for long: the collectives' own timeouts

@@ -194,6 +194,9 @@ def no_training(monkeypatch):
     # A combination no single type sees: warm-up steps under a schedule that has none.
     (["--configs", "dense,oktopk/wfbp", "--warmup-steps", "5"], "--warmup-steps"),
     (["--schedule", "dear", "--warmup-steps", "5"], "--warmup-steps"),
+    (["--sync-every", "0"], "--sync-every"),
+    (["--configs", "oktopk-diloco/dear"], "--configs"),
+    (["--configs", "oktopk-diloco", "--schedule", "dear"], "--schedule"),
 ])
 def test_train_rejects_bad_arguments_before_training(argv, argument, capsys, tmp_path, no_training):
     out = tmp_path / "train"

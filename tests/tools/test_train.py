@@ -168,10 +168,16 @@ def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
 def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(tmp_path):
     from sparsecomm.tools import train
 
-    results = train.run(["dense", "oktopk", "oktopk-hook"], ranks=2, epochs=3, optimizer="adamw", lr=0.002)
+    results = train.run(["dense", "oktopk", "oktopk-hook", "oktopk-diloco"], ranks=2, epochs=3, optimizer="adamw",
+                        lr=0.002, diloco_options={"sync_every": 5})
     by = {r["config"]: r for r in results}
     assert by["dense"]["path"] == "ddp" and by["oktopk"]["path"] == "SparseAdamW"
-    assert by["oktopk-hook"]["path"] == "hook"
+    assert by["oktopk-hook"]["path"] == "hook" and by["oktopk-diloco"]["path"] == "DiLoCo"
+    # DiLoCo: one sparse call of 1% every 5 steps, none between; it learns.
+    diloco = by["oktopk-diloco"]
+    assert diloco["diloco_options"] == {"sync_every": 5} and diloco["accuracy"][-1] > 0.5
+    assert diloco["bytes_per_step"] < 0.2 * by["oktopk"]["bytes_per_step"]
+    assert 0 < diloco["local_per_step"] < by["oktopk"]["local_per_step"]
     assert by["oktopk"]["warmup_steps"] == 10
     steps = 3 * by["oktopk"]["steps_per_epoch"]
     assert by["oktopk"]["curve"]["step"] == list(range(10, steps + 1, 10))
@@ -194,10 +200,11 @@ def test_configuration_names_follow_the_registries():
         if algorithm != "dense":
             assert train.config_settings(algorithm) == {"algorithm": algorithm, "density": 0.01}
             assert train.config_settings(f"{algorithm}-hook")["hook"] is True
+        assert train.config_settings(f"{algorithm}-diloco")["diloco"] is True  # dense-diloco: DiLoCo itself
         for compressor in COMPRESSORS:
             assert train.config_settings(f"{algorithm}-{compressor}")["compressor"] == compressor
     assert train.config_settings("dense") is None  # DDP's own allreduce
-    for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x"):
+    for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x", "oktopk-hook-diloco"):
         with pytest.raises(ValueError, match="unknown configuration"):
             train.config_settings(bad)
     assert train.parse_config("cltk-q8/pipesgd") == ("cltk-q8", "pipesgd")
