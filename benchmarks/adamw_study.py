@@ -45,6 +45,14 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "cltk": ("cltk", {"momentum_masking": False}),
     "cltk-hook": ("cltk-hook", None),
     "topka": ("topka", {"momentum_masking": False}),
+    # Low-communication training (sparsecomm.optim.DiLoCo): torch's AdamW alone for H steps, then an
+    # outer step on the pseudo-gradient. The options are DiLoCo's.
+    "diloco-h10": ("dense-diloco", {"sync_every": 10, "outer": "nesterov"}),
+    "average-h10": ("dense-diloco", {"sync_every": 10, "outer": "sparseloco"}),  # the replicas averaged
+    "sparseloco-h10-d1": ("oktopk-diloco", {"sync_every": 10, "density": 0.01}),
+    "sparseloco-h10-d5": ("oktopk-diloco", {"sync_every": 10, "density": 0.05}),
+    "sparseloco-h5-d5": ("oktopk-diloco", {"sync_every": 5, "density": 0.05}),
+    "sparseloco-h10-d10": ("oktopk-diloco", {"sync_every": 10, "density": 0.1}),
 }
 
 
@@ -80,9 +88,11 @@ def main() -> None:
         if any(r["approach"] == label and r["seed"] == args.seed for r in runs):
             continue  # already measured: rerunning the script resumes
         try:
+            diloco = config.endswith("-diloco")
             (r,) = train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr, task=args.task,
-                             optimizer="adamw", seed=args.seed, warmup_steps=args.warmup_steps,
-                             adamw_options=_options(options), compute_per_step=compute)
+                             optimizer="adamw", seed=args.seed, warmup_steps=0 if diloco else args.warmup_steps,
+                             adamw_options=None if diloco else _options(options),
+                             diloco_options=options if diloco else None, compute_per_step=compute)
         except Exception as exc:  # noqa: BLE001 - a diverging approach is a result too
             r = {"config": config, "failed": str(exc).strip().splitlines()[-1]}
         r.update(approach=label, seed=args.seed, adamw_options=options)
