@@ -116,8 +116,11 @@ class DiLoCo:
     def _check_replicas_equal(self) -> None:
         """Refuse outer models that differ across ranks (nothing broadcasts parameters: replicas
         that start apart would never meet); one allgather of a digest, at the first step."""
+        if self._checked:
+            return
         comm = self._comm()
         if comm.size == 1:
+            self._checked = True
             return
         weights = torch.arange(1, self.anchor.numel() + 1, dtype=torch.float64, device=self.anchor.device)
         digest = torch.stack([self.anchor.double().sum(), (self.anchor.double() * weights.remainder(97)).sum()])
@@ -125,12 +128,11 @@ class DiLoCo:
         if not bool((seen == seen[0]).all()):
             raise ValueError("DiLoCo: the ranks' parameters differ at the start; start every replica from the "
                              "same weights (load one checkpoint, or seed the model's initialisation alike)")
+        self._checked = True
 
     def step(self, closure: Any = None) -> Any:
         """The inner optimizer's step; every ``sync_every``-th also the outer step (a collective)."""
-        if not self._checked:
-            self._check_replicas_equal()
-            self._checked = True
+        self._check_replicas_equal()
         if self._round_start is None:
             self._round_start = copy.deepcopy(self.inner.state_dict())
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
@@ -150,9 +152,7 @@ class DiLoCo:
         A NaN/Inf on any rank: every replica goes back to the round's start and
         NonFiniteError is raised (on every rank; the round's updates are discarded).
         """
-        if not self._checked:
-            self._check_replicas_equal()
-            self._checked = True
+        self._check_replicas_equal()
         flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
         delta = self.anchor - flat
         try:

@@ -90,7 +90,7 @@ def test_dense_outer_steps_are_diloco(P, outer):
         assert torch.equal(got, out[0])
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
 @pytest.mark.parametrize("algorithm", ["oktopk", "topka"])
 def test_sparse_outer_steps_keep_replicas_equal_and_lose_nothing(P, algorithm):
     # What error feedback promises: over the run, what moved the outer model (outer_lr = 1)
