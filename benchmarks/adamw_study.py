@@ -53,6 +53,12 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "sparseloco-h10-d5": ("oktopk-diloco", {"sync_every": 10, "density": 0.05}),
     "sparseloco-h5-d5": ("oktopk-diloco", {"sync_every": 5, "density": 0.05}),
     "sparseloco-h10-d10": ("oktopk-diloco", {"sync_every": 10, "density": 0.1}),
+    # Decoupled momentum (sparsecomm.optim.DeMo) in place of AdamW: chunks of 64, the top
+    # component of each (1.6% of the entries). The options are DeMo's.
+    "demo-sign": ("topka-demo", {"chunk": 64, "topk": 1}),
+    "demo-sign-k2": ("topka-demo", {"chunk": 64, "topk": 2}),
+    "demo-oktopk": ("oktopk-demo", {"chunk": 64, "topk": 1}),
+    "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
 }
 
 
@@ -88,11 +94,12 @@ def main() -> None:
         if any(r["approach"] == label and r["seed"] == args.seed for r in runs):
             continue  # already measured: rerunning the script resumes
         try:
-            diloco = config.endswith("-diloco")
+            own = train.own_optimizer(config)
             (r,) = train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr, task=args.task,
-                             optimizer="adamw", seed=args.seed, warmup_steps=0 if diloco else args.warmup_steps,
-                             adamw_options=None if diloco else _options(options),
-                             diloco_options=options if diloco else None, compute_per_step=compute)
+                             optimizer="adamw", seed=args.seed, warmup_steps=0 if own else args.warmup_steps,
+                             adamw_options=None if own else _options(options),
+                             diloco_options=options if own == "diloco" else None,
+                             demo_options=options if own == "demo" else None, compute_per_step=compute)
         except Exception as exc:  # noqa: BLE001 - a diverging approach is a result too
             r = {"config": config, "failed": str(exc).strip().splitlines()[-1]}
         r.update(approach=label, seed=args.seed, adamw_options=options)

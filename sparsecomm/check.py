@@ -34,7 +34,7 @@ from .errors import InputError, NonFiniteError
 from .state import State, check_density
 
 __all__ = ["Signature", "Problem", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
-           "local_problem", "check_collectively", "check_unchecked", "all_finite"]
+           "local_problem", "check_collectively", "check_unchecked", "all_finite", "check_replicas_equal"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPS = {"sum": 1, "avg": 2}
@@ -424,3 +424,20 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack([lo, hi])).all())  # one host read (a GPU sync), not two
 
 
+
+
+def check_replicas_equal(flat: torch.Tensor, comm: Communicator, who: str) -> None:
+    """Refuse, on every rank, replicas whose parameters differ: one allgather of a digest.
+
+    An optimizer whose ranks apply the same update to their own copy of the model (outer
+    steps, decoupled momentum) broadcasts nothing: replicas that start apart never meet.
+    The digest is the sum and a position-weighted sum of ``flat`` in float64.
+    """
+    if comm.size == 1:
+        return
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device).remainder_(97)
+    digest = torch.stack([flat.double().sum(), (flat.double() * weights).sum()])
+    seen = comm.allgather(digest.reshape(1, 2)).reshape(-1, 2)
+    if not bool((seen == seen[0]).all()):
+        raise ValueError(f"{who}: the ranks' parameters differ at the start; start every replica from the "
+                         "same weights (load one checkpoint, or seed the model's initialisation alike)")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .api import allreduce
+from .check import check_replicas_equal
 from .comm import resolve
 from .errors import NonFiniteError
 from .memory import StateMaker, adopt_state, snapshot
@@ -118,16 +119,7 @@ class DiLoCo:
         that start apart would never meet); one allgather of a digest, at the first step."""
         if self._checked:
             return
-        comm = self._comm()
-        if comm.size == 1:
-            self._checked = True
-            return
-        weights = torch.arange(1, self.anchor.numel() + 1, dtype=torch.float64, device=self.anchor.device)
-        digest = torch.stack([self.anchor.double().sum(), (self.anchor.double() * weights.remainder(97)).sum()])
-        seen = comm.allgather(digest.reshape(1, 2)).reshape(-1, 2)
-        if not bool((seen == seen[0]).all()):
-            raise ValueError("DiLoCo: the ranks' parameters differ at the start; start every replica from the "
-                             "same weights (load one checkpoint, or seed the model's initialisation alike)")
+        check_replicas_equal(self.anchor, self._comm(), "DiLoCo")
         self._checked = True
 
     def step(self, closure: Any = None) -> Any:

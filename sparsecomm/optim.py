@@ -10,6 +10,7 @@ optimizer: acc = residual + g; (U, I) = sparse_allreduce(acc); residual = acc
 with the entries this rank contributed (I) removed; the gradient becomes U / P.
 
 Also here: :class:`SparseAdamW` (AdamW whose momentum travels through the sparse allreduce) and
+:class:`DeMo` (``sparsecomm/demo.py``: decoupled momentum, each rank's fast DCT components) and
 :class:`DiLoCo` (``sparsecomm/diloco.py``: outer steps of low-communication training).
 """
 
@@ -21,12 +22,13 @@ import torch
 
 from . import registry
 from .api import allreduce
+from .demo import DeMo
 from .diloco import DiLoCo
 from .errors import NonFiniteError
 from .memory import adopt_state
 from .state import State, check_density
 
-__all__ = ["SparseGradientReducer", "SparseAdamW", "DiLoCo", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
+__all__ = ["SparseGradientReducer", "SparseAdamW", "DeMo", "DiLoCo", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
 
 
 class SparseGradientReducer:

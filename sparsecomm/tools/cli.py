@@ -182,8 +182,9 @@ def _train_problem(args: argparse.Namespace) -> str | None:
     """An option combination ``train`` would refuse for a configuration, before any rank starts."""
     _train_plan(args)
     for config in args.configs:
-        if (train.config_settings(parse_config(config)[0]) or {}).get("diloco") and args.schedule != "none":
-            return f"argument --schedule: {config} communicates at its outer steps, under no schedule"
+        own = train.own_optimizer(parse_config(config)[0])
+        if own and args.schedule != "none":
+            return f"argument --schedule: {config} is its own optimizer's communication (-{own}), under no schedule"
         try:
             check_warmup(parse_config(config)[1] or args.schedule, args.warmup_steps)
         except ValueError as exc:
@@ -320,9 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the Python standard library's sources")
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
                     default=None,
-                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco], "
+                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo], "
                          "e.g. oktopk, topka-q8, dense-q8, oktopk-hook, oktopk-diloco (outer steps every "
-                         f"--sync-every steps; dense-diloco: DiLoCo) (default: {','.join(train.QUICK_CONFIGS)}; "
+                         "--sync-every steps; dense-diloco: DiLoCo), topka-demo (decoupled momentum: DeMo) "
+                         f"(default: {','.join(train.QUICK_CONFIGS)}; "
                          f"--full: {','.join(train.FULL_CONFIGS)}); each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=at.positive_int, default=4)
     tr.add_argument("--epochs", type=at.positive_int, default=None,

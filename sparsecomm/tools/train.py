@@ -40,7 +40,7 @@ from ..comm.sim import single_rank
 from ..compress import COMPRESSORS
 from ..hooks import SparseHookState, sparse_allreduce_hook
 from ..network import PROFILES, resolve_network
-from ..optim import DiLoCo, SparseAdamW, local_gradient_hook
+from ..optim import DeMo, DiLoCo, SparseAdamW, local_gradient_hook
 from ..schedules import SCHEDULES as REGISTERED_SCHEDULES
 from . import output
 from .launch import preload, spawn
@@ -71,27 +71,30 @@ DENSITY = 0.01
 def config_settings(config: str) -> dict | None:
     """The hook settings a configuration name stands for (None: DDP's own dense allreduce).
 
-    "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco] for any registered algorithm and
+    "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo] for any registered algorithm and
     compressor: a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense with a
     compressor (``dense-q8``); ``-hook`` keeps the DDP hook in front of the task's own optimizer
     even under AdamW (error feedback on the gradient, then torch's AdamW: the naive path that
     SparseAdamW replaces); ``-diloco``: low-communication training, the task's optimizer for
     ``sync_every`` steps a round without communication, then an outer step on the pseudo-gradient
     reduced by the algorithm (:class:`sparsecomm.optim.DiLoCo`; ``dense-diloco`` is DiLoCo
-    itself). ValueError for anything else.
+    itself); ``-demo``: decoupled momentum, each rank's fast DCT components carried by the
+    algorithm (:class:`sparsecomm.optim.DeMo`; ``topka-demo`` is DeMo itself). ValueError for
+    anything else.
     """
     if config == "dense":
         return None
-    hook = config.endswith("-hook")
-    diloco = config.endswith("-diloco")
-    name = config[:-len("-hook")] if hook else (config[:-len("-diloco")] if diloco else config)
+    base, dash, suffix = config.rpartition("-")
+    method = suffix if dash and suffix in ("hook", "diloco", "demo") else ""
+    hook, diloco, demo = method == "hook", method == "diloco", method == "demo"
+    name = base if method else config
     algorithm, dash, compressor = name.partition("-")
     known = (algorithm in registry.names() and (not dash or compressor in COMPRESSORS)
-             and not (algorithm == "dense" and (hook or not (compressor or diloco))))
+             and not (algorithm == "dense" and (hook or demo or not (compressor or diloco))))
     if not known:
-        raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook] with an "
-                         f"algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
-                         "(dense takes a compressor or -diloco, and no -hook)")
+        raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo] "
+                         f"with an algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
+                         "(dense takes a compressor or -diloco, and no -hook or -demo)")
     settings: dict = {"algorithm": algorithm}
     if algorithm != "dense":
         settings["density"] = DENSITY
@@ -101,6 +104,8 @@ def config_settings(config: str) -> dict | None:
         settings["hook"] = True
     if diloco:
         settings["diloco"] = True
+    if demo:
+        settings["demo"] = True
     return settings
 
 
@@ -109,9 +114,16 @@ def parse_config(name: str) -> tuple[str, str | None]:
     config, _, schedule = name.partition("/")
     if schedule and schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule in {name!r}: /schedule is one of {SCHEDULES}")
-    if (config_settings(config) or {}).get("diloco") and schedule:
-        raise ValueError(f"{name!r}: a -diloco configuration communicates at its outer steps, under no schedule")
+    own = own_optimizer(config)
+    if own and schedule:
+        raise ValueError(f"{name!r}: a -{own} configuration is its own optimizer's communication, under no schedule")
     return config, schedule or None
+
+
+def own_optimizer(config: str) -> str | None:
+    """"diloco" or "demo" when ``config`` names an optimizer that communicates itself (no schedule, no hook)."""
+    settings = config_settings(config) or {}
+    return next((k for k in ("diloco", "demo") if settings.get(k)), None)
 
 
 def check_warmup(schedule: str, warmup_steps: int) -> None:
@@ -135,7 +147,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                network: str = "10gbe", seed: int = 0, progress: bool = False, schedule: str = "none",
                task: str = "digits", optimizer: str | None = None, warmup_steps: int = 0,
                momentum: float = 0.9, adamw_options: dict | None = None, eval_every: int = 10,
-               diloco_options: dict | None = None) -> dict:
+               diloco_options: dict | None = None, demo_options: dict | None = None) -> dict:
     """Train one configuration on this rank (torch.distributed must be initialised).
 
     ``lr``, ``optimizer`` ("sgd" with momentum, or "adamw"): None takes the
@@ -151,7 +163,9 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     ``eval_every`` steps (``curve``: the step, the metric, and the modelled communication
     seconds so far on each profile of :data:`CURVE_PROFILES`). A ``-diloco`` configuration
     takes :class:`~sparsecomm.optim.DiLoCo`'s keyword arguments from ``diloco_options``
-    (``sync_every`` default 10); it is evaluated on the outer model.
+    (``sync_every`` default 10); it is evaluated on the outer model. A ``-demo`` configuration
+    trains with :class:`~sparsecomm.optim.DeMo` in place of the task's optimizer (its learning
+    rate and weight decay), with ``demo_options`` its other keyword arguments.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
@@ -164,9 +178,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     settings = config_settings(config)
     kind = optimizer or job.default_optimizer
     diloco = settings is not None and settings.get("diloco", False)
-    if diloco and schedule != "none":
-        raise ValueError("a -diloco configuration runs without a schedule")
-    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none" and not diloco
+    demo = settings is not None and settings.get("demo", False)
+    if (diloco or demo) and schedule != "none":
+        raise ValueError("a -diloco or -demo configuration runs without a schedule")
+    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none" and not diloco and not demo
                     and not settings.get("hook") and settings["algorithm"] != "dense")
     plain = job.model(seed)
     model = DDP(plain) if schedule == "none" else plain
@@ -181,22 +196,27 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                           compressor=settings.get("compressor"), algorithm_options=options,
                           warmup_steps=warmup_steps or 10, **(adamw_options or {}))
         warmup_steps = opt.warmup_steps
-    elif diloco:
-        model.register_comm_hook(None, local_gradient_hook)  # DiLoCo communicates at its outer steps only
+    elif diloco or demo:
+        model.register_comm_hook(None, local_gradient_hook)  # the optimizer communicates itself
     elif settings is not None and schedule == "none":
         options = {"tau": 32, "tau_prime": 64} if settings["algorithm"] == "oktopk" else {}
         state = SparseHookState(model, settings["algorithm"], settings.get("density", 1.0),
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    if not sparse_adamw:
+    if demo:
+        opt = DeMo(model.parameters(), lr=job.lr if lr is None else lr, algorithm=settings["algorithm"],
+                   compressor=settings.get("compressor"), density=settings["density"],
+                   weight_decay=job.adamw_settings["weight_decay"], **(demo_options or {}))
+    elif not sparse_adamw:
         opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
     outer = None
     if diloco:
         outer_kw = {"sync_every": 10, "density": settings.get("density", 1.0), **(diloco_options or {})}
         outer = DiLoCo(plain, opt, algorithm=settings["algorithm"], compressor=settings.get("compressor"),
                        **outer_kw)
-        outer_comm = resolve()
+    if diloco or demo:
+        own_comm = resolve()
     sched_comm = _schedule(schedule, model, opt, settings, warmup_steps) if schedule != "none" else None
     # Cosine decay: the last epochs are quiet, so final metrics compare runs, not noise.
     warmup = max(1, total_steps // 20) if task == "lm" else 0
@@ -227,8 +247,11 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             loss = job.loss(model, x, y)
             loss.backward()
             if outer is not None:
-                before = outer_comm.stats.snapshot()
+                before = own_comm.stats.snapshot()
                 outer.step()
+            elif demo:
+                before = own_comm.stats.snapshot()
+                opt.step()
             elif sched_comm is None:
                 opt.step()
             else:
@@ -241,8 +264,8 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                 hook_s = call["seconds"]
                 if not call["dense"]:
                     selected.append(call["selected"] / max(call["k"], 1))
-            elif outer is not None:  # nothing, or the outer step's allreduce
-                delta = outer_comm.stats - before
+            elif outer is not None or demo:  # nothing, or the outer step's allreduce; DeMo's one
+                delta = own_comm.stats - before
                 traffic = [(delta.messages_sent, delta.bytes_sent)]
                 hook_s = 0.0
             elif sched_comm is not None:  # every allreduce of the step, as if none overlapped
@@ -298,9 +321,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             "ranks": size, "epochs": epochs, "steps_per_epoch": steps_per_epoch, "params": n_params,
             "bytes_per_step": float(sent), "network": net.name,
             "selected_per_k": {"mean": sum(selected) / len(selected), "min": min(selected)} if selected else None,
-            "path": "SparseAdamW" if sparse_adamw else ("DiLoCo" if outer is not None else (
+            "path": "SparseAdamW" if sparse_adamw else ("DiLoCo" if outer is not None else "DeMo" if demo else (
                 "hook" if state is not None else ("schedule" if sched_comm is not None else "ddp"))),
             "diloco_options": diloco_options if outer is not None else None,
+            "demo_options": demo_options if demo else None,
             "adamw_options": adamw_options if sparse_adamw else None,
             "curve": curve, **history}
 
@@ -362,7 +386,7 @@ def run(configs: list[str], ranks: int = 4, epochs: int = 30, compute_per_step: 
     """Run each configuration on ``ranks`` local gloo processes; rank 0's records.
 
     Keyword arguments go to :func:`train_rank` (batch, lr, network, seed, schedule, task,
-    optimizer, adamw_options, eval_every, diloco_options). A configuration may name its own schedule,
+    optimizer, adamw_options, eval_every, diloco_options, demo_options). A configuration may name its own schedule,
     ``"oktopk/pipesgd"``; the others take ``schedule`` (default none). Each record also
     holds ``compute_per_step`` (:func:`measure_compute`, measured once, before the runs,
     unless given: a comparison made of several calls measures it once) and ``local_per_step`` (:func:`measure_local_cost`), the terms of the modelled time

@@ -197,6 +197,9 @@ def no_training(monkeypatch):
     (["--sync-every", "0"], "--sync-every"),
     (["--configs", "oktopk-diloco/dear"], "--configs"),
     (["--configs", "oktopk-diloco", "--schedule", "dear"], "--schedule"),
+    (["--configs", "topka-demo/wfbp"], "--configs"),
+    (["--configs", "topka-demo", "--schedule", "pipesgd"], "--schedule"),
+    (["--configs", "dense-demo"], "--configs"),
 ])
 def test_train_rejects_bad_arguments_before_training(argv, argument, capsys, tmp_path, no_training):
     out = tmp_path / "train"

@@ -168,8 +168,9 @@ def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
 def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(tmp_path):
     from sparsecomm.tools import train
 
-    results = train.run(["dense", "oktopk", "oktopk-hook", "oktopk-diloco"], ranks=2, epochs=3, optimizer="adamw",
-                        lr=0.002, diloco_options={"sync_every": 5})
+    results = train.run(["dense", "oktopk", "oktopk-hook", "oktopk-diloco", "topka-demo"], ranks=2, epochs=3,
+                        optimizer="adamw", lr=0.002, diloco_options={"sync_every": 5},
+                        demo_options={"chunk": 32, "topk": 1})
     by = {r["config"]: r for r in results}
     assert by["dense"]["path"] == "ddp" and by["oktopk"]["path"] == "SparseAdamW"
     assert by["oktopk-hook"]["path"] == "hook" and by["oktopk-diloco"]["path"] == "DiLoCo"
@@ -178,6 +179,10 @@ def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(t
     assert diloco["diloco_options"] == {"sync_every": 5} and diloco["accuracy"][-1] > 0.5
     assert diloco["bytes_per_step"] < 0.2 * by["oktopk"]["bytes_per_step"]
     assert 0 < diloco["local_per_step"] < by["oktopk"]["local_per_step"]
+    # DeMo: every step one component of each chunk of 32 from each rank (an allgather), none dense.
+    demo = by["topka-demo"]
+    assert demo["path"] == "DeMo" and demo["demo_options"] == {"chunk": 32, "topk": 1}
+    assert demo["accuracy"][-1] > 0.5 and demo["bytes_per_step"] < 0.2 * by["dense"]["bytes_per_step"]
     assert by["oktopk"]["warmup_steps"] == 10
     steps = 3 * by["oktopk"]["steps_per_epoch"]
     assert by["oktopk"]["curve"]["step"] == list(range(10, steps + 1, 10))
@@ -201,10 +206,13 @@ def test_configuration_names_follow_the_registries():
             assert train.config_settings(algorithm) == {"algorithm": algorithm, "density": 0.01}
             assert train.config_settings(f"{algorithm}-hook")["hook"] is True
         assert train.config_settings(f"{algorithm}-diloco")["diloco"] is True  # dense-diloco: DiLoCo itself
+        if algorithm != "dense":  # DeMo's components are sparse by construction
+            assert train.own_optimizer(f"{algorithm}-demo") == "demo"
         for compressor in COMPRESSORS:
             assert train.config_settings(f"{algorithm}-{compressor}")["compressor"] == compressor
     assert train.config_settings("dense") is None  # DDP's own allreduce
-    for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x", "oktopk-hook-diloco"):
+    for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x", "oktopk-hook-diloco", "dense-demo",
+                "oktopk-demo-hook"):
         with pytest.raises(ValueError, match="unknown configuration"):
             train.config_settings(bad)
     assert train.parse_config("cltk-q8/pipesgd") == ("cltk-q8", "pipesgd")

@@ -1,0 +1,226 @@
+"""Decoupled momentum (DeMo): each rank keeps its own momentum; only its fast DCT components travel.
+
+    opt = sparsecomm.optim.DeMo(model.parameters(), lr=1e-3, chunk=64, topk=1)
+    loss_fn(model(x), y).backward()       # each rank's own gradient (under DDP:
+    opt.step()                            #   ddp.register_comm_hook(None, local_gradient_hook))
+
+DeMo (Peng, Quesnelle, Kingma, 2024) lets each rank's momentum drift from its peers' and
+exchanges, each step, only the part of it that moves fast. The momentum is cut into chunks
+of ``chunk`` entries and each chunk is seen in the DCT-II basis, where a smooth signal's
+energy sits in a few coefficients (in the coordinate basis each rank's largest entries barely
+overlap); the ``topk`` largest coefficients of every chunk are the fast components. Each step,
+on every rank:
+
+1. m = decay * m + g (this rank's own gradient, float32).
+2. X = DCT(m), chunk by chunk; Q = the ``topk`` largest |X| of each chunk (the rest zero).
+3. m -= IDCT(Q): what was extracted leaves this rank's momentum (DeMo's error feedback).
+4. A = the average over ranks of Q, by the sparse allreduce (``algorithm``).
+5. w -= lr * (sign(IDCT(A)) + weight_decay * w) (``update="sign"``, the method's), or
+   lr * IDCT(A) (``update="value"``).
+
+Two error-feedback rules meet here, and they are different things:
+
+* **DeMo's** (step 3): each rank removes what it *extracted* from its own momentum, whether or
+  not it reached the others. What it kept decays there with ``decay``.
+* **The allreduce's**: with ``error_feedback`` (default) the allreduce keeps, in its own
+  residual, whatever its selection did not send, and adds it to the next step's Q. With
+  ``algorithm="topka"`` (the default, and DeMo's own exchange: an allgather of every rank's
+  components) the selection is exact at k = topk per chunk, sends every extracted component
+  and that residual stays zero: the method as published. Ok-Topk selects the global top-k of
+  the *summed* components instead (O(k) traffic): a different method, whose leftovers wait
+  in the allreduce's residual without decaying.
+
+Chunks are 1-D runs of each parameter's flattened entries (row-major: along the input
+dimension of a Linear weight), each parameter padded to a whole number of chunks; the
+published method tiles matrices in 2-D. Memory, full size on every rank: the momentum
+(float32, padded) and the allreduce's residual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .api import allreduce
+from .check import check_replicas_equal
+from .comm import resolve
+from .errors import NonFiniteError
+from .memory import StateMaker, adopt_state, snapshot
+from .state import State, check_density
+
+__all__ = ["DeMo", "UPDATE_RULES", "dct_matrix"]
+
+#: How :class:`DeMo` turns the reduced components into a step.
+UPDATE_RULES = ("sign", "value")
+
+
+def dct_matrix(size: int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix D (``size`` x ``size``): X = D x, x = D^T X.
+
+    D[k, i] = s_k cos(pi (2i + 1) k / (2 size)), s_0 = sqrt(1 / size), s_k = sqrt(2 / size);
+    made in float64, then cast.
+    """
+    i = torch.arange(size, dtype=torch.float64)
+    k = i.reshape(-1, 1)
+    d = torch.cos(math.pi * (2 * i + 1) * k / (2 * size)) * math.sqrt(2.0 / size)
+    d[0] /= math.sqrt(2.0)
+    return d.to(dtype=dtype, device=device)
+
+
+class DeMo(torch.optim.Optimizer):
+    """Decoupled momentum over the sparse allreduce (see the module docstring).
+
+    Args:
+        params: the parameters or parameter groups (``lr``, ``weight_decay`` per group);
+            every rank's must be equal at the start (checked at the first step: one allgather
+            of a digest).
+        lr, weight_decay: the step (sign units with ``update="sign"``) and decoupled decay.
+        decay: the momentum's decay (DeMo's 0.999).
+        chunk: entries of a chunk (the DCT's length).
+        topk: components a chunk sends each step (None: ``max(1, round(density * chunk))``).
+        density: used only to derive ``topk`` when it is None.
+        update: ``"sign"`` (the method's) or ``"value"`` (:data:`UPDATE_RULES`).
+        algorithm: the registered algorithm that carries the components: ``"topka"``
+            (DeMo's allgather) or any other (``"oktopk"``: the global top-k of their sum).
+        compressor, error_feedback, algorithm_options, group, comm: the components'
+            allreduce, as in ``sparsecomm.allreduce`` (density topk / chunk).
+
+    Every rank calls ``step()`` every step (it communicates) and holds the same parameters
+    after it. A gradient with NaN/Inf on any rank skips the step on every rank (nothing
+    changes: parameters, momentum, residual): silently under a ``torch.amp.GradScaler``
+    (``scaler.step(opt)``; each rank unscales its own gradient), else by raising
+    :class:`sparsecomm.NonFiniteError` on every rank. Gradient clipping applies to each
+    rank's own gradient before ``step()`` (``clip_grad_norm_`` as usual): the method allows
+    it, the ranks' norms simply differ. ``state_dict()`` is per rank (the momentum is).
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler calls step() always; the ranks decide together
+
+    def __init__(self, params: Any, lr: float = 1e-3, *, decay: float = 0.999, chunk: int = 64,
+                 topk: int | None = None, density: float = 0.01, update: str = "sign",
+                 weight_decay: float = 0.0, algorithm: str = "topka", compressor: Any = None,
+                 error_feedback: bool = True, algorithm_options: dict | None = None,
+                 group: Any = None, comm: Any = None) -> None:
+        if not lr >= 0 or not weight_decay >= 0:
+            raise ValueError(f"DeMo: lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
+        if not 0 <= decay < 1:
+            raise ValueError(f"DeMo: decay must lie in [0, 1), got {decay}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"DeMo: chunk must be an integer >= 1, got {chunk!r}")
+        if topk is None:
+            topk = max(1, round(check_density(density) * chunk))
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= chunk:
+            raise ValueError(f"DeMo: topk must be an integer in [1, chunk = {chunk}], got {topk!r}")
+        if update not in UPDATE_RULES:
+            raise ValueError(f"DeMo: update must be one of {UPDATE_RULES}, got {update!r}")
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+        self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not self.params:
+            raise ValueError("DeMo: no parameter requires a gradient")
+        self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
+        self.compressor, self.group, self.comm = compressor, group, comm
+        self._maker = StateMaker(algorithm, topk / chunk, algorithm_options, error_feedback, compressor, None,
+                                 dense_keeps_residual=True)
+        device = self.params[0].device
+        #: Where each parameter starts in the padded flat layout (whole chunks each).
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + math.ceil(p.numel() / chunk) * chunk)
+        self.n = self.offsets[-1]
+        self.momentum = torch.zeros(self.n, dtype=torch.float32, device=device)
+        self.basis = dct_matrix(chunk, torch.float32, device)
+        self.sparse_state: State = self._maker.new(self.n, torch.float32, device, self._comm())
+        self.steps = 0
+        self.skipped = 0  # steps skipped for a NaN/Inf on some rank
+        self._checked = False
+
+    def _comm(self) -> Any:
+        return resolve(group=self.group, comm=self.comm)
+
+    def _gather(self) -> torch.Tensor:
+        """This rank's gradients in the padded layout (float32; zeros for a parameter without
+        one and in the padding), unscaled when a GradScaler left them scaled."""
+        flat = torch.zeros(self.n, dtype=torch.float32, device=self.momentum.device)
+        for p, start in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[start:start + p.numel()] = p.grad.reshape(-1)
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            flat.div_(scale.to(flat.device))
+        return flat
+
+    def extract(self, m: torch.Tensor) -> torch.Tensor:
+        """The fast components of ``m``: per chunk the ``topk`` largest |DCT coefficients|,
+        the others zero (flat, in the coefficient basis). NaN counts as the largest."""
+        coeffs = m.view(-1, self.chunk) @ self.basis.T
+        keep = coeffs.abs().topk(self.topk, dim=1).indices
+        return torch.zeros_like(coeffs).scatter_(1, keep, coeffs.gather(1, keep)).reshape(-1)
+
+    def to_entries(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """The inverse DCT of flat coefficients, chunk by chunk (flat, padded layout)."""
+        return (coeffs.view(-1, self.chunk) @ self.basis).reshape(-1)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One DeMo step (the module docstring's 1-5); collective."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._checked:
+            check_replicas_equal(torch.cat([p.detach().reshape(-1).float() for p in self.params]),
+                                 self._comm(), "DeMo")
+            self._checked = True
+        m = self.momentum.mul(self.decay).add_(self._gather())  # out of place: a skipped step keeps the old
+        q = self.extract(m)
+        try:
+            average = allreduce(q, state=self.sparse_state, op="avg", compressor=self.compressor,
+                                group=self.group, comm=self.comm)
+        except NonFiniteError:
+            self.skipped += 1
+            if getattr(self, "found_inf", None) is not None:  # a GradScaler drives the step: skip alike
+                return loss
+            raise
+        self.momentum = m.sub_(self.to_entries(q))
+        direction = self.to_entries(average)
+        if self.update == "sign":
+            direction.sign_()
+        start = dict(zip(map(id, self.params), self.offsets))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                at = start[id(p)]
+                if g["weight_decay"]:
+                    p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(direction[at:at + p.numel()].view_as(p).to(p.dtype), alpha=-g["lr"])
+        self.steps += 1
+        return loss
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """What the components' allreduce has not sent yet (this rank's; coefficient basis)."""
+        return self.sparse_state.residual
+
+    def state_dict(self) -> dict:
+        """This rank's state: the param groups, the momentum, the allreduce's state, the counts."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "momentum": self.momentum.clone(), "sparse_state": snapshot(self.sparse_state), "steps": self.steps,
+                "skipped": self.skipped, "n": self.n, "chunk": self.chunk}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` of the same parameters and chunk (ValueError otherwise;
+        this optimizer's other settings win)."""
+        if (state_dict.get("n"), state_dict.get("chunk")) != (self.n, self.chunk) or \
+                len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"DeMo.load_state_dict: a state of {state_dict.get('n')} entries in chunks of "
+                             f"{state_dict.get('chunk')} over {len(state_dict['param_groups'])} groups; this "
+                             f"optimizer has {self.n} in chunks of {self.chunk} over {len(self.param_groups)}")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update(saved)
+        self.momentum = state_dict["momentum"].clone().to(self.momentum.device)
+        self.steps, self.skipped = state_dict["steps"], state_dict["skipped"]
+        self.sparse_state = adopt_state(state_dict["sparse_state"], self.sparse_state, "DeMo",
+                                        self._maker.like(state_dict["sparse_state"]))

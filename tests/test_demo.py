@@ -1,0 +1,284 @@
+"""Decoupled momentum (``sparsecomm.optim.DeMo``): against a hand-written DeMo on 2 and 3 ranks
+(its DCT written out as sums of cosines), equal replicas after every step, both error-feedback
+rules, NaN steps, a GradScaler, bfloat16 models, checkpoints, refusals."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm.demo import dct_matrix
+from sparsecomm.optim import DeMo
+
+STEPS, CHUNK, TOPK = 4, 16, 3
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    gen = torch.Generator().manual_seed(0)  # every replica starts from the same weights
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return net.to(dtype)
+
+
+def _backward(net, rank, step, poison=False):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(12, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+    loss = torch.nn.functional.cross_entropy(net(x.to(next(net.parameters()).dtype)).float(), y)
+    (loss * (float("nan") if poison else 1.0)).backward()
+
+
+def _flat(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in net.parameters()])
+
+
+def _run(rank, steps=STEPS, poison_at=None, **kw):
+    net = _model()
+    opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
+    errors = []
+    for step in range(steps):
+        opt.zero_grad()
+        _backward(net, rank, step, poison=poison_at == (rank, step))
+        try:
+            opt.step()
+        except sparsecomm.NonFiniteError:
+            errors.append(step)
+    return net, opt, errors
+
+
+def _cosines(size: int) -> list[list[float]]:
+    """The orthonormal DCT-II written out, entry by entry (float64)."""
+    return [[math.sqrt((1 if k == 0 else 2) / size) * math.cos(math.pi * (2 * i + 1) * k / (2 * size))
+             for i in range(size)] for k in range(size)]
+
+
+def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0):
+    """DeMo by hand (float64): every rank's momentum, its top components per chunk, their
+    average gathered from every rank, the sign (or value) step on the one shared model."""
+    net = _model()
+    cos = torch.tensor(_cosines(CHUNK), dtype=torch.float64)
+    sizes = [p.numel() for p in net.parameters()]
+    padded = [math.ceil(n / CHUNK) * CHUNK for n in sizes]
+    momenta = [torch.zeros(sum(padded), dtype=torch.float64) for _ in range(P)]
+    for step in range(STEPS):
+        total = torch.zeros(sum(padded), dtype=torch.float64)
+        for r in range(P):
+            net.zero_grad()
+            _backward(net, r, step)
+            g = torch.cat([torch.nn.functional.pad(p.grad.reshape(-1).double(), (0, pad - n))
+                           for p, n, pad in zip(net.parameters(), sizes, padded)])
+            momenta[r] = decay * momenta[r] + g
+            chunks = momenta[r].reshape(-1, CHUNK)
+            coeffs = torch.stack([cos @ c for c in chunks])
+            picked = torch.zeros_like(coeffs)
+            for row in range(coeffs.shape[0]):
+                top = torch.argsort(coeffs[row].abs(), descending=True)[:TOPK]
+                picked[row, top] = coeffs[row, top]
+            momenta[r] = momenta[r] - torch.stack([cos.T @ c for c in picked]).reshape(-1)  # DeMo's feedback
+            total += picked.reshape(-1)
+        step_dir = torch.stack([cos.T @ c for c in (total / P).reshape(-1, CHUNK)]).reshape(-1)
+        if update == "sign":
+            step_dir = step_dir.sign()
+        with torch.no_grad():
+            at = 0
+            for p, n, pad in zip(net.parameters(), sizes, padded):
+                p.mul_(1 - lr * weight_decay)
+                p.sub_(lr * step_dir[at:at + n].view_as(p).float())
+                at += pad
+    return _flat(net)
+
+
+def test_the_dct_is_the_cosine_sums_and_orthonormal():
+    d = dct_matrix(CHUNK, torch.float64)
+    torch.testing.assert_close(d, torch.tensor(_cosines(CHUNK), dtype=torch.float64))
+    torch.testing.assert_close(d @ d.T, torch.eye(CHUNK, dtype=torch.float64))
+    # A smooth chunk's energy sits in its first coefficients: what makes top-k of a momentum meaningful.
+    smooth = torch.linspace(0, 1, CHUNK, dtype=torch.float64)
+    energy = (d @ smooth) ** 2
+    assert energy[:2].sum() > 0.99 * energy.sum()
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("update", ["sign", "value"])
+def test_topka_carries_demo_itself(P, update):
+    # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
+    # allreduce sends every extracted component, so its residual stays zero.
+    def body(rank):
+        net, opt, _ = _run(rank, update=update, weight_decay=0.1)
+        return _flat(net), opt.residual.abs().max().item()
+
+    out = sparsecomm.simulate(P, body).results
+    expected = _reference(P, update, weight_decay=0.1)
+    for got, leftover in out:
+        assert torch.equal(got, out[0][0])  # every replica the same, bit for bit
+        assert leftover == 0.0
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_oktopk_carries_the_summed_components_and_loses_nothing(P):
+    # The allreduce's error feedback: what its global selection left stays in each rank's
+    # residual. Summed over ranks and steps, the extracted components equal what moved the
+    # model (value update, lr 1: minus P times the parameters' change) plus the residuals.
+    def body(rank):
+        net = _model()
+        start = _flat(net)
+        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", algorithm="oktopk")
+        extracted = torch.zeros(opt.n)
+        real = opt.extract
+
+        def recording(m):
+            q = real(m)
+            extracted.add_(q)
+            return q
+
+        opt.extract = recording
+        for step in range(STEPS):
+            opt.zero_grad()
+            _backward(net, rank, step)
+            opt.step()
+        keep = torch.cat([torch.arange(a, a + p.numel()) for a, p in zip(opt.offsets, opt.params)])
+        return (opt.to_entries(extracted)[keep], opt.to_entries(opt.residual)[keep], _flat(net) - start)
+
+    out = sparsecomm.simulate(P, body).results
+    moved = out[0][2]
+    for _, _, m in out:
+        assert torch.equal(m, moved)
+    torch.testing.assert_close(sum(o[0] for o in out), -P * moved + sum(o[1] for o in out), rtol=1e-5, atol=1e-5)
+    if P > 1:
+        assert sum(o[1] for o in out).abs().max() > 0  # the global selection did leave something
+
+
+def test_a_nan_step_is_skipped_on_every_rank_and_training_goes_on():
+    def body(rank):
+        net, opt, errors = _run(rank, steps=2)
+        before = (_flat(net), opt.momentum.clone(), opt.residual.clone())
+        opt.zero_grad()
+        _backward(net, rank, 2, poison=rank == 1)
+        try:
+            opt.step()
+            raised = False
+        except sparsecomm.NonFiniteError:
+            raised = True
+        same = all(torch.equal(a, b) for a, b in zip(before, (_flat(net), opt.momentum, opt.residual)))
+        opt.zero_grad()
+        _backward(net, rank, 3)
+        opt.step()
+        return raised, same, opt.skipped, _flat(net)
+
+    out = sparsecomm.simulate(2, body).results
+    for raised, same, skipped, final in out:
+        assert raised and same and skipped == 1
+        assert torch.equal(final, out[0][3]) and bool(torch.isfinite(final).all())
+
+
+def test_a_grad_scaler_skips_an_overflow_everywhere():
+    def body(rank):
+        net = _model()
+        opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        moved = []
+        for step in range(3):
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(12, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(net(x), y) * (float("inf") if (rank, step) == (0, 1) else 1)
+            scaler.scale(loss).backward()
+            before = _flat(net)
+            scaler.step(opt)
+            scaler.update()
+            moved.append(not torch.equal(before, _flat(net)))
+        return moved, _flat(net)
+
+    out = sparsecomm.simulate(2, body).results
+    for moved, final in out:
+        assert moved == [True, False, True]
+        assert torch.equal(final, out[0][1])
+    # The scaled, then unscaled, gradient steps as the plain one does (sign of the same components).
+    plain = sparsecomm.simulate(2, lambda r: _flat(_run(r, steps=1)[0])).results
+    scaled = sparsecomm.simulate(2, lambda r: _scaled_first_step(r)).results
+    torch.testing.assert_close(scaled[0], plain[0])
+
+
+def _scaled_first_step(rank):
+    net = _model()
+    opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    gen = torch.Generator().manual_seed(1000 * rank)
+    x, y = torch.randn(12, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+    scaler.scale(torch.nn.functional.cross_entropy(net(x), y)).backward()
+    scaler.step(opt)
+    return _flat(net)
+
+
+def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
+    def body(rank):
+        net = _model(torch.bfloat16)
+        start = _flat(net)
+        opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK)
+        for step in range(STEPS):
+            opt.zero_grad()
+            _backward(net, rank, step)
+            opt.step()
+        assert all(p.dtype == torch.bfloat16 for p in net.parameters()) and opt.momentum.dtype == torch.float32
+        return _flat(net), start
+
+    out = sparsecomm.simulate(2, body).results
+    for final, start in out:
+        assert torch.equal(final, out[0][0]) and not torch.equal(final, start)
+
+
+def test_a_checkpoint_resumes_bit_for_bit():
+    def body(rank):
+        net, opt, _ = _run(rank, steps=2, algorithm="oktopk")
+        saved = pickle.loads(pickle.dumps({"opt": opt.state_dict(),
+                                           "model": {k: v.clone() for k, v in net.state_dict().items()}}))
+        for step in range(2, STEPS):
+            opt.zero_grad()
+            _backward(net, rank, step)
+            opt.step()
+        again = _model()
+        again.load_state_dict(saved["model"])
+        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, algorithm="oktopk")
+        resumed.load_state_dict(saved["opt"])
+        for step in range(2, STEPS):
+            resumed.zero_grad()
+            _backward(again, rank, step)
+            resumed.step()
+        return torch.equal(_flat(again), _flat(net)) and torch.equal(resumed.momentum, opt.momentum)
+
+    assert sparsecomm.simulate(2, body).results == [True, True]
+    net = _model()
+    other = DeMo(net.parameters(), chunk=8)
+    with pytest.raises(ValueError, match="chunks of 16"):
+        other.load_state_dict(DeMo(_model().parameters(), chunk=16).state_dict())
+
+
+def test_replicas_that_start_apart_and_bad_settings_are_refused():
+    def body(rank):
+        net = _model()
+        if rank == 1:
+            with torch.no_grad():
+                net[0].bias.add_(1.0)
+        opt = DeMo(net.parameters())
+        _backward(net, rank, 0)
+        try:
+            opt.step()
+        except ValueError as exc:
+            return str(exc)
+        return "stepped"
+
+    for msg in sparsecomm.simulate(2, body).results:
+        assert "parameters differ at the start" in msg, msg
+    params = list(_model().parameters())
+    for kw, match in (({"chunk": 0}, "chunk"), ({"chunk": 8, "topk": 9}, "topk"), ({"update": "adam"}, "update"),
+                      ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"), ({"density": 2.0}, "density"),
+                      ({"algorithm": "nope"}, "nope")):
+        with pytest.raises(ValueError, match=match):
+            DeMo(params, **kw)
+    assert DeMo(params, chunk=128, density=0.01).topk == 1 and DeMo(params, chunk=64, density=0.05).topk == 3
