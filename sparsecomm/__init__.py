@@ -29,7 +29,7 @@ from .algorithms import (
     TopkAState,
     TopkDSAState,
 )
-from .api import Pending, algorithms, allreduce, auto_state, begin_allreduce, sparse_allreduce
+from .api import Pending, algorithms, allreduce, auto_state, begin_allreduce, reduce_scatter, sparse_allreduce
 from .choice import choose
 from .comm import Communicator, SimResult, resolve, simulate
 from .errors import (
@@ -46,7 +46,7 @@ from .state import CallStats, State
 
 __version__ = "0.1.0"
 
-__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "choose", "auto_state",
+__all__ = ["allreduce", "begin_allreduce", "reduce_scatter", "Pending", "sparse_allreduce", "algorithms", "choose", "auto_state",
            "simulate", "SimResult",
            "OkTopkState", "OkTopkTwoLevelState", "TopkAState", "TopkDSAState", "GTopkState", "GaussiankState", "DenseState", "State",
            "CallStats", "SparseResult",

@@ -18,11 +18,13 @@ from .call import Call
 from .comm import resolve
 from .compress import Compressor
 from .memory import StateMaker
-from .pipeline import Pending, execute
+from .algorithms.reduce_scatter import SHARD_ALGORITHMS, shard_reduce
+from .check import Problem, local_problem
+from .pipeline import Pending, check_prepared, execute, prepare
 from .result import SparseResult
-from .state import State
+from .state import State, topk_count
 
-__all__ = ["allreduce", "begin_allreduce", "Pending", "sparse_allreduce", "algorithms", "auto_state"]
+__all__ = ["allreduce", "begin_allreduce", "reduce_scatter", "Pending", "sparse_allreduce", "algorithms", "auto_state"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -167,6 +169,61 @@ def begin_allreduce(tensor: torch.Tensor, density: float | None = None, *, algor
     call = Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm, out)
     scale = 1.0 / call.comm.size if op == "avg" else 1.0
     return Pending(execute(call, check, tensor.dtype, scale, split=True), out)
+
+
+def reduce_scatter(tensor: torch.Tensor, density: float | None = None, *, algorithm: str | None = None,
+                   op: str = "sum", state: State | None = None, compressor: "str | Compressor | None" = None,
+                   group: Any = None, comm: Any = None) -> torch.Tensor:
+    """This rank's shard of the sum (or average) of ``tensor`` over all ranks, sending only
+    its largest entries.
+
+    Rank r owns the r-th of P equal shards of the flat tensor (entries r n/P to (r+1) n/P - 1),
+    as FSDP's reduce-scatter lays them out.
+
+    1. Check the arguments on every rank, as :func:`allreduce` does (also: the algorithm is
+       one of ``SHARD_ALGORITHMS``, and n splits into P equal shards).
+    2. With error feedback, add the state's residual to the input (full size: n).
+    3. Select about k = ceil(density * n) entries (Ok-Topk's reused threshold, or TopkDSA's
+       exact top-k) and send each shard's part to its owner, which sums what it receives
+       (``sparsecomm.algorithms.reduce_scatter``).
+    4. Keep what this rank did not send in the residual; count stats.
+
+    Args:
+        tensor: the local gradient, n = P x shard entries, float16/bfloat16/float32/float64.
+        density, algorithm ("oktopk", default, or "topkdsa"), op, state, compressor,
+            group, comm: as :func:`allreduce`.
+
+    Returns:
+        A new dense 1-D tensor of n / P entries, ``tensor``'s dtype and device: this rank's
+        shard (each rank's differs). A sum that overflows the dtype is inf on its owner only.
+
+    Raises:
+        InputError: on every rank, for bad or mismatched arguments or NaN/Inf in an input.
+    """
+    call = Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm)
+    try:
+        problem = local_problem(call)
+    except Exception as exc:  # noqa: BLE001 - reported collectively
+        problem = (Problem.CHECK_RAISED, f"checking the tensor raised {type(exc).__name__}: {exc}")
+    if problem is None and call.algorithm not in SHARD_ALGORITHMS:
+        problem = (Problem.ALGORITHM, f"the sparse reduce-scatter runs {SHARD_ALGORITHMS}, not {call.algorithm!r} "
+                   "(a reduce-scatter keeps no global phase to run)")
+    if problem is None and tensor.numel() % call.comm.size:
+        problem = (Problem.SHARDS, f"{tensor.numel()} entries do not split into {call.comm.size} equal shards")
+    problem, early, nonfinite = prepare(call, problem)
+    check_prepared(call, problem, early, nonfinite)
+    st = call.state if call.state is not None else call.spec.state_class.exact(call.density)
+    flat = tensor.detach().reshape(-1)
+    compensated = early[0] if early is not None else st.compensate(flat)
+    acc = compensated.acc
+    codec = call.codec.for_call(call.comm.rank, st.iteration)
+    result = shard_reduce(acc, topk_count(st.density, flat.numel()), call.comm, st, codec, compensated.preselected)
+    st.update(acc, result, keep_errors=not codec.exact_for(acc.dtype))
+    st.record(result.stats)
+    shard = torch.zeros(result.n, dtype=acc.dtype, device=acc.device).index_add_(0, result.indexes, result.values)
+    if op == "avg":
+        shard.div_(call.comm.size)
+    return shard.to(tensor.dtype)
 
 
 def auto_state(tensor: torch.Tensor, density: float = 0.01, *, comm: Any = None, group: Any = None,

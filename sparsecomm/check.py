@@ -56,6 +56,7 @@ class Problem(enum.IntEnum):
     ACCUMULATION_RAISED = 12
     ALGORITHM_RAISED = 13
     LAYOUT = 14
+    SHARDS = 15
 
     @property
     def message(self) -> str:
@@ -75,6 +76,7 @@ _MESSAGES = {
     Problem.COMPRESSOR: "unknown compressor", Problem.CHECK_RAISED: "checking the tensor raised",
     Problem.OUT: "out= does not fit the tensor", Problem.ACCUMULATION_RAISED: "the error-feedback accumulation failed",
     Problem.ALGORITHM_RAISED: "the algorithm failed before the check", Problem.LAYOUT: "not a dense (strided) tensor",
+    Problem.SHARDS: "the tensor does not split into equal shards",
 }
 
 

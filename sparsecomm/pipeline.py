@@ -30,7 +30,7 @@ from .kernels import shares_memory
 from .result import SparseResult
 from .state import Compensated, PhaseStats, State, topk_count
 
-__all__ = ["execute", "start", "finish", "Started", "Pending"]
+__all__ = ["execute", "prepare", "check_prepared", "start", "finish", "Started", "Pending"]
 
 
 _stateless_calls = itertools.count()
@@ -54,19 +54,34 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
         check.check_unchecked(call)
         started = start(call, out_dtype, scale, private, split=split)
         return started if split else finish(started)
-    early = None
-    try:
-        problem = check.local_problem(call)
-    except Exception as exc:  # noqa: BLE001 - reported collectively below
-        problem = (check.Problem.CHECK_RAISED, f"checking the tensor raised {type(exc).__name__}: {exc}")
-    nonfinite = None
+    problem, early, nonfinite = prepare(call)
+    if early is not None and problem is None and call.spec.takes_check and check.carried_words(call.comm.size):
+        started = _start_carrying(call, out_dtype, scale, private, early, split, nonfinite)
+        return started if split else finish(started)
+    check_prepared(call, problem, early, nonfinite)
+    started = start(call, out_dtype, scale, private, early, split)
+    return started if split else finish(started)
+
+
+def prepare(call: Call, problem: "tuple[int, str] | None" = None
+            ) -> "tuple[tuple[int, str] | None, tuple[Compensated, float] | None, int | torch.Tensor | None]":
+    """What the collective check needs from this rank: its first problem (``problem``, a
+    caller's own, else :func:`check.local_problem`'s), and, when the state's next accumulation
+    is the fused pass, that pass run now (with its seconds) and what it says of the input's
+    finiteness (``nonfinite`` for :func:`check.check_collectively`)."""
+    if problem is None:
+        try:
+            problem = check.local_problem(call)
+        except Exception as exc:  # noqa: BLE001 - reported collectively
+            problem = (check.Problem.CHECK_RAISED, f"checking the tensor raised {type(exc).__name__}: {exc}")
+    early, nonfinite = None, None
     if problem is None and call.state is not None and call.state.fuses_next():
         flat = call.tensor.detach().reshape(-1)
         t0 = time.perf_counter()
         try:
             early = (_compensate(call.state, flat, _zero_target(call)), time.perf_counter() - t0)
             call.out_zeroed = early[0].out_zeroed
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below, never a hang
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the check, never a hang
             problem = (check.Problem.ACCUMULATION_RAISED,
                        f"accumulating the residual raised {type(exc).__name__}: {exc}")
         else:
@@ -79,17 +94,19 @@ def execute(call: Call, checked: bool, out_dtype: torch.dtype | None, scale: flo
                 # True: settled by the pass. False (a non-finite sum) or None (a buffer too small
                 # to tell): one read of the tensor says whether it, or only its sum, is not finite.
                 nonfinite = 0 if finite else (1 if not check.all_finite(call.tensor) else (2 if finite is False else 0))
-    if early is not None and problem is None and call.spec.takes_check and check.carried_words(call.comm.size):
-        started = _start_carrying(call, out_dtype, scale, private, early, split, nonfinite)
-        return started if split else finish(started)
+    return problem, early, nonfinite
+
+
+def check_prepared(call: Call, problem: "tuple[int, str] | None", early: "tuple[Compensated, float] | None",
+                   nonfinite: "int | torch.Tensor | None") -> None:
+    """The collective check of a call that :func:`prepare` made ready; a refusal takes the fused pass's
+    gradient back out of the residual (``State.rollback``) before it raises."""
     try:
         check.check_collectively(call, problem, nonfinite)
     except InputError:
         if early is not None:
             call.state.rollback(call.tensor.detach().reshape(-1), early[0].read().nonfinite)
         raise
-    started = start(call, out_dtype, scale, private, early, split)
-    return started if split else finish(started)
 
 
 def _start_carrying(call: Call, out_dtype: torch.dtype | None, scale: float, private: bool,

@@ -11,6 +11,7 @@ a subset of one rank's local top-k, at most density-filled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -62,15 +63,16 @@ class _Reduced:
 
 def topkdsa_reduce(acc: torch.Tensor, k: int, comm: Communicator, state: TopkDSAState,
                    codec: Compressor, preselected: Preselection | None = None,
-                   check: CarriedCheck | None = None) -> _Reduced:
+                   check: CarriedCheck | None = None, select: Callable | None = None) -> _Reduced:
     """Steps 1-2 of :func:`topkdsa`: the local top-k and the sparse reduce-scatter (whose
-    exchange of sizes carries the collective ``check``)."""
+    exchange of sizes carries the collective ``check``). ``select(acc, k, stats)``: another
+    local selection, as (sorted indexes, values) (``sparsecomm.reduce_scatter``'s Ok-Topk)."""
     P, me, n = comm.size, comm.rank, acc.numel()
     stats = CallStats(algorithm="topkdsa", n=n, k=k)
     rec = PhaseRecorder(comm, stats)
     check = carry_or_run(check, codec)
     with rec.phase("local_select"):
-        idx, val = state.exact_topk(acc, k, preselected, stats)
+        idx, val = state.exact_topk(acc, k, preselected, stats) if select is None else select(acc, k, stats)
     stats.local_selected = idx.numel()
     starts = equal_starts(n, P)
     index_dtype = kernels.index_dtype_for(max(region_sizes(starts)))
