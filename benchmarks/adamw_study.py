@@ -59,6 +59,8 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-sign-k2": ("topka-demo", {"chunk": 64, "topk": 2}),
     "demo-oktopk": ("oktopk-demo", {"chunk": 64, "topk": 1}),
     "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
+    "demo-sign-c128": ("topka-demo", {"chunk": 128, "topk": 1}),
+    "demo-sign-bf16": ("topka-bf16-demo", {"chunk": 64, "topk": 1}),
 }
 
 
