@@ -76,7 +76,7 @@ def test_example_is_a_script(script):
     assert "if __name__ == \"__main__\":" in (EXAMPLES / script).read_text(), script
 
 
-@pytest.mark.parametrize("script", ["ddp_torchrun.py", "ddp_mpiexec.py", "lightning_ddp.py"])
+@pytest.mark.parametrize("script", ["ddp_torchrun.py", "ddp_mpiexec.py", "lightning_ddp.py", "fsdp_torchrun.py"])
 def test_hook_is_three_marked_lines(script):
     """Adding the hook to a DDP script takes three lines, each marked for the reader."""
     marked = [line for line in (EXAMPLES / script).read_text().splitlines() if line.endswith("  # sparsecomm")]
@@ -155,3 +155,28 @@ def test_lightning_ddp(readme_run):
     out = as_the_readme_runs("lightning_ddp.py", readme_run)
     check_trained(out, DEFAULT_EPOCHS)
     check_sparse(out)
+
+
+def check_fsdp(out: str, mode: str) -> None:
+    """What FSDP's sparse reduction sent is a fraction of a dense reduction's."""
+    sent, dense = map(float, re.search(rf"sparsecomm.fsdp \({mode}\): \d+ steps; sent (\S+) MB per rank "
+                                       r"\(a dense reduction: (\S+) MB\)", out).groups())
+    assert 0 < sent < dense / 4, out
+
+
+@same_worker_as_the_readme
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_fsdp_torchrun(readme_run):
+    out = as_the_readme_runs("fsdp_torchrun.py", readme_run)
+    check_trained(out, DEFAULT_EPOCHS)
+    check_fsdp(out, "flat")
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_fsdp_torchrun_hsdp():
+    out = launch(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                 str(EXAMPLES / "fsdp_torchrun.py"), "--epochs", str(EPOCHS), "--shard", "2")
+    check_trained(out)
+    check_fsdp(out, "hsdp")
