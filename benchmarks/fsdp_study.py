@@ -1,0 +1,152 @@
+"""Sharded training with sparse reductions: plain FSDP2/HSDP against ``sparsecomm.fsdp.enable``.
+
+    python benchmarks/fsdp_study.py --task lm --steps 200 --out DIR          # loss, bytes, memory
+    python benchmarks/fsdp_study.py --task mlp --optimizer sgd --steps 30 --out DIR   # 25M parameters
+
+Each configuration runs in its own gloo world (``--ranks``, 4 by default: flat over 4, or HSDP as
+2 replicas of 2 shards) so that each process's memory high-water mark (``VmHWM``) is its own.
+Per configuration: the final loss (LM: the task's validation loss, evaluated on every rank,
+which FSDP needs; MLP: the training loss of the last 10 steps), the bytes each rank sent in the
+sparse calls (plain: the dense reductions' bytes, computed), the peak memory per rank, and the
+step's wall time. Writes ``fsdp_study.json`` and ``fsdp_study.md`` in ``--out``.
+
+Configurations (``--configs``): ``plain`` (FSDP over every rank), ``flat`` (the sparse
+reduce-scatter, fp32 residual), ``flat-bf16`` (bf16 residual), ``plain-hsdp`` (FSDP2's native
+2-D mesh), ``hsdp`` (custom HSDP: Ok-Topk between the replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+CONFIGS = ("plain", "flat", "flat-bf16", "plain-hsdp", "hsdp")
+
+
+def _vm_hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _model(task: str, width: int, seed: int):
+    if task == "lm":
+        from sparsecomm.tools.tasks import get_task
+        job = get_task("lm", seed)
+        return job, job.model(seed)
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(64, width), torch.nn.ReLU()]
+    for _ in range(5):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(width, 10))
+    return None, torch.nn.Sequential(*layers)
+
+
+def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: str, density: float, width: int,
+          lr: float | None) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import sparsecomm.fsdp
+
+    hsdp = config.endswith("hsdp")
+    mesh = init_device_mesh("cpu", (2, size // 2) if hsdp else (size,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else ("shard",))
+    job, model = _model(task, width, seed=0)
+    target = mesh if config == "plain-hsdp" else mesh["shard"]
+    for m in model.modules():
+        if m is not model and any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m, mesh=target)
+    fully_shard(model, mesh=target)
+    state = None
+    if config != "plain" and config != "plain-hsdp":
+        state = sparsecomm.fsdp.enable(model, density=density, residual_dtype=torch.bfloat16 if config == "flat-bf16"
+                                       else None, replicate_group=mesh["replicate"].get_group() if hsdp else None)
+    lr = lr if lr is not None else (job.lr if job is not None and optimizer == "adamw" else 0.05)
+    opt = (torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    n = sum(p.numel() for p in model.parameters())
+    losses, t0, step = [], None, 0
+    gen = torch.Generator().manual_seed(1000 + rank)
+    teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(7))
+    epoch = 0
+    while step < steps:
+        batches = job.batches(rank, size, 16, epoch) if job is not None else (
+            (x, (x @ teacher).argmax(1)) for x in (torch.randn(32, 64, generator=gen) for _ in range(50)))
+        for x, y in batches:
+            if step == 2:
+                t0 = time.perf_counter()  # (the first steps warm up)
+            opt.zero_grad()
+            loss = job.loss(model, x, y) if job is not None else torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    seconds = (time.perf_counter() - t0) / max(1, steps - 2)
+    final = job.evaluate(model) if job is not None else sum(losses[-10:]) / len(losses[-10:])
+    group = size // 2 if hsdp else size
+    if state is not None:
+        sent = state.totals["bytes_sent"] / steps
+    elif hsdp:  # reduce-scatter over the shard group and allreduce of the shard across 2 replicas
+        sent = 4 * n * ((group - 1) / group + 2 * 0.5 / group)
+    else:
+        sent = 4 * n * (size - 1) / size
+    return {"config": config, "loss": final, "bytes_per_step": sent, "vm_hwm_mb": _vm_hwm_mb(),
+            "seconds_per_step": seconds, "params": n, "ranks": size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="lm", choices=["lm", "mlp"])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--width", type=int, default=2240, help="mlp: hidden width (2240: 25M parameters)")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from sparsecomm.tools.launch import spawn
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "fsdp_study.json")
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    for config in args.configs.split(","):
+        key = (args.task, args.optimizer, args.steps, config)
+        if any((r["task"], r["optimizer"], r["steps"], r["config"]) == key for r in rows):
+            continue
+        per_rank = spawn(args.ranks, _rank, config, args.task, args.steps, args.optimizer, args.density, args.width,
+                         args.lr, threads=1)
+        row = dict(per_rank[0], task=args.task, optimizer=args.optimizer, steps=args.steps, density=args.density,
+                   vm_hwm_mb=max(r["vm_hwm_mb"] for r in per_rank),
+                   bytes_per_step=max(r["bytes_per_step"] for r in per_rank))
+        rows.append(row)
+        json.dump(rows, open(path, "w"), indent=1)
+        print(f"# {config}: loss {row['loss']:.4f}, {row['bytes_per_step']:,.0f} B/step, "
+              f"{row['vm_hwm_mb']:.0f} MB, {row['seconds_per_step']:.3f} s/step", flush=True)
+    lines = ["| task | optimizer | steps | config | final loss | ÷ plain | bytes a rank a step | ÷ plain | peak MB a rank "
+             "(VmHWM) | s a step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((b for b in rows if (b["task"], b["optimizer"], b["steps"]) == (r["task"], r["optimizer"], r["steps"])
+                     and b["config"] == ("plain-hsdp" if r["config"].endswith("hsdp") else "plain")), None)
+        ratio = (lambda a, b: f"{a / b:.3f}" if b else "")
+        lines.append(f"| {r['task']} | {r['optimizer']} | {r['steps']} | {r['config']} | {r['loss']:.4f} | "
+                     f"{ratio(r['loss'], base['loss']) if base else ''} | {r['bytes_per_step']:,.0f} | "
+                     f"{ratio(r['bytes_per_step'], base['bytes_per_step']) if base else ''} | {r['vm_hwm_mb']:.0f} | "
+                     f"{r['seconds_per_step']:.3f} |")
+    open(os.path.join(args.out, "fsdp_study.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
