@@ -2,6 +2,7 @@
 
     python benchmarks/fsdp_study.py --task lm --steps 200 --out DIR          # loss, bytes, memory
     python benchmarks/fsdp_study.py --task mlp --optimizer sgd --steps 30 --out DIR   # 25M parameters
+    python benchmarks/fsdp_study.py --project --out DIR     # the traffic model at P = 64 ... 4096
 
 Each configuration runs in its own gloo world (``--ranks``, 4 by default: flat over 4, or HSDP as
 2 replicas of 2 shards) so that each process's memory high-water mark (``VmHWM``) is its own.
@@ -114,8 +115,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--project", action="store_true",
+                    help="only write projection.md: sparsecomm.fsdp.project at P = 64 ... 4096 (no training)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.project:
+        write_projection(args.out, args.density)
+        return
     from sparsecomm.tools.launch import spawn
 
     os.makedirs(args.out, exist_ok=True)
@@ -146,6 +152,31 @@ def main() -> None:
                      f"{r['seconds_per_step']:.3f} |")
     open(os.path.join(args.out, "fsdp_study.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def write_projection(out: str, density: float) -> None:
+    """projection.md: each design's modelled reduction time a step (``sparsecomm.fsdp.project``)
+    for a 25M-entry model and BERT-large's 336M, on nodes of 8 (nvl8: NDR between nodes;
+    nvl8-10gbe: 10 Gbit/s Ethernet shared by the node) and nodes of 4 on 1 Gbit/s Ethernet."""
+    from sparsecomm.fsdp import DESIGNS, project
+    from sparsecomm.network import PROFILES, Network, TwoLevel
+
+    eth = TwoLevel(PROFILES["nvl8"].intra, Network(50e-6, 4 / 125e6, "1gbe/4"), 4, "4-a-node-1gbe")
+    lines = ["# Modelled gradient reduction a step, by sharded design (sparsecomm.fsdp.project)", "",
+             f"Density {density}; Ok-Topk between replicas (sparse-hsdp). Seconds, and ÷ plain FSDP's.", ""]
+    for n in (25_000_000, 336_000_000):
+        for net in ("nvl8", "nvl8-10gbe", eth):
+            rows = project(n, density, (64, 256, 1024, 4096), net)
+            name = rows[0]["network"]
+            lines += [f"## n = {n:,}, {name}", "", "| P | " + " | ".join(DESIGNS) + " |",
+                      "|---|" + "---|" * len(DESIGNS)]
+            for P in sorted({r["P"] for r in rows}):
+                cells = [next(r for r in rows if r["P"] == P and r["design"] == d) for d in DESIGNS]
+                lines.append(f"| {P} | " + " | ".join(f"{c['seconds']:.4f} ({c['vs_fsdp']:.3f})" for c in cells) + " |")
+            lines.append("")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "projection.md"), "w") as f:
+        f.write("\n".join(lines))
 
 
 if __name__ == "__main__":

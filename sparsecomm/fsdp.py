@@ -52,16 +52,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-from . import registry
+from . import choice, registry
 from .algorithms.reduce_scatter import SHARD_ALGORITHMS
 from .api import allreduce, reduce_scatter
 from .check import check_replicas_equal
 from .comm import resolve
 from .errors import NonFiniteError
 from .memory import GradientMemory, StateMaker, active_scaler, adopt_state, snapshot
-from .state import CallStats, State, check_density
+from .network import Traffic, TwoLevel, resolve_network
+from .state import CallStats, State, check_density, topk_count
 
-__all__ = ["enable", "FSDPState", "MODES"]
+__all__ = ["enable", "FSDPState", "MODES", "DESIGNS", "design_traffic", "project"]
 
 #: The algorithms each mode runs.
 MODES = {"flat": SHARD_ALGORITHMS, "hsdp": "every registered algorithm"}
@@ -346,3 +347,61 @@ def enable(module: torch.nn.Module, density: float = 0.01, algorithm: str = "okt
         else:
             m.module.set_all_reduce_hook(lambda shard, m=m: state.all_reduce(m, shard))
     return state
+
+
+#: The sharded designs the traffic model knows: plain FSDP (a dense reduce-scatter over every
+#: rank), the flat mode, FSDP2's native HSDP, and custom HSDP with a sparse replica allreduce.
+DESIGNS = ("fsdp", "flat", "hsdp", "sparse-hsdp")
+
+
+def design_traffic(design: str, n: int, density: float, P: int, ranks_per_node: int, algorithm: str = "oktopk",
+                   value_bytes: float = 4.0) -> Traffic:
+    """One step's critical-path messages and bytes on the busiest rank, between nodes
+    (``messages``/``bytes``) and within a node (``intra_*``), for a model of ``n`` gradient
+    entries sharded over P ranks in nodes of ``ranks_per_node`` (G).
+
+    1. ``fsdp``: a ring reduce-scatter over all P ranks, (P - 1) messages and n (P - 1) / P
+       values; it crosses the nodes' links, so all of it is counted between nodes.
+    2. ``flat``: each rank's k = density n entries, a part to each owner (value and a 16-bit
+       offset; ``sparsecomm.reduce_scatter``): the collective check's allgather (which carries
+       the parts' sizes) and an alltoallv, 2 (P - 1) messages; what leaves the node, (P - G) / P
+       of it, between nodes, the rest within.
+    3. ``hsdp``: a reduce-scatter within the node (G - 1 messages, n (G - 1) / G values), then a
+       ring allreduce of the n / G shard across the R = P / G replicas, between nodes.
+    4. ``sparse-hsdp``: the same reduce-scatter within the node, then ``algorithm``'s sparse
+       allreduce of the shard across the replicas (its registered model, ``choice.traffic``,
+       at k = density n / G).
+    """
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    G = max(1, min(ranks_per_node, P))
+    R = P // G
+    entry = value_bytes + 2
+    if design == "fsdp":
+        return Traffic(P - 1, n * (P - 1) / P * value_bytes)
+    if design == "flat":
+        k = topk_count(density, n)
+        return Traffic(2 * (P - G), k * (P - G) / P * entry + 8 * (P - G),
+                       2 * (G - 1), k * (G - 1) / P * entry + 8 * (G - 1))
+    node = (G - 1, n * (G - 1) / G * value_bytes)
+    if design == "hsdp":
+        return Traffic(2 * (R - 1), 2 * n / G * (R - 1) / R * value_bytes, *node)
+    across = choice.traffic(algorithm, n // G, topk_count(density, n // G), R, value_bytes)
+    return Traffic(across.messages, across.bytes, *node)
+
+
+def project(n: int, density: float, world_sizes: "list[int] | tuple[int, ...]", network: Any,
+            ranks_per_node: int = 8, algorithm: str = "oktopk") -> list[dict]:
+    """Modelled seconds of one step's gradient reduction per design (:func:`design_traffic`) at
+    each world size, on ``network`` (a profile name or object; one level: ``intra`` = ``inter``),
+    and each design's ratio to plain FSDP's."""
+    net = resolve_network(network)
+    two = net if isinstance(net, TwoLevel) else TwoLevel(net, net, ranks_per_node, getattr(net, "name", "custom"))
+    if isinstance(net, TwoLevel):
+        ranks_per_node = net.ranks_per_node
+    rows = []
+    for P in world_sizes:
+        times = {d: design_traffic(d, n, density, P, ranks_per_node, algorithm).time(two) for d in DESIGNS}
+        rows += [{"P": P, "design": d, "network": two.name, "n": n, "density": density, "seconds": t,
+                  "vs_fsdp": t / times["fsdp"]} for d, t in times.items()]
+    return rows

@@ -106,3 +106,25 @@ def test_bad_input_is_refused_on_every_rank():
         for name, msg, residual in sparsecomm.simulate(3, lambda r: body(r, case)).results:
             assert name in ("InputError", "NonFiniteError") and words in msg, (case, msg)
             assert residual is None or not residual.any()  # a refused call kept nothing of the gradient
+
+
+@pytest.mark.parametrize("P", [4, 8, 16])
+def test_the_flat_designs_traffic_model_follows_the_simulated_counts(P):
+    # What sparsecomm.fsdp's projection assumes of the sparse reduce-scatter, against the bytes
+    # and messages a steady call sends in the simulated world (one level: all "between nodes").
+    from sparsecomm.fsdp import design_traffic
+
+    n, density = 96_000, 0.01
+
+    def body(rank):
+        st = sparsecomm.OkTopkState(density)
+        for step in range(4):
+            sparsecomm.reduce_scatter(torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step)),
+                                      state=st)
+        return st.last.bytes_sent, st.last.messages_sent
+
+    out = sparsecomm.simulate(P, body).results
+    model = design_traffic("flat", n, density, P, ranks_per_node=1)
+    assert model.intra_bytes == 0 and model.intra_messages == 0
+    assert abs(max(b for b, _ in out) / model.bytes - 1) < 0.3
+    assert max(m for _, m in out) == model.messages == 2 * (P - 1)
