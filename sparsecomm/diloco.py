@@ -24,6 +24,11 @@ sends its top 1-3% with error feedback in place of the outer momentum. Two outer
 Memory, each full size on every rank: the outer model (float32), with ``"nesterov"`` its
 momentum, the sparse state's residual, and a copy of the inner optimizer's state at the round's
 start (so that a round with a NaN/Inf is discarded whole).
+
+Under FSDP2 each replica may be an FSDP group (``fully_shard`` over the ranks of a node, which
+reduce densely every inner step) and ``group=`` the ranks that hold the same shards: the
+pseudo-gradient, the outer model and the residual are then this rank's shard, and the outer
+step syncs each shard across its replicas (custom HSDP at the outer step only).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class DiLoCo:
         maker = StateMaker(algorithm, check_density(density), algorithm_options, error_feedback, compressor, None,
                            dense_keeps_residual=True)
         self._maker = maker
-        self.anchor = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        self.anchor = torch.cat([_local(p).reshape(-1).float() for p in self.params])
         self.state: State = maker.new(self.anchor.numel(), torch.float32, self.anchor.device, self._comm())
         self.momentum = torch.zeros_like(self.anchor) if outer == "nesterov" else None
         self.inner_steps = 0
@@ -145,7 +150,7 @@ class DiLoCo:
         NonFiniteError is raised (on every rank; the round's updates are discarded).
         """
         self._check_replicas_equal()
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        flat = torch.cat([_local(p).reshape(-1).float() for p in self.params])
         delta = self.anchor - flat
         try:
             average = allreduce(delta, state=self.state, op="avg", compressor=self.compressor,
@@ -170,8 +175,9 @@ class DiLoCo:
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
+                local = _local(p)
+                n = local.numel()
+                local.copy_(flat[offset:offset + n].view_as(local))
                 offset += n
 
     @property
@@ -199,3 +205,9 @@ class DiLoCo:
         self.state = adopt_state(d["state"], self.state, "DiLoCo", self._maker.like(d["state"]))
         self._round_start = copy.deepcopy(d.get("inner_at_round_start"))
 
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: an FSDP2 parameter's local shard (a DTensor's
+    ``to_local()``, a view), else the parameter itself, detached."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).detach()

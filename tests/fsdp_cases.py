@@ -219,6 +219,39 @@ def refusals(rank: int, size: int) -> list[str]:
     return seen
 
 
+def diloco(rank: int, size: int) -> dict:
+    """Outer steps across the replicas of an FSDP group (2 x size/2): FSDP shards and reduces
+    densely inside each replica every inner step, DiLoCo syncs the replicas' shards every 3.
+    Per outer step, this rank's shard; and what moved the outer shard, the residual, and the
+    pseudo-gradients fed (outer_lr 1: SparseLoCo's rule)."""
+    from sparsecomm.optim import DiLoCo
+
+    mesh = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard"))
+    net = Net()
+    for m in (net.a, net.b, net.head):
+        fully_shard(m, mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    net.set_reduce_scatter_unused_params(True)
+    inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+    outer = DiLoCo(net, inner, sync_every=3, density=0.2, outer_lr=1.0, group=mesh["replicate"].get_group())
+    start = outer.anchor.clone()
+    local = lambda: torch.cat([p.to_local().detach().reshape(-1) for p in net.parameters()])  # noqa: E731
+    fed, shards, losses = torch.zeros_like(start), [], []
+    for step in range(9):
+        inner.zero_grad()
+        loss = net(batch(rank, step), 0).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        inner.step()
+        outer.inner_steps += 1
+        if outer.inner_steps % 3 == 0:
+            fed += outer.anchor - local()
+            outer.sync()
+            shards.append(local().clone())
+    return {"shards": shards, "moved": start - outer.anchor, "residual": outer.residual.clone(), "fed": fed,
+            "losses": losses}
+
+
 def suite(rank: int, size: int, hsdp: bool) -> dict:
     """Every case of one world (a spawn of gloo ranks costs seconds: one per world)."""
     out = {"equals": equals_plain(rank, size, hsdp), "conservation": conservation(rank, size, hsdp, "oktopk"),
@@ -227,4 +260,5 @@ def suite(rank: int, size: int, hsdp: bool) -> dict:
            "mixed_precision": mixed_precision(rank, size, hsdp)}
     if hsdp:
         out["refusals"] = refusals(rank, size)
+        out["diloco"] = diloco(rank, size)
     return out
