@@ -127,12 +127,21 @@ class DiLoCo:
         check_replicas_equal(self.anchor, self._comm(), "DiLoCo")
         self._checked = True
 
-    def step(self, closure: Any = None) -> Any:
-        """The inner optimizer's step; every ``sync_every``-th also the outer step (a collective)."""
+    def step(self, closure: Any = None, scaler: Any = None) -> Any:
+        """The inner optimizer's step; every ``sync_every``-th also the outer step (a collective).
+
+        ``scaler``: a ``torch.amp.GradScaler`` whose scaled loss made the gradients: the inner
+        step is ``scaler.step(inner)`` (skipped on this rank alone when its gradients overflowed,
+        as AMP skips; the step still counts in the round) and ``scaler.update()`` follows.
+        """
         self._check_replicas_equal()
         if self._round_start is None:
             self._round_start = copy.deepcopy(self.inner.state_dict())
-        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        if scaler is not None:
+            loss = scaler.step(self.inner, closure) if closure is not None else scaler.step(self.inner)
+            scaler.update()
+        else:
+            loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
             self.sync()

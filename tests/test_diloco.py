@@ -189,3 +189,48 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
             DiLoCo(net, sgd, **kw)
     with pytest.raises(ValueError, match="inner optimizer must step every parameter"):
         DiLoCo(net, torch.optim.SGD(list(net.parameters())[:1], lr=0.1))
+
+
+def test_a_grad_scaler_skips_an_overflowing_inner_step_on_its_rank_and_the_round_goes_on():
+    def body(rank):
+        net = _model()
+        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+        outer = DiLoCo(net, inner, sync_every=H, density=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        moved, synced = [], []
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            loss = torch.nn.functional.cross_entropy(net(x), y) * (float("inf") if (rank, step) == (1, 4) else 1)
+            scaler.scale(loss).backward()
+            before = _flat(net).clone()
+            outer.step(scaler=scaler)
+            inner.zero_grad()
+            moved.append(not torch.equal(before, _flat(net)))
+            if outer.synced:
+                synced.append(_flat(net).clone())
+        return moved, synced, outer.outer_steps, outer.discarded
+
+    out = sparsecomm.simulate(2, body).results
+    (moved0, synced0, steps0, discarded0), (moved1, synced1, steps1, _) = out
+    assert moved1[4] is False and moved0[4] is True  # skipped on the overflowing rank only
+    assert steps0 == steps1 == STEPS // H and discarded0 == 0
+    assert all(torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(synced0, synced1))
+
+
+def test_a_bfloat16_model_keeps_a_float32_outer_model_and_equal_replicas():
+    def body(rank):
+        net = _model().to(torch.bfloat16)
+        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+        outer = DiLoCo(net, inner, sync_every=H, density=0.1)
+        start = _flat(net).float().clone()
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(net(x.to(torch.bfloat16)).float(), y).backward()
+            outer.step()
+            inner.zero_grad()
+        assert outer.anchor.dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in net.parameters())
+        return _flat(net).float(), outer.anchor.to(torch.bfloat16).float(), start
+
+    out = sparsecomm.simulate(2, body).results
+    for final, anchor, start in out:
+        assert torch.equal(final, out[0][0]) and torch.equal(final, anchor) and not torch.equal(final, start)
