@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=2048)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
