@@ -201,6 +201,7 @@ def reduce_scatter(tensor: torch.Tensor, density: float | None = None, *, algori
         InputError: on every rank, for bad or mismatched arguments or NaN/Inf in an input.
     """
     call = Call.resolve(tensor, density, algorithm, op, state, compressor, group, comm)
+    call.name = "reduce_scatter"
     try:
         problem = local_problem(call)
     except Exception as exc:  # noqa: BLE001 - reported collectively

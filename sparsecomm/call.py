@@ -38,6 +38,8 @@ class Call:
     out_zeroed: bool = False
     #: Why ``algorithm="auto"`` could not choose (a bad network profile), reported by the check.
     auto_error: str | None = None
+    #: The public call's name, as its refusals begin ("sparsecomm.allreduce: ...").
+    name: str = "allreduce"
 
     @classmethod
     def resolve(cls, tensor: Any, density: Any, algorithm: Any, op: Any, state: State | None,

@@ -276,26 +276,26 @@ def check_collectively(call: Call, problem: tuple[int, str] | None, nonfinite: i
     if bad:
         mine = f"{problem[1]}; " if problem else ""
         others = ", ".join(f"rank {r}: {Problem.describe(table[r].problem)}" for r in bad)
-        raise InputError(f"sparsecomm.allreduce: {mine}bad input on {others}")
+        raise InputError(f"sparsecomm.{call.name}: {mine}bad input on {others}")
     nonfinite = [r for r, s in enumerate(table) if s.nonfinite == 1]
     if nonfinite:
-        raise NonFiniteError(f"sparsecomm.allreduce: the tensor holds NaN or Inf on rank(s) "
+        raise NonFiniteError(f"sparsecomm.{call.name}: the tensor holds NaN or Inf on rank(s) "
                              f"{nonfinite}; refusing to reduce it (it would poison every rank's result)", nonfinite)
     overflow = [r for r, s in enumerate(table) if s.nonfinite == 2]
     if overflow:
-        raise NonFiniteError(f"sparsecomm.allreduce: the tensor plus the error-feedback residual "
+        raise NonFiniteError(f"sparsecomm.{call.name}: the tensor plus the error-feedback residual "
                              f"overflows on rank(s) {overflow}; refusing to reduce it (the residual "
                              "is left as it was)", overflow)
     for field, what in Signature.COMPARED:
         values = [getattr(s, field) for s in table]
         if len(set(values)) > 1:
-            raise InputError(f"sparsecomm.allreduce: the {what} differs across ranks"
+            raise InputError(f"sparsecomm.{call.name}: the {what} differs across ranks"
                              f"{_detail(field, values)}; every rank must pass the same kind of "
                              "tensor and options")
     if len({s.state_settings for s in table}) > 1:
-        raise InputError(_settings_mismatch(call.state, comm))
+        raise InputError(_settings_mismatch(call.state, comm, call.name))
     if len({s.carried for s in table}) > 1:
-        raise InputError("sparsecomm.allreduce: the ranks run different steps of the algorithm "
+        raise InputError(f"sparsecomm.{call.name}: the ranks run different steps of the algorithm "
                          f"(the first exchange carries the check on ranks "
                          f"{[r for r, s in enumerate(table) if s.carried]} only); every rank must "
                          "call with the same state the same number of times")
@@ -385,14 +385,14 @@ def _detail(field: str, values: list[int]) -> str:
     return ""
 
 
-def _settings_mismatch(state: State, comm: Communicator) -> str:
+def _settings_mismatch(state: State, comm: Communicator, name: str = "allreduce") -> str:
     """The message for state settings that differ (every rank takes part in one allgather)."""
     settings = sorted(state.settings().items())
     crcs = torch.tensor([_crc(repr(v)) for _, v in settings], dtype=torch.int64, device=comm.control_device)
     table = comm.allgather(crcs).tolist()
     differ = [name for j, (name, _) in enumerate(settings) if len({row[j] for row in table}) > 1]
     mine = ", ".join(f"{name}={dict(settings)[name]!r}" for name in differ)
-    return (f"sparsecomm.allreduce: the {type(state).__name__} settings differ across ranks: "
+    return (f"sparsecomm.{name}: the {type(state).__name__} settings differ across ranks: "
             f"{', '.join(differ)} (rank {comm.rank} has {mine}); every rank must build its "
             "state with the same settings and call it the same number of times")
 
@@ -400,13 +400,13 @@ def _settings_mismatch(state: State, comm: Communicator) -> str:
 def check_unchecked(call: Call) -> None:
     """With ``check=False``: still never guess an op or ignore a density (local, no traffic)."""
     if call.op not in _OPS:
-        raise InputError(f"sparsecomm.allreduce: op must be 'sum' or 'avg', got {call.op!r}")
+        raise InputError(f"sparsecomm.{call.name}: op must be 'sum' or 'avg', got {call.op!r}")
     why = out_problem(call)
     if why:
-        raise InputError(f"sparsecomm.allreduce: {why}")
+        raise InputError(f"sparsecomm.{call.name}: {why}")
     why = density_vs_state(call)
     if why:
-        raise InputError(f"sparsecomm.allreduce: {why}")
+        raise InputError(f"sparsecomm.{call.name}: {why}")
 
 
 def all_finite(t: torch.Tensor) -> bool:

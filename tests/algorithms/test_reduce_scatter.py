@@ -105,6 +105,7 @@ def test_bad_input_is_refused_on_every_rank():
                         ("shards", "equal shards")):
         for name, msg, residual in sparsecomm.simulate(3, lambda r: body(r, case)).results:
             assert name in ("InputError", "NonFiniteError") and words in msg, (case, msg)
+            assert msg.startswith("sparsecomm.reduce_scatter: "), msg
             assert residual is None or not residual.any()  # a refused call kept nothing of the gradient
 
 
