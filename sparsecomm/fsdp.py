@@ -139,8 +139,14 @@ class FSDPState:
             m.stored, st.residual = st.residual.to(self.residual_dtype), None
 
     def _follow_scale(self) -> None:
-        """Residuals times new/old when the scaler's scale moved (once a backward: at a module's call)."""
-        self.memory.rescale(self.memory.scale.moved(), self.states.values())
+        """Residuals times new/old when the scaler's scale moved (checked at every call: it
+        moves between steps); those parked in ``residual_dtype`` too (a power of two: exact)."""
+        ratio = self.memory.scale.moved()
+        self.memory.rescale(ratio, self.states.values())
+        if ratio is not None:
+            for m in self.modules.values():
+                if m.stored is not None:
+                    m.stored.mul_(ratio)
 
     def _record(self, key: str, stats: CallStats) -> None:
         self.last[key] = stats

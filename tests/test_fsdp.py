@@ -114,3 +114,30 @@ def test_outer_steps_across_fsdp_replicas(worlds):
                                    rtol=1e-5, atol=1e-5)
         assert a["residual"].abs().max() > 0  # sparse: the selection left some
     assert all(math.isfinite(x) for r in runs for x in r["losses"])
+
+
+def test_parked_bf16_residuals_follow_the_loss_scale():
+    # Residuals hold scaled gradients; when the scaler's scale moves, those kept in bfloat16
+    # between calls are multiplied by new/old as the states' own are.
+    import types
+
+    from sparsecomm.fsdp import FSDPState
+    from sparsecomm.memory import StateMaker
+
+    class Scaler:
+        scale = 8.0
+
+        def is_enabled(self):
+            return True
+
+        def get_scale(self):
+            return self.scale
+
+    scaler = Scaler()
+    state = FSDPState([], StateMaker("oktopk", 0.1, None, True, None, None), "flat", None, 1, 0, torch.bfloat16, scaler)
+    module = types.SimpleNamespace(key="a", stored=torch.tensor([1.0, -3.0], dtype=torch.bfloat16))
+    state.modules["a"] = module
+    state._follow_scale()  # the first read: nothing to follow yet
+    scaler.scale = 4.0
+    state._follow_scale()
+    assert torch.equal(module.stored, torch.tensor([0.5, -1.5], dtype=torch.bfloat16))
