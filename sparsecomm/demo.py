@@ -129,6 +129,7 @@ class DeMo(torch.optim.Optimizer):
         for p in self.params:
             self.offsets.append(self.offsets[-1] + math.ceil(p.numel() / chunk) * chunk)
         self.n = self.offsets[-1]
+        self._start = {id(p): at for p, at in zip(self.params, self.offsets)}  # a parameter's place
         self.momentum = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.basis = dct_matrix(chunk, torch.float32, device)
         self.sparse_state: State = self._maker.new(self.n, torch.float32, device, self._comm())
@@ -187,12 +188,11 @@ class DeMo(torch.optim.Optimizer):
         direction = self.to_entries(average)
         if self.update == "sign":
             direction.sign_()
-        start = dict(zip(map(id, self.params), self.offsets))
         for g in self.param_groups:
             for p in g["params"]:
                 if not p.requires_grad:
                     continue
-                at = start[id(p)]
+                at = self._start[id(p)]
                 if g["weight_decay"]:
                     p.mul_(1 - g["lr"] * g["weight_decay"])
                 p.add_(direction[at:at + p.numel()].view_as(p).to(p.dtype), alpha=-g["lr"])

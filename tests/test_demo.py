@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+import engines
 import sparsecomm
 from sparsecomm.demo import dct_matrix
 from sparsecomm.optim import DeMo
@@ -282,3 +283,15 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
         with pytest.raises(ValueError, match=match):
             DeMo(params, **kw)
     assert DeMo(params, chunk=128, density=0.01).topk == 1 and DeMo(params, chunk=64, density=0.05).topk == 3
+
+
+def _gloo_body(rank, size):
+    net, opt, _ = _run(rank, algorithm="oktopk")
+    return _flat(net), opt.sparse_state.last.bytes_sent
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_on_gloo_at_three_ranks_every_replica_ends_equal():
+    out = engines.run_gloo(3, _gloo_body)
+    assert all(torch.equal(flat, out[0][0]) for flat, _ in out) and all(b > 0 for _, b in out)
