@@ -49,6 +49,9 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     # outer step on the pseudo-gradient. The options are DiLoCo's.
     "diloco-h10": ("dense-diloco", {"sync_every": 10, "outer": "nesterov"}),
     "average-h10": ("dense-diloco", {"sync_every": 10, "outer": "sparseloco"}),  # the replicas averaged
+    # Dense outer steps at DeMo's bytes (bfloat16 values: about 1/32 of dense's a step).
+    "average-h32": ("dense-diloco", {"sync_every": 32, "outer": "sparseloco"}),
+    "diloco-h32": ("dense-diloco", {"sync_every": 32, "outer": "nesterov"}),
     "sparseloco-h10-d1": ("oktopk-diloco", {"sync_every": 10, "density": 0.01}),
     "sparseloco-h10-d5": ("oktopk-diloco", {"sync_every": 10, "density": 0.05}),
     "sparseloco-h5-d5": ("oktopk-diloco", {"sync_every": 5, "density": 0.05}),
@@ -61,6 +64,7 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
     "demo-sign-c128": ("topka-demo", {"chunk": 128, "topk": 1}),
     "demo-sign-bf16": ("topka-bf16-demo", {"chunk": 64, "topk": 1}),
+    "demo-sign-bf16-c128": ("topka-bf16-demo", {"chunk": 128, "topk": 1}),
 }
 
 
