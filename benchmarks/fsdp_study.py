@@ -3,6 +3,8 @@
     python benchmarks/fsdp_study.py --task lm --steps 200 --out DIR          # loss, bytes, memory
     python benchmarks/fsdp_study.py --task mlp --optimizer sgd --steps 30 --out DIR   # 25M parameters
     python benchmarks/fsdp_study.py --project --out DIR     # the traffic model at P = 64 ... 4096
+    sparsecomm emulate --ranks 4 --ranks-per-node 2 --rate 1gbit -- \
+        python benchmarks/fsdp_study.py --task mlp --optimizer sgd --steps 12 --configs hsdp --emulated --out DIR
 
 Each configuration runs in its own gloo world (``--ranks``, 4 by default: flat over 4, or HSDP as
 2 replicas of 2 shards) so that each process's memory high-water mark (``VmHWM``) is its own.
@@ -10,6 +12,11 @@ Per configuration: the final loss (LM: the task's validation loss, evaluated on 
 which FSDP needs; MLP: the training loss of the last 10 steps), the bytes each rank sent in the
 sparse calls (plain: the dense reductions' bytes, computed), the peak memory per rank, and the
 step's wall time. Writes ``fsdp_study.json`` and ``fsdp_study.md`` in ``--out``.
+
+``--emulated``: the ranks are the emulated cluster's (``sparsecomm emulate`` starts this script
+on every rank), one configuration a call; rank 0 adds a row to ``emulated.json`` and
+``emulated.md``: the step's wall time (the last ``steps - 2``) and the bytes that left its node
+(its network namespace's interfaces, ``/proc/net/dev``: headers and retransmissions included).
 
 Configurations (``--configs``): ``plain`` (FSDP over every rank), ``flat`` (the sparse
 reduce-scatter, fp32 residual), ``flat-bf16`` (bf16 residual), ``plain-hsdp`` (FSDP2's native
@@ -34,6 +41,13 @@ def _vm_hwm_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _node_tx_bytes() -> int:
+    """Bytes sent by this network namespace's interfaces other than loopback (a node's port)."""
+    with open("/proc/net/dev") as f:
+        rows = [line.split(":", 1) for line in f if ":" in line]
+    return sum(int(fields.split()[8]) for name, fields in rows if name.strip() != "lo")
 
 
 def _model(task: str, width: int, seed: int):
@@ -77,7 +91,7 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
     opt = (torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     n = sum(p.numel() for p in model.parameters())
-    losses, t0, step = [], None, 0
+    losses, t0, tx0, step = [], None, 0, 0
     gen = torch.Generator().manual_seed(1000 + rank)
     teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(7))
     epoch = 0
@@ -86,7 +100,7 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
             (x, (x @ teacher).argmax(1)) for x in (torch.randn(32, 64, generator=gen) for _ in range(50)))
         for x, y in batches:
             if step == 2:
-                t0 = time.perf_counter()  # (the first steps warm up)
+                t0, tx0 = time.perf_counter(), _node_tx_bytes()  # (the first steps warm up)
             opt.zero_grad()
             loss = job.loss(model, x, y) if job is not None else torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
@@ -97,10 +111,11 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
                 break
         epoch += 1
     seconds = (time.perf_counter() - t0) / max(1, steps - 2)
+    node_tx = (_node_tx_bytes() - tx0) / max(1, steps - 2)
     final = job.evaluate(model) if job is not None else sum(losses[-10:]) / len(losses[-10:])
     sent = state.totals["bytes_sent"] / steps if state is not None else _dense_bytes(config, n, size)
     return {"config": config, "loss": final, "bytes_per_step": sent, "vm_hwm_mb": _vm_hwm_mb(),
-            "seconds_per_step": seconds, "params": n, "ranks": size}
+            "seconds_per_step": seconds, "node_tx_per_step": node_tx, "params": n, "ranks": size}
 
 
 def _dense_bytes(config: str, n: int, size: int) -> float:
@@ -125,10 +140,15 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--project", action="store_true",
                     help="only write projection.md: sparsecomm.fsdp.project at P = 64 ... 4096 (no training)")
+    ap.add_argument("--emulated", action="store_true",
+                    help="run as one rank of `sparsecomm emulate` (one configuration); rank 0 writes emulated.*")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.project:
         write_projection(args.out, args.density)
+        return
+    if args.emulated:
+        run_emulated(args)
         return
     from sparsecomm.tools.launch import spawn
 
@@ -163,6 +183,43 @@ def main() -> None:
                      f"{r['seconds_per_step']:.3f} |")
     open(os.path.join(args.out, "fsdp_study.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def run_emulated(args: argparse.Namespace) -> None:
+    """One configuration on the emulated cluster's ranks; rank 0 adds its row to emulated.json/.md."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    (config,) = args.configs.split(",")
+    row = _rank(rank, size, config, args.task, args.steps, args.optimizer, args.density, args.width, args.lr)
+    rows = [None] * size
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "emulated.json")
+    table = json.load(open(path)) if os.path.exists(path) else []
+    network = os.environ.get("SPARSECOMM_NETWORK", "unknown")
+    table.append(dict(row, task=args.task, optimizer=args.optimizer, steps=args.steps, density=args.density,
+                      network=network, seconds_per_step=max(r["seconds_per_step"] for r in rows),
+                      node_tx_per_step=max(r["node_tx_per_step"] for r in rows)))
+    json.dump(table, open(path, "w"), indent=1)
+    lines = ["| network | config | s a step | ÷ plain | MB leaving a node a step | ÷ plain | bytes a rank a step "
+             "(the reductions) |", "|---|---|---|---|---|---|---|"]
+    for r in table:
+        base = next((b for b in table if b["network"] == r["network"] and b["task"] == r["task"]
+                     and b["config"] == ("plain-hsdp" if r["config"].endswith("hsdp") else "plain")), None)
+        ratio = (lambda a, b: f"{a / b:.3f}" if b else "")
+        lines.append(f"| {r['network']} | {r['config']} | {r['seconds_per_step']:.3f} | "
+                     f"{ratio(r['seconds_per_step'], base['seconds_per_step']) if base else ''} | "
+                     f"{r['node_tx_per_step'] / 1e6:.2f} | "
+                     f"{ratio(r['node_tx_per_step'], base['node_tx_per_step']) if base else ''} | "
+                     f"{r['bytes_per_step']:,.0f} |")
+    open(os.path.join(args.out, "emulated.md"), "w").write("\n".join(lines) + "\n")
+    print(lines[0], lines[-1], sep="\n", flush=True)
 
 
 def write_projection(out: str, density: float) -> None:

@@ -38,13 +38,20 @@ def _flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in net.parameters()])
 
 
-def _run(rank, steps=STEPS, poison_at=None, **kw):
+def _run(rank, steps=STEPS, poison_at=None, ddp=False, **kw):
     net = _model()
     opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
+    if ddp:  # DDP hands each rank its own gradient: DeMo reduces
+        from torch.nn.parallel import DistributedDataParallel
+
+        from sparsecomm.optim import local_gradient_hook
+
+        forward = DistributedDataParallel(net)
+        forward.register_comm_hook(None, local_gradient_hook)
     errors = []
     for step in range(steps):
         opt.zero_grad()
-        _backward(net, rank, step, poison=poison_at == (rank, step))
+        _backward(forward if ddp else net, rank, step, poison=poison_at == (rank, step))
         try:
             opt.step()
         except sparsecomm.NonFiniteError:
@@ -287,11 +294,13 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
 
 def _gloo_body(rank, size):
     net, opt, _ = _run(rank, algorithm="oktopk")
-    return _flat(net), opt.sparse_state.last.bytes_sent
+    under_ddp, _, _ = _run(rank, algorithm="oktopk", ddp=True)
+    return _flat(net), opt.sparse_state.last.bytes_sent, _flat(under_ddp)
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_on_gloo_at_three_ranks_every_replica_ends_equal():
+def test_on_gloo_at_three_ranks_every_replica_ends_equal_with_and_without_ddp():
     out = engines.run_gloo(3, _gloo_body)
-    assert all(torch.equal(flat, out[0][0]) for flat, _ in out) and all(b > 0 for _, b in out)
+    assert all(torch.equal(flat, out[0][0]) for flat, _, _ in out) and all(b > 0 for _, b, _ in out)
+    assert all(torch.equal(ddp, flat) for flat, _, ddp in out)  # the same bits under DDP's local hook

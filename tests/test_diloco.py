@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+import engines
 import sparsecomm
 from sparsecomm.optim import DiLoCo
 
@@ -38,15 +39,23 @@ def _flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def _run(rank, steps=STEPS, poison_at=None, state=None, **kw):
+def _run(rank, steps=STEPS, poison_at=None, state=None, ddp=False, **kw):
     net = _model()
     inner = torch.optim.AdamW(net.parameters(), lr=0.01)
     outer = DiLoCo(net, inner, sync_every=H, **kw)
+    forward = net
+    if ddp:  # DDP must not reduce the inner steps' gradients
+        from torch.nn.parallel import DistributedDataParallel
+
+        from sparsecomm.optim import local_gradient_hook
+
+        forward = DistributedDataParallel(net)
+        forward.register_comm_hook(None, local_gradient_hook)
     if state is not None:
         outer.load_state_dict(state)
     errors, synced = [], []
     for step in range(steps):
-        _inner_step(net, inner, rank, step, poison=poison_at == (rank, step))
+        _inner_step(forward, inner, rank, step, poison=poison_at == (rank, step))
         try:
             outer.step()
         except sparsecomm.NonFiniteError as exc:
@@ -234,3 +243,16 @@ def test_a_bfloat16_model_keeps_a_float32_outer_model_and_equal_replicas():
     out = sparsecomm.simulate(2, body).results
     for final, anchor, start in out:
         assert torch.equal(final, out[0][0]) and torch.equal(final, anchor) and not torch.equal(final, start)
+
+
+def _gloo_body(rank, size):
+    plain, _, _, _ = _run(rank, algorithm="oktopk", density=0.2)
+    under_ddp, _, _, _ = _run(rank, algorithm="oktopk", density=0.2, ddp=True)
+    return _flat(plain), _flat(under_ddp)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_on_gloo_under_ddp_with_the_local_hook_the_same_bits_as_without():
+    out = engines.run_gloo(2, _gloo_body)
+    assert all(torch.equal(plain, out[0][0]) and torch.equal(ddp, plain) for plain, ddp in out)
