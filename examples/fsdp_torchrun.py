@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/fsdp_torchrun.py
     torchrun --nproc-per-node 4 examples/fsdp_torchrun.py --shard 2    # custom HSDP: 2 replicas of 2 shards
+    sparsecomm emulate --ranks 4 --ranks-per-node 2 -- python examples/fsdp_torchrun.py --shard 2
+        # the same on 2 emulated nodes of 2 ranks, 1 Gbit/s between them (root)
 
 An ordinary FSDP2 script (``fully_shard`` on each layer, then on the model; an MLP on a synthetic
 10-class problem): sparsecomm is the three lines marked ``# sparsecomm``; delete them and it is

@@ -83,8 +83,10 @@ def test_hook_is_three_marked_lines(script):
     assert len(marked) == 3, marked
 
 
-def readme_line(script: str) -> str:
-    (line,) = [line for line in readme.shell_lines() if f"examples/{script}" in line]
+def readme_line(script: str, launcher: str = "") -> str:
+    """The README's line that runs ``script`` (the one starting with ``launcher`` if several do)."""
+    (line,) = [line for line in readme.shell_lines() if f"examples/{script}" in line and line.startswith(launcher)
+               and (launcher or not line.startswith("sparsecomm emulate"))]
     return line
 
 
@@ -93,9 +95,9 @@ def readme_line(script: str) -> str:
 same_worker_as_the_readme = pytest.mark.xdist_group(readme.group(readme_line("ddp_torchrun.py")))
 
 
-def as_the_readme_runs(script: str, readme_run) -> str:
+def as_the_readme_runs(script: str, readme_run, launcher: str = "") -> str:
     """What the README's line for ``script`` printed: its stdout, once it exited 0."""
-    line = readme_line(script)
+    line = readme_line(script, launcher)
     done = readme_run(line)
     assert done.returncode == 0, f"{line} exited {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     return done.stdout
@@ -173,10 +175,16 @@ def test_fsdp_torchrun(readme_run):
     check_fsdp(out, "flat")
 
 
+@same_worker_as_the_readme
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_fsdp_torchrun_hsdp():
-    out = launch(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                 str(EXAMPLES / "fsdp_torchrun.py"), "--epochs", str(EPOCHS), "--shard", "2")
-    check_trained(out)
+def test_fsdp_torchrun_hsdp(readme_run):
+    """The README's HSDP line: 2 emulated nodes of 2 ranks (root); else the same ranks on torchrun."""
+    if os.geteuid() == 0:
+        out = as_the_readme_runs("fsdp_torchrun.py", readme_run, launcher="sparsecomm emulate")
+        check_trained(out, DEFAULT_EPOCHS)
+    else:
+        out = launch(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                     str(EXAMPLES / "fsdp_torchrun.py"), "--epochs", str(EPOCHS), "--shard", "2")
+        check_trained(out)
     check_fsdp(out, "hsdp")
