@@ -20,7 +20,9 @@ on every rank), one configuration a call; rank 0 adds a row to ``emulated.json``
 
 Configurations (``--configs``): ``plain`` (FSDP over every rank), ``flat`` (the sparse
 reduce-scatter, fp32 residual), ``flat-bf16`` (bf16 residual), ``plain-hsdp`` (FSDP2's native
-2-D mesh), ``hsdp`` (custom HSDP: Ok-Topk between the replicas).
+2-D mesh), ``hsdp`` (custom HSDP: Ok-Topk between the replicas), ``diloco-hsdp`` (FSDP inside each
+replica, ``sparsecomm.optim.DiLoCo`` across them: the optimizer's steps alone for 5 steps, then an
+outer step at 5% through Ok-Topk).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 
 import torch
 
-CONFIGS = ("plain", "flat", "flat-bf16", "plain-hsdp", "hsdp")
+CONFIGS = ("plain", "flat", "flat-bf16", "plain-hsdp", "hsdp", "diloco-hsdp")
 
 
 def _vm_hwm_mb() -> float:
@@ -83,13 +85,17 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
     for m in targets:
         fully_shard(m, mesh=target)
     fully_shard(model, mesh=target)
-    state = None
-    if config != "plain" and config != "plain-hsdp":
+    state = outer = None
+    if config in ("flat", "flat-bf16", "hsdp"):
         state = sparsecomm.fsdp.enable(model, density=density, residual_dtype=torch.bfloat16 if config == "flat-bf16"
                                        else None, replicate_group=mesh["replicate"].get_group() if hsdp else None)
     lr = lr if lr is not None else (job.lr if job is not None and optimizer == "adamw" else 0.05)
     opt = (torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    if config == "diloco-hsdp":
+        from sparsecomm.optim import DiLoCo
+
+        outer = DiLoCo(model, opt, sync_every=5, density=0.05, group=mesh["replicate"].get_group())
     n = sum(p.numel() for p in model.parameters())
     losses, t0, tx0, step = [], None, 0, 0
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -104,7 +110,7 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
             opt.zero_grad()
             loss = job.loss(model, x, y) if job is not None else torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
-            opt.step()
+            (outer or opt).step()
             losses.append(loss.item())
             step += 1
             if step == steps:
@@ -113,7 +119,8 @@ def _rank(rank: int, size: int, config: str, task: str, steps: int, optimizer: s
     seconds = (time.perf_counter() - t0) / max(1, steps - 2)
     node_tx = (_node_tx_bytes() - tx0) / max(1, steps - 2)
     final = job.evaluate(model) if job is not None else sum(losses[-10:]) / len(losses[-10:])
-    sent = state.totals["bytes_sent"] / steps if state is not None else _dense_bytes(config, n, size)
+    sent = (state.totals["bytes_sent"] / steps if state is not None else outer.state.totals["bytes_sent"] / steps
+            if outer is not None else _dense_bytes(config, n, size))
     return {"config": config, "loss": final, "bytes_per_step": sent, "vm_hwm_mb": _vm_hwm_mb(),
             "seconds_per_step": seconds, "node_tx_per_step": node_tx, "params": n, "ranks": size}
 
@@ -123,7 +130,7 @@ def _dense_bytes(config: str, n: int, size: int) -> float:
     or, for HSDP, in the allreduce of its shard across the 2 replicas only: the within-node
     reduce-scatter is the same dense one in both HSDP rows, and the sparse rows count only their
     sparse calls (the across-replica allreduce, or the flat mode's reduce-scatter)."""
-    if config.endswith("hsdp"):
+    if config.endswith("hsdp"):  # (plain-hsdp)
         return 4 * 2 * (n / (size // 2)) * (2 - 1) / 2
     return 4 * n * (size - 1) / size
 
