@@ -86,10 +86,14 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the approaches' names: runs of another "
                     "length in the same folder (their time to accuracy is taken against the dense run's marks)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tables-only", action="store_true", help="rewrite study.md from study.json; run nothing")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "study.json")
     runs = json.load(open(path)) if os.path.exists(path) else []
+    if args.tables_only:
+        write_table(runs, os.path.join(args.out, "study.md"))
+        return
     # One compute figure for every approach (measured before any run; or the study's earlier one).
     compute = next((r["compute_per_step"] for r in runs if "compute_per_step" in r), None)
     if compute is None:
@@ -148,6 +152,19 @@ def write_table(runs: list[dict], path: str) -> None:
             final = r[metric][-1]
             lines.append(f"| {r['approach']} | {r['epochs'] * r['steps_per_epoch']} | {final:.4f} | "
                          f"{final / dense[metric][-1]:.4f} | {r['bytes_per_step']:,.0f} | " + " | ".join(cells) + " |")
+        lines += ["", "Modelled seconds to reach dense's final metric within 2% (1.02x) and itself (1.00x), on "
+                  f"each network profile ({', '.join(train.CURVE_PROFILES)}), and their ratio to dense's.", "",
+                  "| approach | " + " | ".join(f"{m} {p}" for m in MARKS[3:] for p in train.CURVE_PROFILES) + " |",
+                  "|---|" + "---|" * (2 * len(train.CURVE_PROFILES))]
+        for r in runs:
+            if r["seed"] != seed or "failed" in r:
+                continue
+            cells = []
+            for m in MARKS[3:]:
+                for p in train.CURVE_PROFILES:
+                    t, base = tta[id(r)][m][p], tta[id(dense)][m][p]
+                    cells.append("never" if t is None else f"{t:.1f} ({t / base:.2f}x)")
+            lines.append(f"| {r['approach']} | " + " | ".join(cells) + " |")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
