@@ -61,6 +61,9 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-sign": ("topka-demo", {"chunk": 64, "topk": 1}),
     "demo-sign-k2": ("topka-demo", {"chunk": 64, "topk": 2}),
     "demo-oktopk": ("oktopk-demo", {"chunk": 64, "topk": 1}),
+    # Ok-Topk carrying the union of the 4 ranks' components (its k: 4 x each rank's).
+    "demo-oktopk-x4": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
+    "demo-oktopk-bf16-x4": ("oktopk-bf16-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
     "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
     "demo-sign-c128": ("topka-demo", {"chunk": 128, "topk": 1}),
     "demo-sign-bf16": ("topka-bf16-demo", {"chunk": 64, "topk": 1}),

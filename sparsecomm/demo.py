@@ -84,8 +84,11 @@ class DeMo(torch.optim.Optimizer):
         update: ``"sign"`` (the method's) or ``"value"`` (:data:`UPDATE_RULES`).
         algorithm: the registered algorithm that carries the components: ``"topka"``
             (DeMo's allgather) or any other (``"oktopk"``: the global top-k of their sum).
+        reduce_density: the components' allreduce's density (None: topk / chunk, what each rank
+            extracted). A global selection (Ok-Topk's) passes at most that many of the P ranks'
+            components; ``topk / chunk * P`` lets all of them through when they do not overlap.
         compressor, error_feedback, algorithm_options, group, comm: the components'
-            allreduce, as in ``sparsecomm.allreduce`` (density topk / chunk).
+            allreduce, as in ``sparsecomm.allreduce``.
 
     Every rank calls ``step()`` every step (it communicates) and holds the same parameters
     after it. A gradient with NaN/Inf on any rank skips the step on every rank (nothing
@@ -99,7 +102,8 @@ class DeMo(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler calls step() always; the ranks decide together
 
     def __init__(self, params: Any, lr: float = 1e-3, *, decay: float = 0.999, chunk: int = 64,
-                 topk: int | None = None, density: float = 0.01, update: str = "sign",
+                 topk: int | None = None, density: float = 0.01, reduce_density: float | None = None,
+                 update: str = "sign",
                  weight_decay: float = 0.0, algorithm: str = "topka", compressor: Any = None,
                  error_feedback: bool = True, algorithm_options: dict | None = None,
                  group: Any = None, comm: Any = None) -> None:
@@ -121,7 +125,8 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError("DeMo: no parameter requires a gradient")
         self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
         self.compressor, self.group, self.comm = compressor, group, comm
-        self._maker = StateMaker(algorithm, topk / chunk, algorithm_options, error_feedback, compressor, None,
+        reduce_density = topk / chunk if reduce_density is None else check_density(reduce_density)
+        self._maker = StateMaker(algorithm, reduce_density, algorithm_options, error_feedback, compressor, None,
                                  dense_keeps_residual=True)
         device = self.params[0].device
         #: Where each parameter starts in the padded flat layout (whole chunks each).
