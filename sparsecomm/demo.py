@@ -86,7 +86,8 @@ class DeMo(torch.optim.Optimizer):
             (DeMo's allgather) or any other (``"oktopk"``: the global top-k of their sum).
         reduce_density: the components' allreduce's density (None: topk / chunk, what each rank
             extracted). A global selection (Ok-Topk's) passes at most that many of the P ranks'
-            components; ``topk / chunk * P`` lets all of them through when they do not overlap.
+            components together; ``topk / chunk * P`` gives it room for all of them (its
+            thresholds are estimates: a few may still wait in its residual).
         compressor, error_feedback, algorithm_options, group, comm: the components'
             allreduce, as in ``sparsecomm.allreduce``.
 
