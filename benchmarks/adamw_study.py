@@ -24,27 +24,27 @@ from sparsecomm.tools import train
 APPROACHES: dict[str, tuple[str, dict | None]] = {
     "dense": ("dense", None),
     "hook": ("oktopk-hook", None),
-    "local-preconditioned": ("oktopk", {"variance": "local", "compress": "preconditioned"}),
-    "local-momentum": ("oktopk", {"variance": "local", "compress": "momentum", "momentum_masking": False}),
-    "frozen-preconditioned": ("oktopk", {"variance": "frozen", "compress": "preconditioned"}),
-    "frozen-gradient": ("oktopk", {"variance": "frozen", "compress": "gradient"}),
-    "frozen-refresh20": ("oktopk", {"variance": "frozen", "compress": "preconditioned", "variance_interval": 20}),
-    "local-preconditioned-bf16": ("oktopk", {"variance": "local", "compress": "preconditioned",
+    "local-preconditioned": ("oktopk-sparseadamw", {"variance": "local", "compress": "preconditioned"}),
+    "local-momentum": ("oktopk-sparseadamw", {"variance": "local", "compress": "momentum", "momentum_masking": False}),
+    "frozen-preconditioned": ("oktopk-sparseadamw", {"variance": "frozen", "compress": "preconditioned"}),
+    "frozen-gradient": ("oktopk-sparseadamw", {"variance": "frozen", "compress": "gradient"}),
+    "frozen-refresh20": ("oktopk-sparseadamw", {"variance": "frozen", "compress": "preconditioned", "variance_interval": 20}),
+    "local-preconditioned-bf16": ("oktopk-sparseadamw", {"variance": "local", "compress": "preconditioned",
                                              "residual_dtype": "bfloat16"}),
-    "local-momentum-bf16": ("oktopk", {"variance": "local", "compress": "momentum",
+    "local-momentum-bf16": ("oktopk-sparseadamw", {"variance": "local", "compress": "momentum",
                                        "residual_dtype": "bfloat16", "momentum_masking": False}),
-    "local-preconditioned-dw50": ("oktopk", {"variance": "local", "compress": "preconditioned",
+    "local-preconditioned-dw50": ("oktopk-sparseadamw", {"variance": "local", "compress": "preconditioned",
                                              "density_warmup": 50}),
-    "frozen-preconditioned-dw50": ("oktopk", {"variance": "frozen", "compress": "preconditioned",
+    "frozen-preconditioned-dw50": ("oktopk-sparseadamw", {"variance": "frozen", "compress": "preconditioned",
                                               "density_warmup": 50}),
-    "local-momentum-dw50": ("oktopk", {"variance": "local", "compress": "momentum", "density_warmup": 50,
+    "local-momentum-dw50": ("oktopk-sparseadamw", {"variance": "local", "compress": "momentum", "density_warmup": 50,
                                        "momentum_masking": False}),
-    "frozen-momentum": ("oktopk", {"variance": "frozen", "compress": "momentum", "momentum_masking": False}),
-    "local-momentum-masked": ("oktopk", {"variance": "local", "compress": "momentum", "momentum_masking": True}),
+    "frozen-momentum": ("oktopk-sparseadamw", {"variance": "frozen", "compress": "momentum", "momentum_masking": False}),
+    "local-momentum-masked": ("oktopk-sparseadamw", {"variance": "local", "compress": "momentum", "momentum_masking": True}),
     # CLT-k and TopkA under local-momentum (without masking), as measured.
-    "cltk": ("cltk", {"momentum_masking": False}),
+    "cltk": ("cltk-sparseadamw", {"momentum_masking": False}),
     "cltk-hook": ("cltk-hook", None),
-    "topka": ("topka", {"momentum_masking": False}),
+    "topka": ("topka-sparseadamw", {"momentum_masking": False}),
     # Low-communication training (sparsecomm.optim.DiLoCo): torch's AdamW alone for H steps, then an
     # outer step on the pseudo-gradient. The options are DiLoCo's.
     "diloco-h10": ("dense-diloco", {"sync_every": 10, "outer": "nesterov"}),
@@ -60,7 +60,7 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     # component of each (1.6% of the entries). The options are DeMo's.
     "demo-sign": ("topka-demo", {"chunk": 64, "topk": 1}),
     "demo-sign-k2": ("topka-demo", {"chunk": 64, "topk": 2}),
-    "demo-oktopk": ("oktopk-demo", {"chunk": 64, "topk": 1}),
+    "demo-oktopk": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 1 / 64}),  # one rank's room
     # Ok-Topk carrying the union of the 4 ranks' components (its k: 4 x each rank's).
     "demo-oktopk-x4": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
     "demo-oktopk-bf16-x4": ("oktopk-bf16-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
@@ -109,8 +109,9 @@ def main() -> None:
         try:
             own = train.own_optimizer(config)
             (r,) = train.run([config], ranks=args.ranks, epochs=args.epochs, lr=args.lr, task=args.task,
-                             optimizer="adamw", seed=args.seed, warmup_steps=0 if own else args.warmup_steps,
-                             adamw_options=None if own else _options(options),
+                             optimizer="adamw", seed=args.seed,
+                             warmup_steps=args.warmup_steps if own == "sparseadamw" else 0,
+                             adamw_options=_options(options) if own == "sparseadamw" else None,
                              diloco_options=options if own == "diloco" else None,
                              demo_options=options if own == "demo" else None, compute_per_step=compute)
         except Exception as exc:  # noqa: BLE001 - a diverging approach is a result too

@@ -26,9 +26,11 @@ Two error-feedback rules meet here, and they are different things:
   residual, whatever its selection did not send, and adds it to the next step's Q. With
   ``algorithm="topka"`` (the default, and DeMo's own exchange: an allgather of every rank's
   components) the selection is exact at k = topk per chunk, sends every extracted component
-  and that residual stays zero: the method as published. Ok-Topk selects the global top-k of
-  the *summed* components instead (O(k) traffic): a different method, whose leftovers wait
-  in the allreduce's residual without decaying.
+  and that residual stays zero: the method as published. Ok-Topk selects a global top-k of
+  the *summed* components (O(k) traffic); by default its k has room for every rank's
+  components (``reduce_density``), which carries the method too, up to its threshold
+  estimates; with less, it is a different method, whose leftovers wait in the allreduce's
+  residual without decaying.
 
 Chunks are 1-D runs of each parameter's flattened entries (row-major: along the input
 dimension of a Linear weight), each parameter padded to a whole number of chunks; the
@@ -47,6 +49,7 @@ from .api import allreduce
 from .check import check_replicas_equal
 from .comm import resolve
 from .errors import NonFiniteError
+from . import registry
 from .memory import StateMaker, adopt_state, snapshot
 from .state import State, check_density
 
@@ -84,10 +87,12 @@ class DeMo(torch.optim.Optimizer):
         update: ``"sign"`` (the method's) or ``"value"`` (:data:`UPDATE_RULES`).
         algorithm: the registered algorithm that carries the components: ``"topka"``
             (DeMo's allgather) or any other (``"oktopk"``: the global top-k of their sum).
-        reduce_density: the components' allreduce's density (None: topk / chunk, what each rank
-            extracted). A global selection (Ok-Topk's) passes at most that many of the P ranks'
-            components together; ``topk / chunk * P`` gives it room for all of them (its
-            thresholds are estimates: a few may still wait in its residual).
+        reduce_density: the components' allreduce's density. None: room for what every rank
+            extracted, so that any algorithm carries DeMo itself: topk / chunk for one whose k is
+            each rank's (TopkA), P times that for one whose k counts the sum's entries
+            (``global_k``: Ok-Topk; its thresholds are estimates, so a few components may still
+            wait in its residual). Less makes a global selection pick among the ranks'
+            components (the rest wait, undecayed, in the allreduce's residual).
         compressor, error_feedback, algorithm_options, group, comm: the components'
             allreduce, as in ``sparsecomm.allreduce``.
 
@@ -126,7 +131,10 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError("DeMo: no parameter requires a gradient")
         self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
         self.compressor, self.group, self.comm = compressor, group, comm
-        reduce_density = topk / chunk if reduce_density is None else check_density(reduce_density)
+        if reduce_density is None:  # room for what every rank extracted (a global k: P ranks' worth)
+            spread = self._comm().size if registry.get(algorithm).global_k else 1
+            reduce_density = min(1.0, topk / chunk * spread)
+        reduce_density = check_density(reduce_density)
         self._maker = StateMaker(algorithm, reduce_density, algorithm_options, error_feedback, compressor, None,
                                  dense_keeps_residual=True)
         device = self.params[0].device

@@ -76,6 +76,9 @@ class AlgorithmSpec:
     volume: Volume | None = None
     #: Its modelled traffic in a steady call (fitted to the simulated world), or None.
     traffic: TrafficModel | None = None
+    #: Whether k counts entries of the sum (one global selection: Ok-Topk, gTopk, CLT-k) rather
+    #: than each rank's (TopkA, TopkDSA, Gaussiank): P ranks' k entries each need P k of it.
+    global_k: bool = False
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -88,7 +91,7 @@ def first_paragraph(doc: str | None) -> str:
 
 def register(name: str, state_class: type[State], *,
              split: tuple[Callable[..., Any], Callable[..., SparseResult]] | None = None,
-             volume: Volume | None = None, traffic: TrafficModel | None = None) -> Callable:
+             volume: Volume | None = None, traffic: TrafficModel | None = None, global_k: bool = False) -> Callable:
     """Decorator registering an algorithm function under ``name``.
 
     Args:
@@ -99,6 +102,7 @@ def register(name: str, state_class: type[State], *,
             what ``sparsecomm study volume`` compares the measured traffic with.
         traffic: its steady call's modelled traffic (:data:`TrafficModel`): what ``"auto"``
             chooses by and the projections use.
+        global_k: k counts entries of the sum, not each rank's (:attr:`AlgorithmSpec.global_k`).
     """
 
     def deco(fn: Callable[..., SparseResult]) -> Callable[..., SparseResult]:
@@ -111,7 +115,7 @@ def register(name: str, state_class: type[State], *,
                 raise ValueError(f"algorithm {name!r}: fn and its first half must both take {arg}=, or neither")
         _REGISTRY[name] = AlgorithmSpec(name, fn, state_class, summary, split, takes_limit=takes["limit"],
                                         takes_check=takes["check"], volume=volume,
-                                        traffic=traffic)
+                                        traffic=traffic, global_k=global_k)
         state_class.algorithm = name
         allow_in_checkpoints(state_class)
         return fn

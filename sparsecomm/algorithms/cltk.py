@@ -65,7 +65,7 @@ def cltk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: int
     return Traffic(2.5 * levels + 0.5, (levels + 1) * 4.0 * k + 2.0 * k * (P - 1) / P * value_bytes)
 
 
-@register("cltk", CltkState, volume=cltk_volume, traffic=cltk_traffic)
+@register("cltk", CltkState, volume=cltk_volume, traffic=cltk_traffic, global_k=True)
 def cltk(acc: torch.Tensor, k: int, comm: Communicator, state: CltkState,
          codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """CLT-k (ScaleCom's shared-index top-k): a rotating leader's indexes, one dense allreduce

@@ -71,7 +71,7 @@ def gtopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: in
     return Traffic(2.0 * levels, 2.0 * levels * (k * (value_bytes + INDEX_BYTES + 1) + 16))
 
 
-@register("gtopk", GTopkState, volume=gtopk_volume, traffic=gtopk_traffic)
+@register("gtopk", GTopkState, volume=gtopk_volume, traffic=gtopk_traffic, global_k=True)
 def gtopk(acc: torch.Tensor, k: int, comm: Communicator, state: GTopkState,
           codec: Compressor, preselected: Preselection | None = None) -> SparseResult:
     """gTopk: a binomial tree keeping the top k at each merge, then back down.

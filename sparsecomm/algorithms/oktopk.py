@@ -312,7 +312,7 @@ def oktopk_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node: i
 
 
 @register("oktopk", OkTopkState, split=(oktopk_reduce, oktopk_gather), volume=oktopk_volume,
-          traffic=oktopk_traffic)
+          traffic=oktopk_traffic, global_k=True)
 def oktopk(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState,
            codec: Compressor, preselected: Preselection | None = None,
            check: CarriedCheck | None = None) -> SparseResult:

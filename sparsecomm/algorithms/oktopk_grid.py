@@ -92,7 +92,7 @@ def oktopk2d_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node:
 
 
 @register("oktopk2d", OkTopkGridState, split=(oktopk2d_reduce, oktopk2d_gather), volume=oktopk2d_volume,
-          traffic=oktopk2d_traffic)
+          traffic=oktopk2d_traffic, global_k=True)
 def oktopk2d(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, codec: Compressor,
              preselected: Preselection | None = None, check: CarriedCheck | None = None) -> SparseResult:
     """Ok-Topk on a grid of sqrt(P) x sqrt(P) ranks: its split, gathers and counts in two hops

@@ -256,7 +256,7 @@ def oktopk2l_traffic(n: int, k: int, P: int, value_bytes: float, ranks_per_node:
 
 
 @register("oktopk2l", OkTopkTwoLevelState, split=(oktopk2l_reduce, oktopk2l_gather), volume=oktopk2l_volume,
-          traffic=oktopk2l_traffic)
+          traffic=oktopk2l_traffic, global_k=True)
 def oktopk2l(acc: torch.Tensor, k: int, comm: Communicator, state: OkTopkTwoLevelState,
              codec: Compressor, preselected: Preselection | None = None, *, limit: float = math.inf) -> SparseResult:
     """Two-level Ok-Topk on nodes of G ranks: a dense reduce-scatter within the node, Ok-Topk

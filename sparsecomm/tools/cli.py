@@ -321,9 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the Python standard library's sources")
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
                     default=None,
-                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo], "
-                         "e.g. oktopk, topka-q8, dense-q8, oktopk-hook, oktopk-diloco (outer steps every "
-                         "--sync-every steps; dense-diloco: DiLoCo), topka-demo (decoupled momentum: DeMo) "
+                    help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo|"
+                         "-sparseadamw], e.g. oktopk (SGD: the DDP hook; AdamW: decoupled momentum, DeMo, the "
+                         "recommended method), topka-q8, dense-q8, oktopk-hook (the hook under AdamW too), "
+                         "oktopk-diloco (outer steps every --sync-every steps; dense-diloco: DiLoCo), topka-demo "
+                         "(DeMo itself), oktopk-sparseadamw (SparseAdamW) "
                          f"(default: {','.join(train.QUICK_CONFIGS)}; "
                          f"--full: {','.join(train.FULL_CONFIGS)}); each may name its schedule, e.g. oktopk/pipesgd")
     tr.add_argument("--ranks", type=at.positive_int, default=4)
@@ -342,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=at.positive_int, default=16, help="per rank")
     tr.add_argument("--warmup-steps", type=at.nonnegative_int, default=0,
                     help="DDP hook: dense steps first; Pipe-SGD: synchronous steps first; "
-                         "AdamW with a sparse configuration: SparseAdamW's dense steps (default 10)")
+                         "-sparseadamw: SparseAdamW's dense steps (default 10)")
     tr.add_argument("--sync-every", type=at.positive_int, default=10,
                     help="-diloco configurations: inner steps between outer steps")
     tr.add_argument("--network", type=network, default="10gbe", help="profile for the modelled time")

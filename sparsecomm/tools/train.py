@@ -46,7 +46,7 @@ from . import output
 from .launch import preload, spawn
 from .tasks import get_task
 
-__all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
+__all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "OWN_METHODS", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
            "train_rank", "run",
            "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
            "format_results", "plot"]
@@ -66,46 +66,48 @@ FULL_EPOCHS = 30
 QUICK_CONFIGS = ("dense", "oktopk")
 QUICK_EPOCHS = {"digits": 10, "lm": 2}
 DENSITY = 0.01
+#: The configuration suffixes that name an optimizer communicating itself (no schedule, no hook).
+OWN_METHODS = ("diloco", "demo", "sparseadamw")
 
 
 def config_settings(config: str) -> dict | None:
     """The hook settings a configuration name stands for (None: DDP's own dense allreduce).
 
-    "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo] for any registered algorithm and
-    compressor: a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense with a
-    compressor (``dense-q8``); ``-hook`` keeps the DDP hook in front of the task's own optimizer
-    even under AdamW (error feedback on the gradient, then torch's AdamW: the naive path that
-    SparseAdamW replaces); ``-diloco``: low-communication training, the task's optimizer for
-    ``sync_every`` steps a round without communication, then an outer step on the pseudo-gradient
-    reduced by the algorithm (:class:`sparsecomm.optim.DiLoCo`; ``dense-diloco`` is DiLoCo
-    itself); ``-demo``: decoupled momentum, each rank's fast DCT components carried by the
-    algorithm (:class:`sparsecomm.optim.DeMo`; ``topka-demo`` is DeMo itself). ValueError for
+    "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo|-sparseadamw] for any registered
+    algorithm and compressor: a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense
+    with a compressor (``dense-q8``). Under SGD a sparse configuration is the DDP hook; under
+    AdamW it trains with the recommended AdamW method, decoupled momentum
+    (:class:`sparsecomm.optim.DeMo` in place of AdamW, the algorithm carrying the components;
+    measured in ``docs/results.md`` section 8). The suffixes name one method whatever the
+    optimizer: ``-hook`` the DDP hook in front of the task's own optimizer (under AdamW: error
+    feedback on the gradient, then torch's AdamW, the naive path); ``-diloco`` low-communication
+    training, the task's optimizer for ``sync_every`` steps a round without communication, then
+    an outer step on the pseudo-gradient reduced by the algorithm
+    (:class:`sparsecomm.optim.DiLoCo`; ``dense-diloco`` is DiLoCo itself); ``-demo`` decoupled
+    momentum (``topka-demo`` is DeMo itself); ``-sparseadamw`` AdamW with local moments and the
+    momentum through the algorithm (:class:`sparsecomm.optim.SparseAdamW`). ValueError for
     anything else.
     """
     if config == "dense":
         return None
     base, dash, suffix = config.rpartition("-")
-    method = suffix if dash and suffix in ("hook", "diloco", "demo") else ""
-    hook, diloco, demo = method == "hook", method == "diloco", method == "demo"
+    method = suffix if dash and suffix in OWN_METHODS + ("hook",) else ""
+    diloco = method == "diloco"
     name = base if method else config
     algorithm, dash, compressor = name.partition("-")
     known = (algorithm in registry.names() and (not dash or compressor in COMPRESSORS)
-             and not (algorithm == "dense" and (hook or demo or not (compressor or diloco))))
+             and not (algorithm == "dense" and (method not in ("", "diloco") or not (compressor or diloco))))
     if not known:
-        raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo] "
-                         f"with an algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
-                         "(dense takes a compressor or -diloco, and no -hook or -demo)")
+        raise ValueError(f"unknown configuration {config!r}: dense, or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo|"
+                         f"-sparseadamw] with an algorithm of {registry.names()} and a compressor of {COMPRESSORS} "
+                         "(dense takes a compressor or -diloco only)")
     settings: dict = {"algorithm": algorithm}
     if algorithm != "dense":
         settings["density"] = DENSITY
     if compressor:
         settings["compressor"] = compressor
-    if hook:
-        settings["hook"] = True
-    if diloco:
-        settings["diloco"] = True
-    if demo:
-        settings["demo"] = True
+    if method:
+        settings[method] = True
     return settings
 
 
@@ -121,9 +123,9 @@ def parse_config(name: str) -> tuple[str, str | None]:
 
 
 def own_optimizer(config: str) -> str | None:
-    """"diloco" or "demo" when ``config`` names an optimizer that communicates itself (no schedule, no hook)."""
+    """One of :data:`OWN_METHODS` when ``config`` names it by its suffix, else None."""
     settings = config_settings(config) or {}
-    return next((k for k in ("diloco", "demo") if settings.get(k)), None)
+    return next((k for k in OWN_METHODS if settings.get(k)), None)
 
 
 def check_warmup(schedule: str, warmup_steps: int) -> None:
@@ -177,12 +179,13 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     job = get_task(task, seed)
     settings = config_settings(config)
     kind = optimizer or job.default_optimizer
-    diloco = settings is not None and settings.get("diloco", False)
-    demo = settings is not None and settings.get("demo", False)
-    if (diloco or demo) and schedule != "none":
-        raise ValueError("a -diloco or -demo configuration runs without a schedule")
-    sparse_adamw = (kind == "adamw" and settings is not None and schedule == "none" and not diloco and not demo
-                    and not settings.get("hook") and settings["algorithm"] != "dense")
+    own = own_optimizer(config)
+    if own and schedule != "none":
+        raise ValueError(f"a -{own} configuration runs without a schedule")
+    diloco, sparse_adamw = own == "diloco", own == "sparseadamw"
+    # Under AdamW a plain sparse configuration runs the recommended method, DeMo.
+    demo = own == "demo" or (kind == "adamw" and settings is not None and own is None and schedule == "none"
+                             and not settings.get("hook") and settings["algorithm"] != "dense")
     plain = job.model(seed)
     model = DDP(plain) if schedule == "none" else plain
     steps_per_epoch = job.steps_per_epoch(size, batch)

@@ -165,32 +165,35 @@ def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_adamw_training_takes_sparse_adamw_and_the_hook_configuration_does_not(tmp_path):
+def test_adamw_training_takes_demo_and_each_suffix_its_own_method(tmp_path):
     from sparsecomm.tools import train
 
-    results = train.run(["dense", "oktopk", "oktopk-hook", "oktopk-diloco", "topka-demo"], ranks=2, epochs=3,
-                        optimizer="adamw", lr=0.002, diloco_options={"sync_every": 5},
+    results = train.run(["dense", "oktopk", "oktopk-sparseadamw", "oktopk-hook", "oktopk-diloco", "topka-demo"],
+                        ranks=2, epochs=3, optimizer="adamw", lr=0.002, diloco_options={"sync_every": 5},
                         demo_options={"chunk": 32, "topk": 1})
     by = {r["config"]: r for r in results}
-    assert by["dense"]["path"] == "ddp" and by["oktopk"]["path"] == "SparseAdamW"
+    assert by["dense"]["path"] == "ddp" and by["oktopk"]["path"] == "DeMo"
+    assert by["oktopk-sparseadamw"]["path"] == "SparseAdamW"
     assert by["oktopk-hook"]["path"] == "hook" and by["oktopk-diloco"]["path"] == "DiLoCo"
     # DiLoCo: one sparse call of 1% every 5 steps, none between; it learns.
-    diloco = by["oktopk-diloco"]
+    diloco, sparse_adamw = by["oktopk-diloco"], by["oktopk-sparseadamw"]
     assert diloco["diloco_options"] == {"sync_every": 5} and diloco["accuracy"][-1] > 0.5
-    assert diloco["bytes_per_step"] < 0.2 * by["oktopk"]["bytes_per_step"]
-    assert 0 < diloco["local_per_step"] < by["oktopk"]["local_per_step"]
-    # DeMo: every step one component of each chunk of 32 from each rank (an allgather), none dense.
-    demo = by["topka-demo"]
-    assert demo["path"] == "DeMo" and demo["demo_options"] == {"chunk": 32, "topk": 1}
-    assert demo["accuracy"][-1] > 0.5 and demo["bytes_per_step"] < 0.2 * by["dense"]["bytes_per_step"]
-    assert by["oktopk"]["warmup_steps"] == 10
-    steps = 3 * by["oktopk"]["steps_per_epoch"]
-    assert by["oktopk"]["curve"]["step"] == list(range(10, steps + 1, 10))
-    assert by["oktopk"]["accuracy"][-1] > by["dense"]["accuracy"][-1] - 0.1
+    assert diloco["bytes_per_step"] < 0.2 * sparse_adamw["bytes_per_step"]
+    assert 0 < diloco["local_per_step"] < sparse_adamw["local_per_step"]
+    # DeMo: every step one component of each chunk of 32 from each rank, none dense; under
+    # AdamW the plain configuration is DeMo too, Ok-Topk carrying the components.
+    for config in ("topka-demo", "oktopk"):
+        demo = by[config]
+        assert demo["path"] == "DeMo" and demo["demo_options"] == {"chunk": 32, "topk": 1}
+        assert demo["accuracy"][-1] > 0.5 and demo["bytes_per_step"] < 0.2 * by["dense"]["bytes_per_step"]
+    assert sparse_adamw["warmup_steps"] == 10
+    steps = 3 * sparse_adamw["steps_per_epoch"]
+    assert sparse_adamw["curve"]["step"] == list(range(10, steps + 1, 10))
+    assert sparse_adamw["accuracy"][-1] > by["dense"]["accuracy"][-1] - 0.1
     # Ten dense steps, then about k entries a step: far fewer bytes than dense.
-    assert by["oktopk"]["bytes_per_step"] < 0.5 * by["dense"]["bytes_per_step"]
-    assert by["oktopk"]["compute_per_step"] == by["dense"]["compute_per_step"] > 0
-    assert by["oktopk"]["local_per_step"] > 0 == by["dense"]["local_per_step"]
+    assert sparse_adamw["bytes_per_step"] < 0.5 * by["dense"]["bytes_per_step"]
+    assert sparse_adamw["compute_per_step"] == by["dense"]["compute_per_step"] > 0
+    assert sparse_adamw["local_per_step"] > 0 == by["dense"]["local_per_step"]
     rows = train.time_to_accuracy(results)
     # Dense reaches its own final metric by its last evaluation (earlier if it got there before).
     assert rows[0]["1.00x"]["step"] <= steps - steps % 10 and rows[0]["1.00x"]["1gbe"] > 0
@@ -208,11 +211,12 @@ def test_configuration_names_follow_the_registries():
         assert train.config_settings(f"{algorithm}-diloco")["diloco"] is True  # dense-diloco: DiLoCo itself
         if algorithm != "dense":  # DeMo's components are sparse by construction
             assert train.own_optimizer(f"{algorithm}-demo") == "demo"
+            assert train.own_optimizer(f"{algorithm}-sparseadamw") == "sparseadamw"
         for compressor in COMPRESSORS:
             assert train.config_settings(f"{algorithm}-{compressor}")["compressor"] == compressor
     assert train.config_settings("dense") is None  # DDP's own allreduce
     for bad in ("dense-hook", "oktopk-q7", "nope", "oktopk-", "dense-q8-x", "oktopk-hook-diloco", "dense-demo",
-                "oktopk-demo-hook"):
+                "oktopk-demo-hook", "dense-sparseadamw", "oktopk-sparseadamw-demo"):
         with pytest.raises(ValueError, match="unknown configuration"):
             train.config_settings(bad)
     assert train.parse_config("cltk-q8/pipesgd") == ("cltk-q8", "pipesgd")
