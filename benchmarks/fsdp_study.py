@@ -184,7 +184,8 @@ def main() -> None:
         base = next((b for b in rows if (b["task"], b["optimizer"], b["steps"]) == (r["task"], r["optimizer"], r["steps"])
                      and b["config"] == ("plain-hsdp" if r["config"].endswith("hsdp") else "plain")), None)
         ratio = (lambda a, b: f"{a / b:.3f}" if b else "")
-        lines.append(f"| {r['task']} | {r['optimizer']} | {r['steps']} | {r['config']} | {r['loss']:.4f} | "
+        lines.append(f"| {r['task']} ({r['params'] / 1e6:.2f}M) | {r['optimizer']} | {r['steps']} | {r['config']} | "
+                     f"{r['loss']:.4f} | "
                      f"{ratio(r['loss'], base['loss']) if base else ''} | {r['bytes_per_step']:,.0f} | "
                      f"{ratio(r['bytes_per_step'], base['bytes_per_step']) if base else ''} | {r['vm_hwm_mb']:.0f} | "
                      f"{r['seconds_per_step']:.3f} |")
