@@ -128,7 +128,7 @@ def test_topka_carries_demo_itself(P, update):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, 3, 5])
 def test_oktopk_by_default_has_room_for_every_ranks_components(P):
     # By default Ok-Topk's k (a count of the sum's entries) is P x each rank's components: it
     # carries DeMo itself up to its threshold estimates, leaving under a quarter of what it
