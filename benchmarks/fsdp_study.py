@@ -181,16 +181,20 @@ def main() -> None:
     lines = ["| task | optimizer | steps | config | final loss | ÷ plain | bytes a rank a step | ÷ plain | peak MB a rank "
              "(VmHWM) | s a step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next((b for b in rows if (b["task"], b["optimizer"], b["steps"]) == (r["task"], r["optimizer"], r["steps"])
-                     and b["config"] == ("plain-hsdp" if r["config"].endswith("hsdp") else "plain")), None)
-        ratio = (lambda a, b: f"{a / b:.3f}" if b else "")
+        ratio = _ratio_to_plain(r, rows, ("task", "optimizer", "steps"))
         lines.append(f"| {r['task']} ({r['params'] / 1e6:.2f}M) | {r['optimizer']} | {r['steps']} | {r['config']} | "
-                     f"{r['loss']:.4f} | "
-                     f"{ratio(r['loss'], base['loss']) if base else ''} | {r['bytes_per_step']:,.0f} | "
-                     f"{ratio(r['bytes_per_step'], base['bytes_per_step']) if base else ''} | {r['vm_hwm_mb']:.0f} | "
-                     f"{r['seconds_per_step']:.3f} |")
+                     f"{r['loss']:.4f} | {ratio('loss')} | {r['bytes_per_step']:,.0f} | {ratio('bytes_per_step')} | "
+                     f"{r['vm_hwm_mb']:.0f} | {r['seconds_per_step']:.3f} |")
     open(os.path.join(args.out, "fsdp_study.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _ratio_to_plain(r: dict, rows: list[dict], same: tuple[str, ...]):
+    """A function of a field: ``r``'s value of it over its plain row's (plain FSDP, or native HSDP
+    for an HSDP row; the one that agrees on ``same``), formatted; "" without one."""
+    plain = "plain-hsdp" if r["config"].endswith("hsdp") else "plain"
+    base = next((b for b in rows if b["config"] == plain and all(b[k] == r[k] for k in same)), None)
+    return lambda field: f"{r[field] / base[field]:.3f}" if base and base[field] else ""
 
 
 def run_emulated(args: argparse.Namespace) -> None:
@@ -218,14 +222,9 @@ def run_emulated(args: argparse.Namespace) -> None:
     lines = ["| network | config | s a step | ÷ plain | MB leaving a node a step | ÷ plain | bytes a rank a step "
              "(the reductions) |", "|---|---|---|---|---|---|---|"]
     for r in table:
-        base = next((b for b in table if b["network"] == r["network"] and b["task"] == r["task"]
-                     and b["config"] == ("plain-hsdp" if r["config"].endswith("hsdp") else "plain")), None)
-        ratio = (lambda a, b: f"{a / b:.3f}" if b else "")
-        lines.append(f"| {r['network']} | {r['config']} | {r['seconds_per_step']:.3f} | "
-                     f"{ratio(r['seconds_per_step'], base['seconds_per_step']) if base else ''} | "
-                     f"{r['node_tx_per_step'] / 1e6:.2f} | "
-                     f"{ratio(r['node_tx_per_step'], base['node_tx_per_step']) if base else ''} | "
-                     f"{r['bytes_per_step']:,.0f} |")
+        ratio = _ratio_to_plain(r, table, ("network", "task"))
+        lines.append(f"| {r['network']} | {r['config']} | {r['seconds_per_step']:.3f} | {ratio('seconds_per_step')} | "
+                     f"{r['node_tx_per_step'] / 1e6:.2f} | {ratio('node_tx_per_step')} | {r['bytes_per_step']:,.0f} |")
     open(os.path.join(args.out, "emulated.md"), "w").write("\n".join(lines) + "\n")
     print(lines[0], lines[-1], sep="\n", flush=True)
 
