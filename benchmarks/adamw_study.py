@@ -65,6 +65,10 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-oktopk-x4": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
     "demo-oktopk-bf16-x4": ("oktopk-bf16-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
     "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
+    # The step over the root of its running mean square (DeMo's update="rms": AdamW's lr applies).
+    "demo-rms": ("topka-demo", {"chunk": 64, "topk": 1, "update": "rms"}),
+    "demo-oktopk-rms-x4": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64, "update": "rms"}),
+    "demo-rms-bf16-c128": ("topka-bf16-demo", {"chunk": 128, "topk": 1, "update": "rms"}),
     "demo-sign-c128": ("topka-demo", {"chunk": 128, "topk": 1}),
     "demo-sign-bf16": ("topka-bf16-demo", {"chunk": 64, "topk": 1}),
     "demo-sign-bf16-c128": ("topka-bf16-demo", {"chunk": 128, "topk": 1}),

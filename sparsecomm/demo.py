@@ -16,7 +16,13 @@ on every rank:
 3. m -= IDCT(Q): what was extracted leaves this rank's momentum (DeMo's error feedback).
 4. A = the average over ranks of Q, by the sparse allreduce (``algorithm``).
 5. w -= lr * (sign(IDCT(A)) + weight_decay * w) (``update="sign"``, the method's), or
-   lr * IDCT(A) (``update="value"``).
+   lr * IDCT(A) (``update="value"``), or lr * IDCT(A) / (sqrt(v) + eps) (``update="rms"``:
+   v a running mean of IDCT(A)^2 with decay ``variance_decay``, bias-corrected as Adam's).
+
+Why a third rule: the sign gives every entry the same step, whether its component carried one
+step's gradient or a hundred steps' backlog; the value keeps that difference but inherits the
+gradient's scale (an lr per model) and its heavy tail. ``"rms"`` keeps the difference at
+Adam's scale: the lr of AdamW applies. A is the same on every rank, so v is too.
 
 Two error-feedback rules meet here, and they are different things:
 
@@ -35,7 +41,7 @@ Two error-feedback rules meet here, and they are different things:
 Chunks are 1-D runs of each parameter's flattened entries (row-major: along the input
 dimension of a Linear weight), each parameter padded to a whole number of chunks; the
 published method tiles matrices in 2-D. Memory, full size on every rank: the momentum
-(float32, padded) and the allreduce's residual.
+(float32, padded), the allreduce's residual, and with ``update="rms"`` v.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from .state import State, check_density
 __all__ = ["DeMo", "UPDATE_RULES", "dct_matrix"]
 
 #: How :class:`DeMo` turns the reduced components into a step.
-UPDATE_RULES = ("sign", "value")
+UPDATE_RULES = ("sign", "value", "rms")
 
 
 def dct_matrix(size: int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
@@ -84,7 +90,8 @@ class DeMo(torch.optim.Optimizer):
         chunk: entries of a chunk (the DCT's length).
         topk: components a chunk sends each step (None: ``max(1, round(density * chunk))``).
         density: used only to derive ``topk`` when it is None.
-        update: ``"sign"`` (the method's) or ``"value"`` (:data:`UPDATE_RULES`).
+        update: ``"sign"`` (the method's), ``"value"`` or ``"rms"`` (:data:`UPDATE_RULES`).
+        variance_decay, eps: ``"rms"``'s running mean of the squared step and its floor.
         algorithm: the registered algorithm that carries the components: ``"topka"``
             (DeMo's allgather) or any other (``"oktopk"``: the global top-k of their sum).
         reduce_density: the components' allreduce's density. None: room for what every rank
@@ -109,7 +116,7 @@ class DeMo(torch.optim.Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, *, decay: float = 0.999, chunk: int = 64,
                  topk: int | None = None, density: float = 0.01, reduce_density: float | None = None,
-                 update: str = "sign",
+                 update: str = "sign", variance_decay: float = 0.95, eps: float = 1e-8,
                  weight_decay: float = 0.0, algorithm: str = "topka", compressor: Any = None,
                  error_feedback: bool = True, algorithm_options: dict | None = None,
                  group: Any = None, comm: Any = None) -> None:
@@ -125,11 +132,14 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"DeMo: topk must be an integer in [1, chunk = {chunk}], got {topk!r}")
         if update not in UPDATE_RULES:
             raise ValueError(f"DeMo: update must be one of {UPDATE_RULES}, got {update!r}")
+        if not 0 <= variance_decay < 1 or not eps > 0:
+            raise ValueError(f"DeMo: variance_decay must lie in [0, 1) and eps be > 0, got {variance_decay}, {eps}")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self.params:
             raise ValueError("DeMo: no parameter requires a gradient")
         self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
+        self.variance_decay, self.eps = float(variance_decay), float(eps)
         self.compressor, self.group, self.comm = compressor, group, comm
         if reduce_density is None:  # room for what every rank extracted (a global k: P ranks' worth)
             spread = self._comm().size if registry.get(algorithm).global_k else 1
@@ -145,6 +155,8 @@ class DeMo(torch.optim.Optimizer):
         self.n = self.offsets[-1]
         self._start = {id(p): at for p, at in zip(self.params, self.offsets)}  # a parameter's place
         self.momentum = torch.zeros(self.n, dtype=torch.float32, device=device)
+        #: ``"rms"``'s running mean of the squared step (the same on every rank); None otherwise.
+        self.variance = torch.zeros(self.n, dtype=torch.float32, device=device) if update == "rms" else None
         self.basis = dct_matrix(chunk, torch.float32, device)
         self.sparse_state: State = self._maker.new(self.n, torch.float32, device, self._comm())
         self.steps = 0
@@ -202,6 +214,10 @@ class DeMo(torch.optim.Optimizer):
         direction = self.to_entries(average)
         if self.update == "sign":
             direction.sign_()
+        elif self.update == "rms":
+            b = self.variance_decay
+            self.variance.mul_(b).addcmul_(direction, direction, value=1 - b)
+            direction.div_(self.variance.div(1 - b ** (self.steps + 1)).sqrt_().add_(self.eps))
         for g in self.param_groups:
             for p in g["params"]:
                 if not p.requires_grad:
@@ -221,7 +237,9 @@ class DeMo(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's state: the param groups, the momentum, the allreduce's state, the counts."""
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "momentum": self.momentum.clone(), "sparse_state": snapshot(self.sparse_state), "steps": self.steps,
+                "momentum": self.momentum.clone(),
+                "variance": None if self.variance is None else self.variance.clone(),
+                "sparse_state": snapshot(self.sparse_state), "steps": self.steps,
                 "skipped": self.skipped, "n": self.n, "chunk": self.chunk}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -232,9 +250,14 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"DeMo.load_state_dict: a state of {state_dict.get('n')} entries in chunks of "
                              f"{state_dict.get('chunk')} over {len(state_dict['param_groups'])} groups; this "
                              f"optimizer has {self.n} in chunks of {self.chunk} over {len(self.param_groups)}")
+        if self.variance is not None and state_dict.get("variance") is None:
+            raise ValueError('DeMo.load_state_dict: this optimizer\'s update="rms" needs the running mean '
+                             'of the squared step; the state was saved under another rule')
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         self.momentum = state_dict["momentum"].clone().to(self.momentum.device)
+        if self.variance is not None:
+            self.variance = state_dict["variance"].clone().to(self.momentum.device)
         self.steps, self.skipped = state_dict["steps"], state_dict["skipped"]
         self.sparse_state = adopt_state(state_dict["sparse_state"], self.sparse_state, "DeMo",
                                         self._maker.like(state_dict["sparse_state"]))

@@ -65,14 +65,16 @@ def _cosines(size: int) -> list[list[float]]:
              for i in range(size)] for k in range(size)]
 
 
-def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0):
+def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0, variance_decay=0.95, eps=1e-8):
     """DeMo by hand (float64): every rank's momentum, its top components per chunk, their
-    average gathered from every rank, the sign (or value) step on the one shared model."""
+    average gathered from every rank, the sign (or value, or value over the root of its
+    bias-corrected running mean square) step on the one shared model."""
     net = _model()
     cos = torch.tensor(_cosines(CHUNK), dtype=torch.float64)
     sizes = [p.numel() for p in net.parameters()]
     padded = [math.ceil(n / CHUNK) * CHUNK for n in sizes]
     momenta = [torch.zeros(sum(padded), dtype=torch.float64) for _ in range(P)]
+    mean_square = torch.zeros(sum(padded), dtype=torch.float64)
     for step in range(STEPS):
         total = torch.zeros(sum(padded), dtype=torch.float64)
         for r in range(P):
@@ -92,6 +94,9 @@ def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0):
         step_dir = torch.stack([cos.T @ c for c in (total / P).reshape(-1, CHUNK)]).reshape(-1)
         if update == "sign":
             step_dir = step_dir.sign()
+        if update == "rms":
+            mean_square = variance_decay * mean_square + (1 - variance_decay) * step_dir ** 2
+            step_dir = step_dir / ((mean_square / (1 - variance_decay ** (step + 1))).sqrt() + eps)
         with torch.no_grad():
             at = 0
             for p, n, pad in zip(net.parameters(), sizes, padded):
@@ -112,7 +117,7 @@ def test_the_dct_is_the_cosine_sums_and_orthonormal():
 
 
 @pytest.mark.parametrize("P", [2, 3])
-@pytest.mark.parametrize("update", ["sign", "value"])
+@pytest.mark.parametrize("update", ["sign", "value", "rms"])
 def test_topka_carries_demo_itself(P, update):
     # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
     # allreduce sends every extracted component, so its residual stays zero.
@@ -257,9 +262,10 @@ def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
         assert torch.equal(final, out[0][0]) and not torch.equal(final, start)
 
 
-def test_a_checkpoint_resumes_bit_for_bit():
+@pytest.mark.parametrize("update", ["sign", "rms"])
+def test_a_checkpoint_resumes_bit_for_bit(update):
     def body(rank):
-        net, opt, _ = _run(rank, steps=2, algorithm="oktopk")
+        net, opt, _ = _run(rank, steps=2, algorithm="oktopk", update=update)
         saved = pickle.loads(pickle.dumps({"opt": opt.state_dict(),
                                            "model": {k: v.clone() for k, v in net.state_dict().items()}}))
         for step in range(2, STEPS):
@@ -268,7 +274,7 @@ def test_a_checkpoint_resumes_bit_for_bit():
             opt.step()
         again = _model()
         again.load_state_dict(saved["model"])
-        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, algorithm="oktopk")
+        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, algorithm="oktopk", update=update)
         resumed.load_state_dict(saved["opt"])
         for step in range(2, STEPS):
             resumed.zero_grad()
@@ -281,6 +287,8 @@ def test_a_checkpoint_resumes_bit_for_bit():
     other = DeMo(net.parameters(), chunk=8)
     with pytest.raises(ValueError, match="chunks of 16"):
         other.load_state_dict(DeMo(_model().parameters(), chunk=16).state_dict())
+    with pytest.raises(ValueError, match="another rule"):
+        DeMo(net.parameters(), update="rms").load_state_dict(DeMo(_model().parameters()).state_dict())
 
 
 def test_replicas_that_start_apart_and_bad_settings_are_refused():
@@ -301,7 +309,8 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
         assert "parameters differ at the start" in msg, msg
     params = list(_model().parameters())
     for kw, match in (({"chunk": 0}, "chunk"), ({"chunk": 8, "topk": 9}, "topk"), ({"update": "adam"}, "update"),
-                      ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"), ({"density": 2.0}, "density"),
+                      ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"),
+                      ({"update": "rms", "variance_decay": 1.0}, "variance_decay"), ({"eps": 0.0}, "eps"), ({"density": 2.0}, "density"),
                       ({"reduce_density": 0.0}, "density"),
                       ({"algorithm": "nope"}, "nope")):
         with pytest.raises(ValueError, match=match):
