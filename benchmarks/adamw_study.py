@@ -64,6 +64,8 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     # Ok-Topk carrying the union of the 4 ranks' components (its k: 4 x each rank's).
     "demo-oktopk-x4": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
     "demo-oktopk-bf16-x4": ("oktopk-bf16-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
+    # Two components a chunk (twice the bytes): is one a chunk what holds long runs back?
+    "demo-oktopk-k2-x4": ("oktopk-demo", {"chunk": 64, "topk": 2, "reduce_density": 8 / 64}),
     # A momentum that forgets faster: what one component a chunk leaves behind fades in ~100 steps.
     "demo-oktopk-x4-decay0.99": ("oktopk-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64, "decay": 0.99}),
     "demo-value": ("topka-demo", {"chunk": 64, "topk": 1, "update": "value"}),
