@@ -167,6 +167,7 @@ def test_time_to_accuracy_finds_the_first_evaluation_past_each_mark():
 @pytest.mark.gloo
 def test_adamw_training_takes_demo_and_each_suffix_its_own_method(tmp_path):
     from sparsecomm.tools import train
+    from sparsecomm.tools.tasks import DigitsTask
 
     results = train.run(["dense", "oktopk", "oktopk-sparseadamw", "oktopk-hook", "oktopk-diloco", "topka-demo"],
                         ranks=2, epochs=3, optimizer="adamw", lr=0.002, diloco_options={"sync_every": 5},
@@ -187,6 +188,10 @@ def test_adamw_training_takes_demo_and_each_suffix_its_own_method(tmp_path):
         assert demo["path"] == "DeMo" and demo["demo_options"] == {"chunk": 32, "topk": 1}
         assert demo["accuracy"][-1] > 0.5 and demo["bytes_per_step"] < 0.2 * by["dense"]["bytes_per_step"]
     assert sparse_adamw["warmup_steps"] == 10
+    assert all(r["lr"] == 0.002 for r in results)  # --lr wins, DeMo's too
+    # Without it, DeMo's sign steps run at a share of the task's AdamW rate.
+    (plain,) = train.run(["oktopk"], ranks=2, epochs=1, optimizer="adamw", demo_options={"chunk": 32})
+    assert plain["path"] == "DeMo" and plain["lr"] == pytest.approx(DigitsTask.lr * train.DEMO_LR_SCALE)
     steps = 3 * sparse_adamw["steps_per_epoch"]
     assert sparse_adamw["curve"]["step"] == list(range(10, steps + 1, 10))
     assert sparse_adamw["accuracy"][-1] > by["dense"]["accuracy"][-1] - 0.1
