@@ -29,11 +29,12 @@ WORLDS = ["flat2", "flat3", "hsdp4"]
 @pytest.mark.parametrize("world", WORLDS)
 def test_density_one_is_plain_fsdp(worlds, world):
     # Bit for bit where a sum has two terms (P = 2, HSDP's two replicas), to rounding at P = 3
-    # (gloo sums three in another order than the sparse exchange's step order).
+    # (gloo sums three in another order than the sparse exchange's step order; three steps
+    # amplify that by up to ~1e-5 on some CPUs, where a lost rank's share is ~lr x a gradient).
     for rank in worlds[world]:
         for accumulate, (plain, sparse, calls) in zip((1, 4), rank["equals"][:2]):
             if world == "flat3":
-                torch.testing.assert_close(plain, sparse, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(plain, sparse, rtol=1e-4, atol=1e-5)
             else:
                 assert torch.equal(plain, sparse), (world, accumulate)
             assert calls == 9  # 3 modules x 3 steps: the unused head still reduced, one call a step
