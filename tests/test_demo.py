@@ -116,8 +116,7 @@ def test_the_dct_is_the_cosine_sums_and_orthonormal():
     assert energy[:2].sum() > 0.99 * energy.sum()
 
 
-@pytest.mark.parametrize("P", [2, 3])
-@pytest.mark.parametrize("update", ["sign", "value", "rms"])
+@pytest.mark.parametrize("P,update", [(P, u) for P in (2, 3) for u in ("sign", "value", "rms")] + [(1, "rms"), (5, "rms")])
 def test_topka_carries_demo_itself(P, update):
     # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
     # allreduce sends every extracted component, so its residual stays zero.
@@ -310,7 +309,8 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
     params = list(_model().parameters())
     for kw, match in (({"chunk": 0}, "chunk"), ({"chunk": 8, "topk": 9}, "topk"), ({"update": "adam"}, "update"),
                       ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"),
-                      ({"update": "rms", "variance_decay": 1.0}, "variance_decay"), ({"eps": 0.0}, "eps"), ({"density": 2.0}, "density"),
+                      ({"update": "rms", "variance_decay": 1.0}, "variance_decay"), ({"eps": 0.0}, "eps"),
+                      ({"density": 2.0}, "density"),
                       ({"reduce_density": 0.0}, "density"),
                       ({"algorithm": "nope"}, "nope")):
         with pytest.raises(ValueError, match=match):
@@ -321,12 +321,14 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
 def _gloo_body(rank, size):
     net, opt, _ = _run(rank, algorithm="oktopk")
     under_ddp, _, _ = _run(rank, algorithm="oktopk", ddp=True)
-    return _flat(net), opt.sparse_state.last.bytes_sent, _flat(under_ddp)
+    rms, _, _ = _run(rank, algorithm="oktopk", update="rms")
+    return _flat(net), opt.sparse_state.last.bytes_sent, _flat(under_ddp), _flat(rms)
 
 
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_on_gloo_at_three_ranks_every_replica_ends_equal_with_and_without_ddp():
     out = engines.run_gloo(3, _gloo_body)
-    assert all(torch.equal(flat, out[0][0]) for flat, _, _ in out) and all(b > 0 for _, b, _ in out)
-    assert all(torch.equal(ddp, flat) for flat, _, ddp in out)  # the same bits under DDP's local hook
+    assert all(torch.equal(flat, out[0][0]) for flat, _, _, _ in out) and all(b > 0 for _, b, _, _ in out)
+    assert all(torch.equal(ddp, flat) for flat, _, ddp, _ in out)  # the same bits under DDP's local hook
+    assert all(torch.equal(rms, out[0][3]) for _, _, _, rms in out)  # "rms": v is the same everywhere

@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the full comparison: every configuration, 30 epochs (digits: about 5 minutes on "
                          "2 cores); --configs and --epochs still choose")
     tr.add_argument("--lr", type=at.positive_float, default=None,
-                    help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW; DeMo, the sparse AdamW "
-                         "configurations, half of it)")
+                    help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW; DeMo, what a sparse "
+                         "configuration runs under AdamW: half of it)")
     tr.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: the task's (digits: SGD with momentum, lm: AdamW)")
     tr.add_argument("--momentum", type=at.float_in(0.0, 1.0, hi_open=True), default=0.9,

@@ -213,7 +213,8 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
         model.register_comm_hook(state, sparse_allreduce_hook)
     if demo:
         opt = DeMo(model.parameters(), lr=job.lr * DEMO_LR_SCALE if lr is None else lr,
-                   algorithm=settings["algorithm"], compressor=settings.get("compressor"), density=settings["density"],
+                   algorithm=settings["algorithm"], compressor=settings.get("compressor"),
+                   density=settings["density"],
                    weight_decay=job.adamw_settings["weight_decay"], **(demo_options or {}))
     elif not sparse_adamw:
         opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)

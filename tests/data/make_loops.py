@@ -30,11 +30,11 @@ def main(path: str) -> None:
     for name in SCHEDULES:
         for algorithm in ALGORITHMS:
             runs = sparsecomm.simulate(2, lambda r: loop_fixture.schedule_loop(r, name, algorithm), timeout=60).results
-            out[f"{name}/{algorithm}"] = {"checkpoints": [c for c, _ in runs], "digests": [d for _, d in runs]}
+            out[f"{name}/{algorithm}"] = {"checkpoints": [c for c, _ in runs], "digests": [str(d) for _, d in runs]}
     runs = sparsecomm.simulate(2, loop_fixture.adamw_loop, timeout=60).results
-    out["sparse_adamw"] = {"checkpoints": [c for c, _ in runs], "digests": [d for _, d in runs]}
+    out["sparse_adamw"] = {"checkpoints": [c for c, _ in runs], "digests": [str(d) for _, d in runs]}
     runs = spawn(2, loop_fixture.hook_loop, timeout=120, threads=1)
-    out["hook"] = {"checkpoints": [c for c, _ in runs], "digests": [d for _, d in runs]}
+    out["hook"] = {"checkpoints": [c for c, _ in runs], "digests": [str(d) for _, d in runs]}
     torch.save(out, path)
 
 
