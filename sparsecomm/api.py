@@ -97,7 +97,7 @@ def allreduce(tensor: torch.Tensor, density: float | None = None, *, algorithm: 
             statistics). Without it each call is exact and stateless.
         compressor: how values travel: None (the input's dtype), a name from
             ``sparsecomm.compress.COMPRESSORS`` ("fp16", "bf16", "trunc16",
-            "q8", "q4", "q2", and "q8s"... with stochastic rounding) or a
+            "fp8", "q8", "q4", "q2", and "q8s"... with stochastic rounding) or a
             Compressor. Stacks with every algorithm; with error feedback the
             compression error stays in the residual.
         group: a torch.distributed process group.

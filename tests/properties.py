@@ -32,7 +32,7 @@ from reference import REFERENCES, ref_oktopk2l
 ALGORITHMS = sparsecomm.algorithms()
 # Exact on the small integers the cases use: results can be compared bit for bit.
 EXACT_COMPRESSORS = [None, "fp16", "bf16", "trunc16"]
-LOSSY_COMPRESSORS = ["q8", "q4", "q8s"]
+LOSSY_COMPRESSORS = ["q8", "q4", "q8s", "fp8"]
 PERTURBATIONS = ["op", "density", "dtype", "shape", "meta", "state", "compressor", "nan", "inf"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}

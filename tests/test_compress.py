@@ -26,7 +26,7 @@ def test_cast_and_truncation_bounds():
     assert (t.abs() <= x.abs()).all()  # truncation goes toward zero
 
 
-@pytest.mark.parametrize("name", [None, "fp16", "bf16", "trunc16", "q8", "q8s"])
+@pytest.mark.parametrize("name", [None, "fp16", "bf16", "trunc16", "fp8", "q8", "q8s"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("divisor", [1, 3])
 def test_exact_for_says_whether_values_come_back_bit_for_bit(name, dtype, divisor):
@@ -71,7 +71,7 @@ def test_unknown_compressor_is_bad_input_on_every_rank():
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("compressor", ["q2", "q4s", "q8", "trunc16", "fp16"])
+@pytest.mark.parametrize("compressor", ["q2", "q4s", "q8", "fp8", "trunc16", "fp16"])
 @pytest.mark.parametrize("P", [1, 3, 5])
 def test_error_feedback_keeps_the_compression_error(algorithm, compressor, P):
     steps, n = 6, 2000
@@ -107,11 +107,31 @@ def test_compression_shrinks_the_bytes(algorithm):
 
         return max(sparsecomm.simulate(4, body).results)
 
-    plain, q4, q8 = sent(None), sent("q4"), sent("q8")
+    plain, q4, q8, fp8 = sent(None), sent("q4"), sent("q8"), sent("fp8")
     if algorithm == "dense":
         assert q4 < 0.2 * plain and q8 < 0.3 * plain  # 4 or 8 bits instead of 32
     else:
         assert q8 < 0.8 * plain  # 1-byte codes instead of 4 next to each 2- or 4-byte index (+ control)
+    # One byte a value either way; Ok-Topk's later phases may send a few more or fewer
+    # entries (a sum whose 8-bit code is 0 is not sent again).
+    assert abs(fp8 - q8) <= 0.02 * q8
+
+
+def test_fp8_keeps_relative_precision_where_8_bit_codes_lose_small_values():
+    # A heavy tail, as top-k selections and DCT components have: one value 10^3 above the
+    # rest, which lie within the 2^15 below the scale that fp8 codes to 2^-4.
+    x = torch.rand(10_000, generator=torch.Generator().manual_seed(0)).mul_(3).add_(1)
+    x[0] = 1e3 * float(x[1:].max())
+    scale = float(x.abs().max())
+    fp8, q8 = get_compressor("fp8", torch.float32), get_compressor("q8", torch.float32)
+    back = fp8.roundtrip(x, scale)
+    assert fp8.encode(x, scale).element_size() == 1 and fp8.value_bits == 8
+    assert ((back - x).abs() <= 2 ** -4 * x.abs()).all()  # within rounding of 3 mantissa bits
+    assert float(back[0]) == pytest.approx(float(x[0]), rel=1e-6)  # the largest maps to 448 and back
+    assert (back <= fp8.decoded_bound(scale) * (1 + 1e-6)).all()
+    assert (q8.roundtrip(x, scale)[1:] == 0).all()  # evenly spaced levels: everything below 1/254 is 0
+    assert torch.equal(fp8.roundtrip(-x, scale), -back)  # symmetric
+    assert (fp8.encode(torch.zeros(3), 0.0).float() == 0).all()  # an all-zero message: scale 0
 
 
 # ---- stochastic rounding: noise per rank and per step, reproducible from a seed ---------------

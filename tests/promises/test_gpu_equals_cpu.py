@@ -37,7 +37,7 @@ import properties
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
 
 ALGORITHMS = sparsecomm.algorithms()
-COMPRESSORS = [None, "fp16", "bf16", "trunc16", "q8", "q4s"]
+COMPRESSORS = [None, "fp16", "bf16", "trunc16", "fp8", "q8", "q4s"]
 N = 20_011
 #: Entries whose CUDA value may differ from the CPU's by rounding, and why.
 ROUNDING_MAY_DIFFER: dict[str, str] = {
