@@ -76,6 +76,12 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-sign-c128": ("topka-demo", {"chunk": 128, "topk": 1}),
     "demo-sign-bf16": ("topka-bf16-demo", {"chunk": 64, "topk": 1}),
     "demo-sign-bf16-c128": ("topka-bf16-demo", {"chunk": 128, "topk": 1}),
+    # float8 components (one byte each, 2^-4 relative, scaled to the largest of any rank).
+    "demo-sign-fp8": ("topka-fp8-demo", {"chunk": 64, "topk": 1}),
+    "demo-sign-fp8-k2": ("topka-fp8-demo", {"chunk": 64, "topk": 2}),
+    "demo-oktopk-fp8-x4": ("oktopk-fp8-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
+    # Dense outer steps at the bytes of DeMo over Ok-Topk (about 1/17 of dense's a step).
+    "average-h16": ("dense-diloco", {"sync_every": 16, "outer": "sparseloco"}),
 }
 
 
