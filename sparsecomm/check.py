@@ -34,7 +34,8 @@ from .errors import InputError, NonFiniteError
 from .state import State, check_density
 
 __all__ = ["Signature", "Problem", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
-           "local_problem", "check_collectively", "check_unchecked", "all_finite", "check_replicas_equal"]
+           "local_problem", "check_collectively", "check_unchecked", "all_finite", "check_replicas_equal",
+           "refuse_sharded"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPS = {"sum": 1, "avg": 2}
@@ -443,3 +444,14 @@ def check_replicas_equal(flat: torch.Tensor, comm: Communicator, who: str) -> No
     if not bool((seen == seen[0]).all()):
         raise ValueError(f"{who}: the ranks' parameters differ at the start; start every replica from the "
                          "same weights (load one checkpoint, or seed the model's initialisation alike)")
+
+
+def refuse_sharded(params: list, who: str) -> None:
+    """Refuse parameters sharded by FSDP2 (DTensors): an optimizer that reduces each rank's
+    own full gradient with a full-size state (decoupled momentum, SparseAdamW) cannot serve
+    them; the same on every rank, before any collective."""
+    if any(hasattr(p, "to_local") and hasattr(p, "device_mesh") for p in params):
+        raise ValueError(f"{who}: the parameters are sharded (FSDP2 DTensors); {who} reduces each rank's "
+                         "full, unreduced gradient with a full-size state and does not run under FSDP: "
+                         "use sparsecomm.fsdp.enable, or DiLoCo(model, inner, group=replicate_group) "
+                         "across FSDP replicas")

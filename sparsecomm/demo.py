@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from .api import allreduce
-from .check import check_replicas_equal
+from .check import check_replicas_equal, refuse_sharded
 from .comm import resolve
 from .errors import NonFiniteError
 from . import registry
@@ -138,6 +138,7 @@ class DeMo(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self.params:
             raise ValueError("DeMo: no parameter requires a gradient")
+        refuse_sharded(self.params, "DeMo")
         self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
         self.variance_decay, self.eps = float(variance_decay), float(eps)
         self.compressor, self.group, self.comm = compressor, group, comm

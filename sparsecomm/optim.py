@@ -22,6 +22,7 @@ import torch
 
 from . import registry
 from .api import allreduce
+from .check import refuse_sharded
 from .demo import DeMo
 from .diloco import DiLoCo
 from .errors import NonFiniteError
@@ -188,6 +189,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self.params:
             raise ValueError("SparseAdamW: no parameter requires a gradient")
+        refuse_sharded(self.params, "SparseAdamW")
         if len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) > 1:
             raise ValueError("SparseAdamW: betas and eps must be the same in every parameter group")
         self.warmup_steps, self.compress, self.variance = warmup_steps, compress, variance

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import sparsecomm
 import sparsecomm.fsdp
+import sparsecomm.optim
 
 
 class Net(torch.nn.Module):
@@ -222,6 +223,13 @@ def refusals(rank: int, size: int) -> list[str]:
         sparsecomm.fsdp.enable(net)
     attempt(user_factor)
     attempt(lambda: sparsecomm.fsdp.enable(Net()))  # not sharded
+
+    def sharded(optimizer):
+        net = Net()
+        fully_shard(net, mesh=init_device_mesh("cpu", (size,)))
+        optimizer(net.parameters())
+    attempt(lambda: sharded(sparsecomm.optim.DeMo))  # full-size momentum of each rank's own gradient
+    attempt(lambda: sharded(sparsecomm.optim.SparseAdamW))
     return seen
 
 

@@ -4,8 +4,8 @@ rules, NaN steps, a GradScaler, bfloat16 models, checkpoints, refusals."""
 
 from __future__ import annotations
 
+import io
 import math
-import pickle
 
 import pytest
 import torch
@@ -38,7 +38,7 @@ def _flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in net.parameters()])
 
 
-def _run(rank, steps=STEPS, poison_at=None, ddp=False, **kw):
+def _run(rank, steps=STEPS, poison_at=None, ddp=False, trace=None, **kw):
     net = _model()
     opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
     if ddp:  # DDP hands each rank its own gradient: DeMo reduces
@@ -56,6 +56,8 @@ def _run(rank, steps=STEPS, poison_at=None, ddp=False, **kw):
             opt.step()
         except sparsecomm.NonFiniteError:
             errors.append(step)
+        if trace is not None:
+            trace.append(_flat(net))
     return net, opt, errors
 
 
@@ -121,14 +123,16 @@ def test_topka_carries_demo_itself(P, update):
     # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
     # allreduce sends every extracted component, so its residual stays zero.
     def body(rank):
-        net, opt, _ = _run(rank, update=update, weight_decay=0.1)
-        return _flat(net), opt.residual.abs().max().item()
+        trace = []
+        net, opt, _ = _run(rank, update=update, weight_decay=0.1, trace=trace)
+        return _flat(net), opt.residual.abs().max().item(), trace
 
     out = sparsecomm.simulate(P, body).results
     expected = _reference(P, update, weight_decay=0.1)
-    for got, leftover in out:
+    for got, leftover, trace in out:
         assert torch.equal(got, out[0][0])  # every replica the same, bit for bit
-        assert leftover == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(trace, out[0][2]))  # and after every step
+        assert len(trace) == STEPS and leftover == 0.0
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -182,6 +186,51 @@ def test_oktopk_carries_the_summed_components_and_loses_nothing(P):
         assert sum(o[1] for o in out).abs().max() > 0  # the global selection did leave something
 
 
+#: Carriers whose selection sends every rank's extracted components at the default density
+#: (each rank's own top-k, or everything): DeMo itself, with nothing left in their residual.
+EXACT_CARRIERS = ("topka", "topkdsa", "dense")
+
+
+@pytest.mark.parametrize("algorithm", sparsecomm.algorithms())
+def test_every_algorithm_carries_the_components_and_loses_nothing(algorithm):
+    # At P = 3 and the default density (room for every rank's components), with the value
+    # update at lr 1: the components every rank extracted equal what moved the model plus what
+    # the allreduce's residuals hold, and every replica is the same after every step.
+    P = 3
+
+    def body(rank):
+        net = _model()
+        start = _flat(net)
+        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", algorithm=algorithm)
+        extracted = torch.zeros(opt.n)
+        real = opt.extract
+
+        def recording(m):
+            q = real(m)
+            extracted.add_(q)
+            return q
+
+        opt.extract = recording
+        trace = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            _backward(net, rank, step)
+            opt.step()
+            trace.append(_flat(net))
+        keep = torch.cat([torch.arange(a, a + p.numel()) for a, p in zip(opt.offsets, opt.params)])
+        residual = torch.zeros(opt.n) if opt.residual is None else opt.residual
+        return opt.to_entries(extracted)[keep], opt.to_entries(residual)[keep], _flat(net) - start, trace
+
+    out = sparsecomm.simulate(P, body).results
+    moved = out[0][2]
+    for _, _, m, trace in out:
+        assert torch.equal(m, moved) and all(torch.equal(a, b) for a, b in zip(trace, out[0][3]))
+    left = sum(o[1] for o in out)
+    torch.testing.assert_close(sum(o[0] for o in out), -P * moved + left, rtol=1e-5, atol=1e-5)
+    if algorithm in EXACT_CARRIERS:
+        assert float(left.abs().max()) == 0.0
+
+
 def test_a_nan_step_is_skipped_on_every_rank_and_training_goes_on():
     def body(rank):
         net, opt, errors = _run(rank, steps=2)
@@ -233,6 +282,43 @@ def test_a_grad_scaler_skips_an_overflow_everywhere():
     torch.testing.assert_close(scaled[0], plain[0])
 
 
+def test_gradients_clipped_after_a_grad_scaler_unscales_them_step_as_clipped_plain_ones():
+    # DeMo allows clipping each rank's own gradient: unscale_, clip, scaler.step must equal
+    # clip and step without a scaler (scaling by a power of two is exact), and the clip bites.
+    clip = 0.05
+
+    def body(rank, scaled):
+        net = _model()
+        # The value update: a gradient unscaled twice, or not at all, would move it.
+        opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, update="value")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
+        norms = []
+        for step in range(3):
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(12, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            if scaled:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+                opt.step()
+        return _flat(net), norms
+
+    plain = sparsecomm.simulate(2, lambda r: body(r, False)).results
+    scaled = sparsecomm.simulate(2, lambda r: body(r, True)).results
+    for (a, norms), (b, scaled_norms) in zip(plain, scaled):
+        assert torch.equal(a, b) and norms == scaled_norms
+        assert min(norms) > 2 * clip  # every step was clipped
+    unclipped = sparsecomm.simulate(2, lambda r: _flat(_run(r, steps=3, update="value")[0])).results
+    assert not torch.equal(unclipped[0], plain[0][0])
+
+
 def _scaled_first_step(rank):
     net = _model()
     opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK)
@@ -265,8 +351,10 @@ def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
 def test_a_checkpoint_resumes_bit_for_bit(update):
     def body(rank):
         net, opt, _ = _run(rank, steps=2, algorithm="oktopk", update=update)
-        saved = pickle.loads(pickle.dumps({"opt": opt.state_dict(),
-                                           "model": {k: v.clone() for k, v in net.state_dict().items()}}))
+        buffer = io.BytesIO()  # through torch.save and torch.load's default (weights_only)
+        torch.save({"opt": opt.state_dict(), "model": net.state_dict()}, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer)
         for step in range(2, STEPS):
             opt.zero_grad()
             _backward(net, rank, step)
