@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-import pickle
+import io
+import math
 
 import pytest
 import torch
@@ -99,6 +100,71 @@ def test_dense_outer_steps_are_diloco(P, outer):
         assert torch.equal(got, out[0])
 
 
+def _sparseloco_reference(P, density, lr):
+    """SparseLoCo by hand (TopkA's selection: each rank's own top-k): every rank adds its
+    pseudo-gradient to its residual, sends the k largest |entries| and keeps the rest; the
+    outer model moves by lr times the average of what was sent."""
+    nets = [_model() for _ in range(P)]
+    inners = [torch.optim.AdamW(n.parameters(), lr=0.01) for n in nets]
+    anchor = _flat(nets[0]).clone()
+    residual = [torch.zeros_like(anchor) for _ in range(P)]
+    k = max(1, math.ceil(density * anchor.numel()))
+    for step in range(STEPS):
+        for r in range(P):
+            _inner_step(nets[r], inners[r], r, step)
+            inners[r].step()
+            inners[r].zero_grad()
+        if (step + 1) % H == 0:
+            total = torch.zeros_like(anchor)
+            for r in range(P):
+                acc = residual[r] + (anchor - _flat(nets[r]))
+                top = torch.topk(acc.abs(), k).indices
+                total[top] += acc[top]
+                acc[top] = 0
+                residual[r] = acc
+            anchor = anchor - lr * total / P
+            for n in nets:
+                torch.nn.utils.vector_to_parameters(anchor.clone(), n.parameters())
+    return anchor, residual
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_sparse_outer_steps_over_topka_are_sparseloco(P):
+    def body(rank):
+        net, outer, _, synced = _run(rank, algorithm="topka", density=0.05, outer_lr=0.8)
+        return _flat(net), outer.residual.clone(), synced
+
+    out = sparsecomm.simulate(P, body).results
+    expected, residuals = _sparseloco_reference(P, 0.05, 0.8)
+    for rank, (got, residual, synced) in enumerate(out):
+        assert len(synced) == STEPS // H and all(torch.equal(a, b) for a, b in zip(synced, out[0][2]))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(residual, residuals[rank], rtol=1e-5, atol=1e-6)
+    assert 0 < (expected != _flat(_model())).sum() < expected.numel()  # sparse: not every entry moved
+
+
+def test_inner_steps_send_nothing():
+    # Between outer steps the ranks do not communicate: not a byte leaves a rank on an inner
+    # step (the first step's check of the replicas is the one collective outside an outer step).
+    def body(rank):
+        comm = sparsecomm.resolve()
+        net = _model()
+        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+        outer = DiLoCo(net, inner, sync_every=H, density=0.1)
+        sent = []
+        for step in range(STEPS):
+            _inner_step(net, inner, rank, step)
+            before = comm.stats.bytes_sent
+            outer.step()
+            inner.zero_grad()
+            sent.append(comm.stats.bytes_sent - before)
+        return sent
+
+    for sent in sparsecomm.simulate(3, body).results:
+        assert all(b > 0 for b in sent[H - 1::H]) and sent[0] > 0  # outer steps, and the first check
+        assert all(b == 0 for i, b in enumerate(sent[1:], 1) if (i + 1) % H), sent
+
+
 @pytest.mark.parametrize("P", [1, 2, 3, 5])
 @pytest.mark.parametrize("algorithm", ["oktopk", "topka"])
 def test_sparse_outer_steps_keep_replicas_equal_and_lose_nothing(P, algorithm):
@@ -139,6 +205,27 @@ def test_a_nan_round_is_discarded_on_every_rank_and_training_goes_on():
         net, outer, errors, synced = _run(rank, poison_at=(1, 4), density=0.1)
         return errors, outer.discarded, outer.outer_steps, _flat(net), synced
 
+    def residual_kept(rank):
+        # What the residual held after the round before the poisoned one is what the discard leaves
+        net = _model()
+        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+        outer = DiLoCo(net, inner, sync_every=H, density=0.1)
+        for step in range(2 * H):
+            _inner_step(net, inner, rank, step, poison=(rank, step) == (1, 4))
+            try:
+                outer.step()
+            except sparsecomm.NonFiniteError:
+                pass
+            inner.zero_grad()
+            if step == H - 1:
+                kept = outer.residual.clone()
+        # Up to one rounding: a refused call takes the pseudo-gradient back out of the residual
+        # it was added to in place (``State.rollback``).
+        return bool(kept.abs().sum() > 0) and outer.discarded == 1 and \
+            torch.allclose(outer.residual, kept, rtol=1e-6, atol=1e-8)
+
+    assert sparsecomm.simulate(2, residual_kept).results == [True, True]
+
     out = sparsecomm.simulate(2, body).results
     for errors, discarded, outer_steps, final, _ in out:
         assert errors == [(5, "NonFiniteError")] and discarded == 1 and outer_steps == 2
@@ -148,11 +235,15 @@ def test_a_nan_round_is_discarded_on_every_rank_and_training_goes_on():
         assert torch.equal(synced[1], synced[0])
 
 
-def test_a_checkpoint_resumes_bit_for_bit():
+@pytest.mark.parametrize("rule", ["nesterov", "sparseloco"])
+def test_a_checkpoint_resumes_bit_for_bit(rule):
     def body(rank):
-        net, outer, _, _ = _run(rank, steps=5, density=0.1, outer="nesterov")
-        saved = pickle.loads(pickle.dumps({"outer": outer.state_dict(), "inner": outer.inner.state_dict(),
-                                           "model": {k: v.clone() for k, v in net.state_dict().items()}}))
+        net, outer, _, _ = _run(rank, steps=5, density=0.1, outer=rule)
+        buffer = io.BytesIO()  # through torch.save and torch.load's default (weights_only)
+        torch.save({"outer": outer.state_dict(), "inner": outer.inner.state_dict(), "model": net.state_dict()},
+                   buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer)
         for step in range(5, STEPS):
             _inner_step(net, outer.inner, rank, step)
             outer.step()
@@ -162,7 +253,7 @@ def test_a_checkpoint_resumes_bit_for_bit():
         again.load_state_dict(saved["model"])
         inner = torch.optim.AdamW(again.parameters(), lr=0.01)
         inner.load_state_dict(saved["inner"])
-        resumed = DiLoCo(again, inner, sync_every=H, density=0.1, outer="nesterov")
+        resumed = DiLoCo(again, inner, sync_every=H, density=0.1, outer=rule)
         resumed.load_state_dict(saved["outer"])
         for step in range(5, STEPS):
             _inner_step(again, inner, rank, step)
