@@ -225,3 +225,37 @@ def test_configuration_names_follow_the_registries():
         with pytest.raises(ValueError, match="unknown configuration"):
             train.config_settings(bad)
     assert train.parse_config("cltk-q8/pipesgd") == ("cltk-q8", "pipesgd")
+
+
+def test_an_evaluation_mid_round_is_of_the_outer_model():
+    # Under DiLoCo the replicas drift between outer steps: `sparsecomm train` evaluates the
+    # synced outer model there (a copy), and the replica itself is left as it was.
+    from types import SimpleNamespace
+
+    from sparsecomm.optim import DiLoCo
+    from sparsecomm.tools.train import _evaluate
+
+    def flat(m):
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+
+    def body(rank):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        inner = torch.optim.SGD(net.parameters(), lr=0.1)
+        outer = DiLoCo(net, inner, sync_every=3, density=0.5)
+        job = SimpleNamespace(evaluate=flat)
+        seen = []
+        for step in range(3):
+            net(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * rank + step))).sum().backward()
+            outer.step()
+            inner.zero_grad()
+            replica = flat(net)
+            seen.append((outer.synced, _evaluate(job, net, outer), outer.anchor.clone(), replica))
+            assert torch.equal(flat(net), replica)  # evaluating moved nothing
+        return seen
+
+    for seen in sparsecomm.simulate(2, body).results:
+        for synced, evaluated, anchor, replica in seen[:2]:
+            assert not synced and torch.equal(evaluated, anchor) and not torch.equal(evaluated, replica)
+        synced, evaluated, anchor, replica = seen[2]
+        assert synced and torch.equal(evaluated, replica) and torch.equal(replica, anchor)
