@@ -151,6 +151,12 @@ def allreduce_cases(rank: int, size: int, comm=None) -> dict[str, torch.Tensor]:
     out["dense/q8/residual"] = st.residual.clone()
     out["dense/q4/avg"] = sparsecomm.allreduce(inputs(rank, n, "gaussian"), algorithm="dense", compressor="q4",
                                                op="avg", comm=comm)
+    for name in ("oktopk", "topka", "dense"):  # float8 values, one scale agreed by every rank
+        st = sparsecomm.registry.get(name).state_class(0.01 if name != "dense" else 1.0, error_feedback=True)
+        for step in range(2):
+            out[f"{name}/fp8/step{step}"] = sparsecomm.allreduce(inputs(rank + step, n, "skewed"), state=st,
+                                                                 compressor="fp8", comm=comm)
+        out[f"{name}/fp8/residual"] = st.residual.clone()
     for name in [a for a in sparsecomm.algorithms() if a not in ("dense", "oktopk")]:
         # (two-level Ok-Topk in nodes of two where it can: G = 2 sums commute, so every engine
         # agrees bit for bit; and never from the launcher's variables, which differ by engine)
