@@ -151,57 +151,17 @@ def test_oktopk_by_default_has_room_for_every_ranks_components(P):
     assert default < 0.25 * one_ranks
 
 
-@pytest.mark.parametrize("P", [1, 2, 3, 5])
-def test_oktopk_carries_the_summed_components_and_loses_nothing(P):
-    # The allreduce's error feedback: what its global selection left stays in each rank's
-    # residual. Summed over ranks and steps, the extracted components equal what moved the
-    # model (value update, lr 1: minus P times the parameters' change) plus the residuals.
+def _conserved_run(P, **kw):
+    """DeMo's value update at lr 1 on P ranks, what every rank extracted recorded.
+
+    Checks the allreduce's error feedback: summed over ranks and steps, the extracted
+    components equal what moved the model (minus P times the parameters' change) plus what
+    the allreduce's residuals hold; and every replica is the same after every step. Returns
+    the residuals' sum, in the parameters' basis."""
     def body(rank):
         net = _model()
         start = _flat(net)
-        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", algorithm="oktopk",
-                   reduce_density=TOPK / CHUNK)  # room for one rank's components: the rest wait
-        extracted = torch.zeros(opt.n)
-        real = opt.extract
-
-        def recording(m):
-            q = real(m)
-            extracted.add_(q)
-            return q
-
-        opt.extract = recording
-        for step in range(STEPS):
-            opt.zero_grad()
-            _backward(net, rank, step)
-            opt.step()
-        keep = torch.cat([torch.arange(a, a + p.numel()) for a, p in zip(opt.offsets, opt.params)])
-        return (opt.to_entries(extracted)[keep], opt.to_entries(opt.residual)[keep], _flat(net) - start)
-
-    out = sparsecomm.simulate(P, body).results
-    moved = out[0][2]
-    for _, _, m in out:
-        assert torch.equal(m, moved)
-    torch.testing.assert_close(sum(o[0] for o in out), -P * moved + sum(o[1] for o in out), rtol=1e-5, atol=1e-5)
-    if P > 1:
-        assert sum(o[1] for o in out).abs().max() > 0  # the global selection did leave something
-
-
-#: Carriers whose selection sends every rank's extracted components at the default density
-#: (each rank's own top-k, or everything): DeMo itself, with nothing left in their residual.
-EXACT_CARRIERS = ("topka", "topkdsa", "dense")
-
-
-@pytest.mark.parametrize("algorithm", sparsecomm.algorithms())
-def test_every_algorithm_carries_the_components_and_loses_nothing(algorithm):
-    # At P = 3 and the default density (room for every rank's components), with the value
-    # update at lr 1: the components every rank extracted equal what moved the model plus what
-    # the allreduce's residuals hold, and every replica is the same after every step.
-    P = 3
-
-    def body(rank):
-        net = _model()
-        start = _flat(net)
-        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", algorithm=algorithm)
+        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", **kw)
         extracted = torch.zeros(opt.n)
         real = opt.extract
 
@@ -227,6 +187,27 @@ def test_every_algorithm_carries_the_components_and_loses_nothing(algorithm):
         assert torch.equal(m, moved) and all(torch.equal(a, b) for a, b in zip(trace, out[0][3]))
     left = sum(o[1] for o in out)
     torch.testing.assert_close(sum(o[0] for o in out), -P * moved + left, rtol=1e-5, atol=1e-5)
+    return left
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_oktopk_carries_the_summed_components_and_loses_nothing(P):
+    # The allreduce's error feedback: with room for one rank's components, what Ok-Topk's
+    # global selection left stays in each rank's residual.
+    left = _conserved_run(P, algorithm="oktopk", reduce_density=TOPK / CHUNK)
+    if P > 1:
+        assert left.abs().max() > 0  # the global selection did leave something
+
+
+#: Carriers whose selection sends every rank's extracted components at the default density
+#: (each rank's own top-k, or everything): DeMo itself, with nothing left in their residual.
+EXACT_CARRIERS = ("topka", "topkdsa", "dense")
+
+
+@pytest.mark.parametrize("algorithm", sparsecomm.algorithms())
+def test_every_algorithm_carries_the_components_and_loses_nothing(algorithm):
+    # At P = 3 and the default density (room for every rank's components).
+    left = _conserved_run(3, algorithm=algorithm)
     if algorithm in EXACT_CARRIERS:
         assert float(left.abs().max()) == 0.0
 

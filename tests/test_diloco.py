@@ -67,26 +67,37 @@ def _run(rank, steps=STEPS, poison_at=None, state=None, ddp=False, **kw):
     return net, outer, errors, synced
 
 
-def _reference(P, outer, lr, mu=0.9):
-    """DiLoCo by hand, dense: the average pseudo-gradient of H AdamW steps per replica."""
+def _rounds(P):
+    """P replicas, each with its AdamW, by hand; yields them after every H inner steps (the
+    caller restarts them from its outer model)."""
     nets = [_model() for _ in range(P)]
     inners = [torch.optim.AdamW(n.parameters(), lr=0.01) for n in nets]
-    anchor = _flat(nets[0]).clone()
-    m = torch.zeros_like(anchor)
     for step in range(STEPS):
         for r in range(P):
             _inner_step(nets[r], inners[r], r, step)
             inners[r].step()
             inners[r].zero_grad()
         if (step + 1) % H == 0:
-            avg = sum(anchor - _flat(n) for n in nets) / P
-            if outer == "nesterov":
-                m = mu * m + avg
-                anchor = anchor - lr * (avg + mu * m)
-            else:
-                anchor = anchor - lr * avg
-            for n in nets:
-                torch.nn.utils.vector_to_parameters(anchor.clone(), n.parameters())
+            yield nets
+
+
+def _restart(nets, anchor):
+    for n in nets:
+        torch.nn.utils.vector_to_parameters(anchor.clone(), n.parameters())
+
+
+def _reference(P, outer, lr, mu=0.9):
+    """DiLoCo by hand, dense: the average pseudo-gradient of H AdamW steps per replica."""
+    anchor = _flat(_model()).clone()
+    m = torch.zeros_like(anchor)
+    for nets in _rounds(P):
+        avg = sum(anchor - _flat(n) for n in nets) / P
+        if outer == "nesterov":
+            m = mu * m + avg
+            anchor = anchor - lr * (avg + mu * m)
+        else:
+            anchor = anchor - lr * avg
+        _restart(nets, anchor)
     return anchor
 
 
@@ -104,27 +115,19 @@ def _sparseloco_reference(P, density, lr):
     """SparseLoCo by hand (TopkA's selection: each rank's own top-k): every rank adds its
     pseudo-gradient to its residual, sends the k largest |entries| and keeps the rest; the
     outer model moves by lr times the average of what was sent."""
-    nets = [_model() for _ in range(P)]
-    inners = [torch.optim.AdamW(n.parameters(), lr=0.01) for n in nets]
-    anchor = _flat(nets[0]).clone()
+    anchor = _flat(_model()).clone()
     residual = [torch.zeros_like(anchor) for _ in range(P)]
     k = max(1, math.ceil(density * anchor.numel()))
-    for step in range(STEPS):
+    for nets in _rounds(P):
+        total = torch.zeros_like(anchor)
         for r in range(P):
-            _inner_step(nets[r], inners[r], r, step)
-            inners[r].step()
-            inners[r].zero_grad()
-        if (step + 1) % H == 0:
-            total = torch.zeros_like(anchor)
-            for r in range(P):
-                acc = residual[r] + (anchor - _flat(nets[r]))
-                top = torch.topk(acc.abs(), k).indices
-                total[top] += acc[top]
-                acc[top] = 0
-                residual[r] = acc
-            anchor = anchor - lr * total / P
-            for n in nets:
-                torch.nn.utils.vector_to_parameters(anchor.clone(), n.parameters())
+            acc = residual[r] + (anchor - _flat(nets[r]))
+            top = torch.topk(acc.abs(), k).indices
+            total[top] += acc[top]
+            acc[top] = 0
+            residual[r] = acc
+        anchor = anchor - lr * total / P
+        _restart(nets, anchor)
     return anchor, residual
 
 
