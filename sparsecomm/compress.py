@@ -54,8 +54,8 @@ import torch
 from . import kernels
 from .comm.base import Communicator
 
-__all__ = ["Compressor", "Cast", "Truncate16", "MaxScaled", "Quantize", "Float8", "Divided", "Encoded", "get_compressor",
-           "COMPRESSORS", "register_compressor", "pack_bits", "unpack_bits"]
+__all__ = ["Compressor", "Cast", "Truncate16", "MaxScaled", "Quantize", "Float8", "Divided", "Encoded",
+           "get_compressor", "COMPRESSORS", "register_compressor", "pack_bits", "unpack_bits"]
 
 
 @dataclass
