@@ -36,7 +36,7 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.
 ddp_model = DDP(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_fn = torch.nn.functional.cross_entropy
-data = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(4)]
+data = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(10)]   # two DiLoCo rounds
 x, y = data[0]
 loss = loss_fn(model(x), y)
 scaler = torch.amp.GradScaler("cpu")
