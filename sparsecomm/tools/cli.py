@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--configs", type=at.comma_list(at.checked_by(train.parse_config, "configuration")),
                     default=None,
                     help="comma-separated: dense (DDP's own allreduce) or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo|"
-                         "-sparseadamw], e.g. oktopk (SGD: the DDP hook; AdamW: decoupled momentum, DeMo, the "
-                         "recommended method), topka-q8, dense-q8, oktopk-hook (the hook under AdamW too), "
+                         "-sparseadamw], e.g. oktopk (SGD: the DDP hook; AdamW: the recommended method, "
+                         "decoupled momentum with the rms rule), topka-q8, dense-q8, oktopk-hook (the hook under AdamW too), "
                          "oktopk-diloco (outer steps every --sync-every steps; dense-diloco: DiLoCo), topka-demo "
                          "(DeMo itself), oktopk-sparseadamw (SparseAdamW) "
                          f"(default: {','.join(train.QUICK_CONFIGS)}; "
@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the full comparison: every configuration, 30 epochs (digits: about 5 minutes on "
                          "2 cores); --configs and --epochs still choose")
     tr.add_argument("--lr", type=at.positive_float, default=None,
-                    help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW; DeMo, what a sparse "
-                         "configuration runs under AdamW: half of it)")
+                    help="default: the task's (digits 0.05 SGD, lm 2e-3 AdamW; -demo, DeMo's sign "
+                         "rule: half of it)")
     tr.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: the task's (digits: SGD with momentum, lm: AdamW)")
     tr.add_argument("--momentum", type=at.float_in(0.0, 1.0, hi_open=True), default=0.9,

@@ -46,7 +46,8 @@ from . import output
 from .launch import preload, spawn
 from .tasks import get_task
 
-__all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "OWN_METHODS", "DEMO_LR_SCALE", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
+__all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "OWN_METHODS",
+           "RECOMMENDED_DEMO", "DEMO_LR_SCALE", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
            "train_rank", "run",
            "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
            "format_results", "plot"]
@@ -68,10 +69,18 @@ QUICK_EPOCHS = {"digits": 10, "lm": 2}
 DENSITY = 0.01
 #: The configuration suffixes that name an optimizer communicating itself (no schedule, no hook).
 OWN_METHODS = ("diloco", "demo", "sparseadamw")
-#: DeMo's rate without ``--lr``, as a share of the task's AdamW rate: its sign step moves every
-#: entry by the whole rate (AdamW's by less). On the LM at 800 steps half the rate ended 1.11x
-#: dense's loss where the whole rate ended 1.16x and a quarter 1.26x (results.md section 8).
-DEMO_LR_SCALE = 0.5
+#: What a plain sparse configuration runs under AdamW, the recommended method: DeMo with the
+#: ``"rms"`` update rule (the algorithm carrying the components). On the LM at 800 steps it ended
+#: 1.058x and 0.960x dense's loss (seeds 0 and 1) where DeMo's own sign rule ended 1.112x and
+#: 1.055x at its best rate (results.md section 8). A ``-demo`` configuration is DeMo as
+#: published, the sign rule; ``demo_options`` override either.
+RECOMMENDED_DEMO = {"update": "rms"}
+#: DeMo's rate without ``--lr``, as a share of the task's AdamW rate, by update rule. The sign
+#: step moves every entry by the whole rate (AdamW's by less): half the rate was its best on the
+#: LM at 800 steps (1.11x, where the whole rate ended 1.16x and a quarter 1.26x). The rms rule
+#: is at Adam's scale: the whole rate. The value rule's rate is in the gradient's units (0.1 on
+#: the LM): pass one.
+DEMO_LR_SCALE = {"sign": 0.5, "rms": 1.0, "value": 1.0}
 
 
 def config_settings(config: str) -> dict | None:
@@ -162,16 +171,19 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     steps before the sparse ones (DGC's warm-up); with Pipe-SGD, so many
     synchronous steps before the pipelined ones (the paper's warm-up).
 
-    With AdamW, a sparse configuration (not ``*-hook``) without a schedule trains with
-    :class:`sparsecomm.optim.SparseAdamW` (DDP then communicates nothing:
-    ``local_gradient_hook``); ``warmup_steps`` (default 10) are its dense steps and
-    ``adamw_options`` its other keyword arguments. The metric is also evaluated every
+    With AdamW, a plain sparse configuration (not ``*-hook``) without a schedule trains with
+    the recommended method, :class:`sparsecomm.optim.DeMo` with :data:`RECOMMENDED_DEMO` (DDP
+    then communicates nothing: ``local_gradient_hook``). A ``-sparseadamw`` configuration trains
+    with :class:`sparsecomm.optim.SparseAdamW`: ``warmup_steps`` (default 10) are its dense steps
+    and ``adamw_options`` its other keyword arguments. The metric is also evaluated every
     ``eval_every`` steps (``curve``: the step, the metric, and the modelled communication
     seconds so far on each profile of :data:`CURVE_PROFILES`). A ``-diloco`` configuration
     takes :class:`~sparsecomm.optim.DiLoCo`'s keyword arguments from ``diloco_options``
     (``sync_every`` default 10); it is evaluated on the outer model. A ``-demo`` configuration
-    trains with :class:`~sparsecomm.optim.DeMo` in place of the task's optimizer (its learning
-    rate and weight decay), with ``demo_options`` its other keyword arguments.
+    trains with :class:`~sparsecomm.optim.DeMo` as published (the sign rule) in place of the
+    task's optimizer (its weight decay; without ``lr``, the task's rate times
+    :data:`DEMO_LR_SCALE` of the update rule), with ``demo_options`` its other keyword arguments;
+    the record's ``demo_options`` are the ones it ran with.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
@@ -211,11 +223,13 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 compressor=settings.get("compressor"), min_bucket_elements=0,
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
-    if demo:
-        opt = DeMo(model.parameters(), lr=job.lr * DEMO_LR_SCALE if lr is None else lr,
+    if demo:  # the recommendation, or (-demo) DeMo as published
+        demo_options = {**(RECOMMENDED_DEMO if own is None else {"update": "sign"}), **(demo_options or {})}
+        scale = DEMO_LR_SCALE.get(demo_options["update"], 1.0)  # an unknown rule: DeMo says so
+        opt = DeMo(model.parameters(), lr=job.lr * scale if lr is None else lr,
                    algorithm=settings["algorithm"], compressor=settings.get("compressor"),
                    density=settings["density"],
-                   weight_decay=job.adamw_settings["weight_decay"], **(demo_options or {}))
+                   weight_decay=job.adamw_settings["weight_decay"], **demo_options)
     elif not sparse_adamw:
         opt = job.optimizer(model.parameters(), job.lr if lr is None else lr, optimizer, momentum)
     outer = None
