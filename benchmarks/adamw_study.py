@@ -80,9 +80,10 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-sign-fp8": ("topka-fp8-demo", {"chunk": 64, "topk": 1}),
     "demo-sign-fp8-k2": ("topka-fp8-demo", {"chunk": 64, "topk": 2}),
     "demo-oktopk-fp8-x4": ("oktopk-fp8-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64}),
-    # The rms rule at under 2.5% of dense's bytes: float8 components over TopkA, one of 64 or of 128.
+    # The rms rule at under 2.5% of dense's bytes: float8 components over TopkA, one of 64, 80 or 128.
     "demo-rms-fp8": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms"}),
     "demo-rms-fp8-c128": ("topka-fp8-demo", {"chunk": 128, "topk": 1, "update": "rms"}),
+    "demo-rms-fp8-c80": ("topka-fp8-demo", {"chunk": 80, "topk": 1, "update": "rms"}),  # under 2% of the bytes
     "demo-oktopk-rms-fp8-x4": ("oktopk-fp8-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64,
                                                     "update": "rms"}),
     # Dense outer steps at the bytes of DeMo over Ok-Topk (about 1/17 of dense's a step).
