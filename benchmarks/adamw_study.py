@@ -84,6 +84,7 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-rms-fp8": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms"}),
     "demo-rms-fp8-c128": ("topka-fp8-demo", {"chunk": 128, "topk": 1, "update": "rms"}),
     "demo-rms-fp8-c80": ("topka-fp8-demo", {"chunk": 80, "topk": 1, "update": "rms"}),  # under 2% of the bytes
+    "demo-rms-fp8-k2": ("topka-fp8-demo", {"chunk": 64, "topk": 2, "update": "rms"}),  # twice the components
     "demo-oktopk-rms-fp8-x4": ("oktopk-fp8-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64,
                                                     "update": "rms"}),
     # Dense outer steps at the bytes of DeMo over Ok-Topk (about 1/17 of dense's a step).
