@@ -89,9 +89,9 @@ def config_settings(config: str) -> dict | None:
     "dense", or ALGORITHM[-COMPRESSOR][-hook|-diloco|-demo|-sparseadamw] for any registered
     algorithm and compressor: a sparse algorithm at density 1% (``oktopk``, ``topka-q8``), dense
     with a compressor (``dense-q8``). Under SGD a sparse configuration is the DDP hook; under
-    AdamW it trains with the recommended AdamW method, decoupled momentum
-    (:class:`sparsecomm.optim.DeMo` in place of AdamW, the algorithm carrying the components;
-    measured in ``docs/results.md`` section 8). The suffixes name one method whatever the
+    AdamW it trains with the recommended AdamW method, decoupled momentum with the rms rule
+    (:class:`sparsecomm.optim.DeMo` in place of AdamW, :data:`RECOMMENDED_DEMO`, the algorithm
+    carrying the components; measured in ``docs/results.md`` section 8). The suffixes name one method whatever the
     optimizer: ``-hook`` the DDP hook in front of the task's own optimizer (under AdamW: error
     feedback on the gradient, then torch's AdamW, the naive path); ``-diloco`` low-communication
     training, the task's optimizer for ``sync_every`` steps a round without communication, then
@@ -199,7 +199,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
     if own and schedule != "none":
         raise ValueError(f"a -{own} configuration runs without a schedule")
     diloco, sparse_adamw = own == "diloco", own == "sparseadamw"
-    # Under AdamW a plain sparse configuration runs the recommended method, DeMo.
+    # Under AdamW a plain sparse configuration runs the recommended method, DeMo's rms rule.
     demo = own == "demo" or (kind == "adamw" and settings is not None and own is None and schedule == "none"
                              and not settings.get("hook") and settings["algorithm"] != "dense")
     plain = job.model(seed)
