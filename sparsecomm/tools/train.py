@@ -47,7 +47,7 @@ from .launch import preload, spawn
 from .tasks import get_task
 
 __all__ = ["FULL_CONFIGS", "QUICK_CONFIGS", "QUICK_EPOCHS", "FULL_EPOCHS", "config_settings", "OWN_METHODS",
-           "RECOMMENDED_DEMO", "DEMO_LR_SCALE", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
+           "RECOMMENDED_DEMO", "PUBLISHED_DEMO", "DEMO_LR_SCALE", "CURVE_PROFILES", "SCHEDULES", "parse_config", "check_warmup",
            "train_rank", "run",
            "measure_compute", "measure_local_cost", "time_to_accuracy", "format_time_to_accuracy",
            "format_results", "plot"]
@@ -75,6 +75,8 @@ OWN_METHODS = ("diloco", "demo", "sparseadamw")
 #: 1.055x at its best rate (results.md section 8). A ``-demo`` configuration is DeMo as
 #: published, the sign rule; ``demo_options`` override either.
 RECOMMENDED_DEMO = {"update": "rms"}
+#: What a ``-demo`` configuration runs: DeMo as published, the sign rule.
+PUBLISHED_DEMO = {"update": "sign"}
 #: DeMo's rate without ``--lr``, as a share of the task's AdamW rate, by update rule. The sign
 #: step moves every entry by the whole rate (AdamW's by less): half the rate was its best on the
 #: LM at 800 steps (1.11x, where the whole rate ended 1.16x and a quarter 1.26x). The rms rule
@@ -224,7 +226,7 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                                 algorithm_options=options, warmup_steps=warmup_steps)
         model.register_comm_hook(state, sparse_allreduce_hook)
     if demo:  # the recommendation, or (-demo) DeMo as published
-        demo_options = {**(RECOMMENDED_DEMO if own is None else {"update": "sign"}), **(demo_options or {})}
+        demo_options = {**(RECOMMENDED_DEMO if own is None else PUBLISHED_DEMO), **(demo_options or {})}
         scale = DEMO_LR_SCALE.get(demo_options["update"], 1.0)  # an unknown rule: DeMo says so
         opt = DeMo(model.parameters(), lr=job.lr * scale if lr is None else lr,
                    algorithm=settings["algorithm"], compressor=settings.get("compressor"),
