@@ -191,8 +191,36 @@ def write_table(runs: list[dict], path: str) -> None:
                     cells.append("never" if t is None else f"{t:.1f} ({t / base:.2f}x)")
             lines.append(f"| {r['approach']} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += across_seeds(runs)
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def across_seeds(runs: list[dict]) -> list[str]:
+    """study.md's last table: each approach run on two seeds or more, its final metric against
+    dense's of the same seed, seed by seed, their mean, and its mean metric against dense's mean
+    (one seed's luck moves a ratio; the means show what stays)."""
+    ok = [r for r in runs if "failed" not in r]
+    dense = {r["seed"]: r for r in ok if r["approach"] == "dense"}
+    by_name: dict[str, dict[int, dict]] = {}
+    for r in ok:
+        if r["seed"] in dense:
+            by_name.setdefault(r["approach"], {})[r["seed"]] = r
+    rows = {name: seeds for name, seeds in by_name.items() if len(seeds) > 1 and name != "dense"}
+    if not rows:
+        return []
+    metric = next(iter(dense.values()))["metric"]
+    lines = ["## across seeds", "", f"Final {metric} ÷ dense's of the same seed; the mean of those ratios; the "
+             f"mean {metric} ÷ dense's mean over the same seeds.", "",
+             "| approach | seeds | ÷ dense, seed by seed | mean of the ratios | mean ÷ dense's mean |",
+             "|---|---|---|---|---|"]
+    for name, seeds in rows.items():
+        ks = sorted(seeds)
+        ratios = [seeds[s][metric][-1] / dense[s][metric][-1] for s in ks]
+        mean = sum(seeds[s][metric][-1] for s in ks) / sum(dense[s][metric][-1] for s in ks)
+        lines.append(f"| {name} | {', '.join(map(str, ks))} | {' / '.join(f'{x:.3f}' for x in ratios)} | "
+                     f"{sum(ratios) / len(ratios):.3f} | {mean:.3f} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
