@@ -38,6 +38,7 @@ from ..api import allreduce
 from ..comm import resolve
 from ..comm.sim import single_rank
 from ..compress import COMPRESSORS
+from ..errors import NonFiniteError
 from ..hooks import SparseHookState, sparse_allreduce_hook
 from ..network import PROFILES, resolve_network
 from ..optim import DeMo, DiLoCo, SparseAdamW, local_gradient_hook
@@ -268,18 +269,22 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
             # Before forward: schedules start allreduces during backward (DeAR also in forward).
             before = sched_comm.engine.comm.stats.snapshot() if sched_comm is not None else None
             opt.zero_grad()
-            loss = job.loss(model, x, y)
-            loss.backward()
-            if outer is not None:
-                before = own_comm.stats.snapshot()
-                outer.step()
-            elif demo:
-                before = own_comm.stats.snapshot()
-                opt.step()
-            elif sched_comm is None:
-                opt.step()
-            else:
-                sched_comm.step()  # waits for this step's allreduces (Pipe-SGD: the last step's)
+            try:
+                loss = job.loss(model, x, y)
+                loss.backward()
+                if outer is not None:
+                    before = own_comm.stats.snapshot()
+                    outer.step()
+                elif demo:
+                    before = own_comm.stats.snapshot()
+                    opt.step()
+                elif sched_comm is None:
+                    opt.step()
+                else:
+                    sched_comm.step()  # waits for this step's allreduces (Pipe-SGD: the last step's)
+            except NonFiniteError as exc:  # every rank raises it alike: the run diverged, say where
+                raise NonFiniteError(f"{label} diverged at step {step + 1} (a gradient held NaN or Inf on "
+                                     f"rank(s) {exc.ranks}); a lower --lr may train", exc.ranks) from exc
             sched.step()
             wall = time.perf_counter() - t0
             if sparse_adamw:
@@ -322,6 +327,10 @@ def train_rank(rank: int, size: int, config: str, epochs: int = 30, batch: int =
                     curve[name].append(on_curve[name])
         if sched_comm is not None:
             sched_comm.finish()  # evaluate with every update applied (Pipe-SGD's last, DeAR's pending)
+        ruined = _nonfinite_ranks(plain, rank, size)
+        if ruined:  # DDP's own allreduce checks nothing: a run that diverged would go on, scored on NaN
+            raise NonFiniteError(f"{label} diverged by step {step}: the parameters hold NaN or Inf on rank(s) "
+                                 f"{ruined}; a lower --lr may train", ruined)
         score = _evaluate(job, plain, outer) if rank == 0 else math.nan  # rank 0's record is the one returned
         history["loss"].append(total_loss / steps_per_epoch)
         history[job.metric].append(score)
@@ -382,6 +391,14 @@ def measure_compute(task: str = "digits", batch: int = 16, optimizer: str | None
         if i >= 2:  # the first steps allocate
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def _nonfinite_ranks(model: torch.nn.Module, rank: int, size: int) -> list[int]:
+    """The ranks whose parameters hold NaN or Inf (collective: every rank gets the same list)."""
+    flags = torch.zeros(size, dtype=torch.int32)
+    flags[rank] = int(not all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+    dist.all_reduce(flags)
+    return torch.nonzero(flags).flatten().tolist()
 
 
 def measure_local_cost(config: str, n: int, calls: int = 10, seed: int = 0) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -206,6 +207,21 @@ def test_adamw_training_takes_demo_and_each_suffix_its_own_method(tmp_path):
     # Dense reaches its own final metric by its last evaluation (earlier if it got there before).
     assert rows[0]["1.00x"]["step"] <= steps - steps % 10 and rows[0]["1.00x"]["1gbe"] > 0
     train.plot(results, str(tmp_path / "train.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("config, where", [("dense", "by step 44: the parameters"),
+                                           ("oktopk", "at step 2 (a gradient"),
+                                           ("oktopk-hook", "at step 2 (a gradient")])
+def test_a_diverging_run_says_where_on_every_path(config, where):
+    from sparsecomm.tools import train
+
+    # A rate no model survives: DeMo and the hook refuse the NaN at once (every rank alike);
+    # dense's DDP allreduce checks nothing, so the epoch's end looks at the parameters.
+    said = rf"(?s){config} diverged {re.escape(where)}.*on rank\(s\) \[0, 1\]\)?; a lower --lr"
+    with pytest.raises(Exception, match=said):
+        train.run([config], ranks=2, epochs=1, optimizer="adamw", lr=1e37)
 
 
 def test_configuration_names_follow_the_registries():
