@@ -87,6 +87,9 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     "demo-rms-fp8-k2": ("topka-fp8-demo", {"chunk": 64, "topk": 2, "update": "rms"}),  # twice the components
     "demo-oktopk-rms-fp8-x4": ("oktopk-fp8-demo", {"chunk": 64, "topk": 1, "reduce_density": 4 / 64,
                                                     "update": "rms"}),
+    # The same with a momentum that forgets in ~100 steps, or a step scale that remembers ~100.
+    "demo-rms-fp8-decay0.99": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms", "decay": 0.99}),
+    "demo-rms-fp8-v0.99": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms", "variance_decay": 0.99}),
     # Dense outer steps at the bytes of DeMo over Ok-Topk (about 1/17 of dense's a step).
     "average-h16": ("dense-diloco", {"sync_every": 16, "outer": "sparseloco"}),
 }
