@@ -90,6 +90,11 @@ APPROACHES: dict[str, tuple[str, dict | None]] = {
     # The same with a momentum that forgets in ~100 steps, or a step scale that remembers ~100.
     "demo-rms-fp8-decay0.99": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms", "decay": 0.99}),
     "demo-rms-fp8-v0.99": ("topka-fp8-demo", {"chunk": 64, "topk": 1, "update": "rms", "variance_decay": 0.99}),
+    # 2-D tiles (the published method's cut): one component of each 8 x 8 tile (the bytes of
+    # one of 64), 64 of each 64 x 64 tile (the same), 32 of each (the published setting, half).
+    "demo-rms-fp8-t8x8": ("topka-fp8-demo", {"chunk": (8, 8), "topk": 1, "update": "rms"}),
+    "demo-rms-fp8-t64-k64": ("topka-fp8-demo", {"chunk": (64, 64), "topk": 64, "update": "rms"}),
+    "demo-rms-fp8-t64-k32": ("topka-fp8-demo", {"chunk": (64, 64), "topk": 32, "update": "rms"}),
     # Dense outer steps at the bytes of DeMo over Ok-Topk (about 1/17 of dense's a step).
     "average-h16": ("dense-diloco", {"sync_every": 16, "outer": "sparseloco"}),
 }

@@ -38,10 +38,14 @@ Two error-feedback rules meet here, and they are different things:
   estimates; with less, it is a different method, whose leftovers wait in the allreduce's
   residual without decaying.
 
-Chunks are 1-D runs of each parameter's flattened entries (row-major: along the input
-dimension of a Linear weight), each parameter padded to a whole number of chunks; the
-published method tiles matrices in 2-D. Memory, full size on every rank: the momentum
-(float32, padded), the allreduce's residual, and with ``update="rms"`` v.
+Chunks are 1-D runs of each parameter's flattened entries (``chunk=64``: row-major, along the
+input dimension of a Linear weight), or 2-D tiles (``chunk=(h, w)``, as the published method
+cuts matrices): a parameter of two dimensions or more, seen as (its first dimension, the
+rest), whose sides divide by h and w is cut into h x w tiles, each transformed by the DCT of
+its rows and of its columns (D_h X D_w^T: the 2-D DCT-II); any other parameter is cut into
+runs of h * w entries, each folded row-major into h x w and transformed alike. Every
+parameter is padded to a whole number of chunks. Memory, full size on every rank: the
+momentum (float32, padded), the allreduce's residual, and with ``update="rms"`` v.
 """
 
 from __future__ import annotations
@@ -78,6 +82,42 @@ def dct_matrix(size: int, dtype: torch.dtype = torch.float32, device: Any = None
     return d.to(dtype=dtype, device=device)
 
 
+def _tile(chunk: Any) -> tuple[int, int]:
+    """(h, w) of a chunk: ``(1, chunk)`` for an integer, the pair itself for a pair (ValueError otherwise)."""
+    sides = chunk if isinstance(chunk, (tuple, list)) and len(chunk) == 2 else (1, chunk)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sides):
+        raise ValueError(f"DeMo: chunk must be an integer >= 1 or a pair (h, w) of them, got {chunk!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def _shown(tile: tuple[int, int]) -> str:
+    return str(tile[1]) if tile[0] == 1 else f"{tile[0]} x {tile[1]}"
+
+
+def _tileable(shape: torch.Size, tile: tuple[int, int]) -> bool:
+    """Whether a parameter of ``shape`` is cut into 2-D tiles: two dimensions or more, seen as
+    (the first, the rest), each side a multiple of the tile's (a 1-D chunk needs no tiling)."""
+    h, w = tile
+    if h == 1 or len(shape) < 2:
+        return False
+    rows = shape[0]
+    return rows % h == 0 and (math.prod(shape) // rows) % w == 0
+
+
+def _to_chunks(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """A tileable tensor's entries tile by tile, each tile row-major (flat)."""
+    h, w = tile
+    rows = t.shape[0]
+    return t.reshape(rows // h, h, -1, w).permute(0, 2, 1, 3).reshape(-1)
+
+
+def _from_chunks(flat: torch.Tensor, shape: torch.Size, tile: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`_to_chunks`: the tensor of ``shape`` whose tiles ``flat`` lists."""
+    h, w = tile
+    rows = shape[0]
+    return flat.view(rows // h, -1, h, w).permute(0, 2, 1, 3).reshape(shape)
+
+
 class DeMo(torch.optim.Optimizer):
     """Decoupled momentum over the sparse allreduce (see the module docstring).
 
@@ -87,8 +127,8 @@ class DeMo(torch.optim.Optimizer):
             of a digest).
         lr, weight_decay: the step (sign units with ``update="sign"``) and decoupled decay.
         decay: the momentum's decay (DeMo's 0.999).
-        chunk: entries of a chunk (the DCT's length).
-        topk: components a chunk sends each step (None: ``max(1, round(density * chunk))``).
+        chunk: entries of a chunk (the DCT's length), or ``(h, w)``: 2-D tiles of h x w entries.
+        topk: components a chunk sends each step (None: ``max(1, round(density * h * w))``).
         density: used only to derive ``topk`` when it is None.
         update: ``"sign"`` (the method's), ``"value"`` or ``"rms"`` (:data:`UPDATE_RULES`).
         variance_decay, eps: ``"rms"``'s running mean of the squared step and its floor.
@@ -114,7 +154,7 @@ class DeMo(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler calls step() always; the ranks decide together
 
-    def __init__(self, params: Any, lr: float = 1e-3, *, decay: float = 0.999, chunk: int = 64,
+    def __init__(self, params: Any, lr: float = 1e-3, *, decay: float = 0.999, chunk: int | tuple[int, int] = 64,
                  topk: int | None = None, density: float = 0.01, reduce_density: float | None = None,
                  update: str = "sign", variance_decay: float = 0.95, eps: float = 1e-8,
                  weight_decay: float = 0.0, algorithm: str = "topka", compressor: Any = None,
@@ -124,8 +164,8 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"DeMo: lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
         if not 0 <= decay < 1:
             raise ValueError(f"DeMo: decay must lie in [0, 1), got {decay}")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"DeMo: chunk must be an integer >= 1, got {chunk!r}")
+        tile = _tile(chunk)
+        chunk = tile[0] * tile[1]
         if topk is None:
             topk = max(1, round(check_density(density) * chunk))
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= chunk:
@@ -139,7 +179,7 @@ class DeMo(torch.optim.Optimizer):
         if not self.params:
             raise ValueError("DeMo: no parameter requires a gradient")
         refuse_sharded(self.params, "DeMo")
-        self.decay, self.chunk, self.topk, self.update = float(decay), chunk, topk, update
+        self.decay, self.chunk, self.tile, self.topk, self.update = float(decay), chunk, tile, topk, update
         self.variance_decay, self.eps = float(variance_decay), float(eps)
         self.compressor, self.group, self.comm = compressor, group, comm
         if reduce_density is None:  # room for what every rank extracted (a global k: P ranks' worth)
@@ -155,10 +195,14 @@ class DeMo(torch.optim.Optimizer):
             self.offsets.append(self.offsets[-1] + math.ceil(p.numel() / chunk) * chunk)
         self.n = self.offsets[-1]
         self._start = {id(p): at for p, at in zip(self.params, self.offsets)}  # a parameter's place
+        #: Per parameter: whether it is cut into 2-D tiles (else into runs, folded).
+        self.tiled = [_tileable(p.shape, tile) for p in self.params]
+        self._tiled = {id(p): t for p, t in zip(self.params, self.tiled)}
         self.momentum = torch.zeros(self.n, dtype=torch.float32, device=device)
         #: ``"rms"``'s running mean of the squared step (the same on every rank); None otherwise.
         self.variance = torch.zeros(self.n, dtype=torch.float32, device=device) if update == "rms" else None
-        self.basis = dct_matrix(chunk, torch.float32, device)
+        self.basis = dct_matrix(tile[1], torch.float32, device)  # along each row of a chunk (a 1-D one: all)
+        self.basis_rows = dct_matrix(tile[0], torch.float32, device)  # down each column of a 2-D tile
         self.sparse_state: State = self._maker.new(self.n, torch.float32, device, self._comm())
         self.steps = 0
         self.skipped = 0  # steps skipped for a NaN/Inf on some rank
@@ -171,9 +215,9 @@ class DeMo(torch.optim.Optimizer):
         """This rank's gradients in the padded layout (float32; zeros for a parameter without
         one and in the padding), unscaled when a GradScaler left them scaled."""
         flat = torch.zeros(self.n, dtype=torch.float32, device=self.momentum.device)
-        for p, start in zip(self.params, self.offsets):
+        for p, start, tiled in zip(self.params, self.offsets, self.tiled):
             if p.grad is not None:
-                flat[start:start + p.numel()] = p.grad.reshape(-1)
+                flat[start:start + p.numel()] = _to_chunks(p.grad, self.tile) if tiled else p.grad.reshape(-1)
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
             flat.div_(scale.to(flat.device))
@@ -182,13 +226,20 @@ class DeMo(torch.optim.Optimizer):
     def extract(self, m: torch.Tensor) -> torch.Tensor:
         """The fast components of ``m``: per chunk the ``topk`` largest |DCT coefficients|,
         the others zero (flat, in the coefficient basis). NaN counts as the largest."""
-        coeffs = m.view(-1, self.chunk) @ self.basis.T
+        h, w = self.tile
+        if h == 1:
+            coeffs = m.view(-1, w) @ self.basis.T
+        else:  # D_h X D_w^T, tile by tile, flattened row-major
+            coeffs = (self.basis_rows @ m.view(-1, h, w) @ self.basis.T).reshape(-1, h * w)
         keep = coeffs.abs().topk(self.topk, dim=1).indices
         return torch.zeros_like(coeffs).scatter_(1, keep, coeffs.gather(1, keep)).reshape(-1)
 
     def to_entries(self, coeffs: torch.Tensor) -> torch.Tensor:
         """The inverse DCT of flat coefficients, chunk by chunk (flat, padded layout)."""
-        return (coeffs.view(-1, self.chunk) @ self.basis).reshape(-1)
+        h, w = self.tile
+        if h == 1:
+            return (coeffs.view(-1, w) @ self.basis).reshape(-1)
+        return (self.basis_rows.T @ coeffs.view(-1, h, w) @ self.basis).reshape(-1)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -226,7 +277,9 @@ class DeMo(torch.optim.Optimizer):
                 at = self._start[id(p)]
                 if g["weight_decay"]:
                     p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(direction[at:at + p.numel()].view_as(p).to(p.dtype), alpha=-g["lr"])
+                part = direction[at:at + p.numel()]
+                part = _from_chunks(part, p.shape, self.tile) if self._tiled[id(p)] else part.view_as(p)
+                p.add_(part.to(p.dtype), alpha=-g["lr"])
         self.steps += 1
         return loss
 
@@ -241,16 +294,17 @@ class DeMo(torch.optim.Optimizer):
                 "momentum": self.momentum.clone(),
                 "variance": None if self.variance is None else self.variance.clone(),
                 "sparse_state": snapshot(self.sparse_state), "steps": self.steps,
-                "skipped": self.skipped, "n": self.n, "chunk": self.chunk}
+                "skipped": self.skipped, "n": self.n, "chunk": self.chunk, "tile": self.tile}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict` of the same parameters and chunk (ValueError otherwise;
         this optimizer's other settings win)."""
-        if (state_dict.get("n"), state_dict.get("chunk")) != (self.n, self.chunk) or \
+        tile = tuple(state_dict.get("tile", (1, state_dict.get("chunk"))))
+        if (state_dict.get("n"), tile) != (self.n, self.tile) or \
                 len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(f"DeMo.load_state_dict: a state of {state_dict.get('n')} entries in chunks of "
-                             f"{state_dict.get('chunk')} over {len(state_dict['param_groups'])} groups; this "
-                             f"optimizer has {self.n} in chunks of {self.chunk} over {len(self.param_groups)}")
+                             f"{_shown(tile)} over {len(state_dict['param_groups'])} groups; this optimizer has "
+                             f"{self.n} in chunks of {_shown(self.tile)} over {len(self.param_groups)}")
         if self.variance is not None and state_dict.get("variance") is None:
             raise ValueError('DeMo.load_state_dict: this optimizer\'s update="rms" needs the running mean '
                              'of the squared step; the state was saved under another rule')

@@ -38,9 +38,9 @@ def _flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in net.parameters()])
 
 
-def _run(rank, steps=STEPS, poison_at=None, ddp=False, trace=None, **kw):
+def _run(rank, steps=STEPS, poison_at=None, ddp=False, trace=None, chunk=CHUNK, **kw):
     net = _model()
-    opt = DeMo(net.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
+    opt = DeMo(net.parameters(), lr=0.01, chunk=chunk, topk=TOPK, **kw)
     if ddp:  # DDP hands each rank its own gradient: DeMo reduces
         from torch.nn.parallel import DistributedDataParallel
 
@@ -67,33 +67,62 @@ def _cosines(size: int) -> list[list[float]]:
              for i in range(size)] for k in range(size)]
 
 
-def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0, variance_decay=0.95, eps=1e-8):
-    """DeMo by hand (float64): every rank's momentum, its top components per chunk, their
-    average gathered from every rank, the sign (or value, or value over the root of its
-    bias-corrected running mean square) step on the one shared model."""
+def _chunk_order(net, tile) -> list[list[int]]:
+    """Per parameter, the flat index of each entry of its chunks, chunk by chunk, each row-major
+    (-1: padding), written out: 2-D tiles where the parameter, seen as (its first dimension, the
+    rest), divides into h x w tiles; runs of h * w entries otherwise."""
+    h, w = tile
+    orders = []
+    for p in net.parameters():
+        rows = p.shape[0]
+        cols = p.numel() // rows
+        if h > 1 and p.dim() >= 2 and rows % h == 0 and cols % w == 0:
+            orders.append([(tr * h + i) * cols + tc * w + j for tr in range(rows // h) for tc in range(cols // w)
+                           for i in range(h) for j in range(w)])
+        else:
+            padded = math.ceil(p.numel() / (h * w)) * h * w
+            orders.append([i if i < p.numel() else -1 for i in range(padded)])
+    return orders
+
+
+def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0, variance_decay=0.95, eps=1e-8,
+               tile=(1, CHUNK)):
+    """DeMo by hand (float64): every rank's momentum, its top components per chunk (the DCT of
+    a chunk's rows and of its columns: D_h X D_w^T), their average gathered from every rank,
+    the sign (or value, or value over the root of its bias-corrected running mean square) step
+    on the one shared model."""
     net = _model()
-    cos = torch.tensor(_cosines(CHUNK), dtype=torch.float64)
-    sizes = [p.numel() for p in net.parameters()]
-    padded = [math.ceil(n / CHUNK) * CHUNK for n in sizes]
-    momenta = [torch.zeros(sum(padded), dtype=torch.float64) for _ in range(P)]
-    mean_square = torch.zeros(sum(padded), dtype=torch.float64)
+    h, w = tile
+    cos_h, cos_w = (torch.tensor(_cosines(side), dtype=torch.float64) for side in tile)
+    orders = _chunk_order(net, tile)
+    length = sum(len(o) for o in orders)
+
+    def laid_out(tensors):
+        return torch.tensor([float(t.reshape(-1)[i]) if i >= 0 else 0.0
+                             for t, order in zip(tensors, orders) for i in order], dtype=torch.float64)
+
+    def coefficients(flat):
+        return torch.stack([cos_h @ c.reshape(h, w) @ cos_w.T for c in flat.reshape(-1, h * w)]).reshape(-1, h * w)
+
+    def entries(coeffs):
+        return torch.stack([cos_h.T @ c.reshape(h, w) @ cos_w for c in coeffs]).reshape(-1)
+
+    momenta = [torch.zeros(length, dtype=torch.float64) for _ in range(P)]
+    mean_square = torch.zeros(length, dtype=torch.float64)
     for step in range(STEPS):
-        total = torch.zeros(sum(padded), dtype=torch.float64)
+        total = torch.zeros(length // (h * w), h * w, dtype=torch.float64)
         for r in range(P):
             net.zero_grad()
             _backward(net, r, step)
-            g = torch.cat([torch.nn.functional.pad(p.grad.reshape(-1).double(), (0, pad - n))
-                           for p, n, pad in zip(net.parameters(), sizes, padded)])
-            momenta[r] = decay * momenta[r] + g
-            chunks = momenta[r].reshape(-1, CHUNK)
-            coeffs = torch.stack([cos @ c for c in chunks])
+            momenta[r] = decay * momenta[r] + laid_out([p.grad for p in net.parameters()])
+            coeffs = coefficients(momenta[r])
             picked = torch.zeros_like(coeffs)
             for row in range(coeffs.shape[0]):
                 top = torch.argsort(coeffs[row].abs(), descending=True)[:TOPK]
                 picked[row, top] = coeffs[row, top]
-            momenta[r] = momenta[r] - torch.stack([cos.T @ c for c in picked]).reshape(-1)  # DeMo's feedback
-            total += picked.reshape(-1)
-        step_dir = torch.stack([cos.T @ c for c in (total / P).reshape(-1, CHUNK)]).reshape(-1)
+            momenta[r] = momenta[r] - entries(picked)  # DeMo's feedback
+            total += picked
+        step_dir = entries(total / P)
         if update == "sign":
             step_dir = step_dir.sign()
         if update == "rms":
@@ -101,10 +130,13 @@ def _reference(P, update, lr=0.01, decay=0.999, weight_decay=0.0, variance_decay
             step_dir = step_dir / ((mean_square / (1 - variance_decay ** (step + 1))).sqrt() + eps)
         with torch.no_grad():
             at = 0
-            for p, n, pad in zip(net.parameters(), sizes, padded):
+            for p, order in zip(net.parameters(), orders):
                 p.mul_(1 - lr * weight_decay)
-                p.sub_(lr * step_dir[at:at + n].view_as(p).float())
-                at += pad
+                flat = p.view(-1)
+                for k, i in enumerate(order):
+                    if i >= 0:
+                        flat[i] -= lr * float(step_dir[at + k])
+                at += len(order)
     return _flat(net)
 
 
@@ -118,17 +150,22 @@ def test_the_dct_is_the_cosine_sums_and_orthonormal():
     assert energy[:2].sum() > 0.99 * energy.sum()
 
 
-@pytest.mark.parametrize("P,update", [(P, u) for P in (2, 3) for u in ("sign", "value", "rms")] + [(1, "rms"), (5, "rms")])
-def test_topka_carries_demo_itself(P, update):
+@pytest.mark.parametrize("P,update,tile", [(P, u, (1, CHUNK)) for P in (2, 3) for u in ("sign", "value", "rms")]
+                         + [(1, "rms", (1, CHUNK)), (5, "rms", (1, CHUNK)), (2, "rms", (2, 4)), (3, "value", (2, 4)),
+                            (3, "sign", (4, 4))])
+def test_topka_carries_demo_itself(P, update, tile):
     # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
-    # allreduce sends every extracted component, so its residual stays zero.
+    # allreduce sends every extracted component, so its residual stays zero. Chunks of 16
+    # entries, or 2-D tiles of 2 x 4 and 4 x 4 (the weights tiled, the biases in folded runs).
     def body(rank):
         trace = []
-        net, opt, _ = _run(rank, update=update, weight_decay=0.1, trace=trace)
+        net, opt, _ = _run(rank, update=update, weight_decay=0.1, trace=trace,
+                           chunk=tile if tile[0] > 1 else tile[1])
+        assert opt.tiled == [tile[0] > 1, False, tile[0] > 1, False]
         return _flat(net), opt.residual.abs().max().item(), trace
 
     out = sparsecomm.simulate(P, body).results
-    expected = _reference(P, update, weight_decay=0.1)
+    expected = _reference(P, update, weight_decay=0.1, tile=tile)
     for got, leftover, trace in out:
         assert torch.equal(got, out[0][0])  # every replica the same, bit for bit
         assert all(torch.equal(a, b) for a, b in zip(trace, out[0][2]))  # and after every step
@@ -151,7 +188,7 @@ def test_oktopk_by_default_has_room_for_every_ranks_components(P):
     assert default < 0.25 * one_ranks
 
 
-def _conserved_run(P, **kw):
+def _conserved_run(P, chunk=CHUNK, **kw):
     """DeMo's value update at lr 1 on P ranks, what every rank extracted recorded.
 
     Checks the allreduce's error feedback: summed over ranks and steps, the extracted
@@ -161,7 +198,7 @@ def _conserved_run(P, **kw):
     def body(rank):
         net = _model()
         start = _flat(net)
-        opt = DeMo(net.parameters(), lr=1.0, chunk=CHUNK, topk=TOPK, update="value", **kw)
+        opt = DeMo(net.parameters(), lr=1.0, chunk=chunk, topk=TOPK, update="value", **kw)
         extracted = torch.zeros(opt.n)
         real = opt.extract
 
@@ -177,7 +214,9 @@ def _conserved_run(P, **kw):
             _backward(net, rank, step)
             opt.step()
             trace.append(_flat(net))
-        keep = torch.cat([torch.arange(a, a + p.numel()) for a, p in zip(opt.offsets, opt.params)])
+        # Where each parameter's entries lie in the chunks, in the parameter's order.
+        keep = torch.cat([a + torch.tensor(order).argsort(stable=True)[len(order) - p.numel():]
+                          for a, p, order in zip(opt.offsets, opt.params, _chunk_order(net, opt.tile))])
         residual = torch.zeros(opt.n) if opt.residual is None else opt.residual
         return opt.to_entries(extracted)[keep], opt.to_entries(residual)[keep], _flat(net) - start, trace
 
@@ -190,11 +229,12 @@ def _conserved_run(P, **kw):
     return left
 
 
-@pytest.mark.parametrize("P", [1, 2, 3, 5])
-def test_oktopk_carries_the_summed_components_and_loses_nothing(P):
+@pytest.mark.parametrize("P,chunk", [(1, CHUNK), (2, CHUNK), (3, CHUNK), (5, CHUNK), (3, (2, 4)), (2, (4, 4))])
+def test_oktopk_carries_the_summed_components_and_loses_nothing(P, chunk):
     # The allreduce's error feedback: with room for one rank's components, what Ok-Topk's
-    # global selection left stays in each rank's residual.
-    left = _conserved_run(P, algorithm="oktopk", reduce_density=TOPK / CHUNK)
+    # global selection left stays in each rank's residual; with 2-D tiles too.
+    size = chunk if isinstance(chunk, int) else chunk[0] * chunk[1]
+    left = _conserved_run(P, algorithm="oktopk", reduce_density=TOPK / size, chunk=chunk)
     if P > 1:
         assert left.abs().max() > 0  # the global selection did leave something
 
@@ -355,6 +395,8 @@ def test_a_checkpoint_resumes_bit_for_bit(update):
     other = DeMo(net.parameters(), chunk=8)
     with pytest.raises(ValueError, match="chunks of 16"):
         other.load_state_dict(DeMo(_model().parameters(), chunk=16).state_dict())
+    with pytest.raises(ValueError, match="chunks of 2 x 4 .* chunks of 8 "):  # as many entries, other chunks
+        other.load_state_dict(DeMo(_model().parameters(), chunk=(2, 4)).state_dict())
     with pytest.raises(ValueError, match="another rule"):
         DeMo(net.parameters(), update="rms").load_state_dict(DeMo(_model().parameters()).state_dict())
 
@@ -380,11 +422,13 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
                       ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"),
                       ({"update": "rms", "variance_decay": 1.0}, "variance_decay"), ({"eps": 0.0}, "eps"),
                       ({"density": 2.0}, "density"),
-                      ({"reduce_density": 0.0}, "density"),
+                      ({"reduce_density": 0.0}, "density"), ({"chunk": (2, 0)}, "chunk"),
+                      ({"chunk": (2, 4, 1)}, "chunk"), ({"chunk": (2, 4), "topk": 9}, "topk"),
                       ({"algorithm": "nope"}, "nope")):
         with pytest.raises(ValueError, match=match):
             DeMo(params, **kw)
     assert DeMo(params, chunk=128, density=0.01).topk == 1 and DeMo(params, chunk=64, density=0.05).topk == 3
+    assert DeMo(params, chunk=(64, 64), density=0.01).topk == 41  # a tile's entries count
 
 
 def _gloo_body(rank, size):
