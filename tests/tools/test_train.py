@@ -185,16 +185,17 @@ def test_adamw_training_takes_demo_and_each_suffix_its_own_method(tmp_path):
     # DeMo: every step one component of each chunk of 32 from each rank, none dense; under
     # AdamW the plain configuration is DeMo too, Ok-Topk carrying the components.
     # The plain configuration is the recommendation (the rms rule), -demo the method as published.
-    for config, update in (("topka-demo", "sign"), ("oktopk", train.RECOMMENDED_DEMO["update"])):
+    for config, settings in (("topka-demo", {"update": "sign"}), ("oktopk", {"update": "rms", "decay": 0.99})):
         demo = by[config]
-        assert demo["path"] == "DeMo" and demo["demo_options"] == {"update": update, "chunk": 32, "topk": 1}
+        assert demo["path"] == "DeMo" and demo["demo_options"] == {**settings, "chunk": 32, "topk": 1}
         assert demo["accuracy"][-1] > 0.5 and demo["bytes_per_step"] < 0.2 * by["dense"]["bytes_per_step"]
     assert sparse_adamw["warmup_steps"] == 10
     assert all(r["lr"] == 0.002 for r in results)  # --lr wins, DeMo's too
     # Without it, DeMo runs at its rule's share of the task's AdamW rate (the sign: half).
     plain, published = train.run(["oktopk", "oktopk-demo"], ranks=2, epochs=1, optimizer="adamw",
                                  demo_options={"chunk": 32})
-    assert plain["demo_options"]["update"] == "rms" and plain["lr"] == pytest.approx(DigitsTask.lr)
+    assert plain["demo_options"]["update"] == "rms" and plain["demo_options"]["decay"] == 0.99
+    assert plain["lr"] == pytest.approx(DigitsTask.lr)
     assert published["demo_options"]["update"] == "sign" and published["lr"] == pytest.approx(DigitsTask.lr / 2)
     steps = 3 * sparse_adamw["steps_per_epoch"]
     assert sparse_adamw["curve"]["step"] == list(range(10, steps + 1, 10))
