@@ -197,7 +197,6 @@ class DeMo(torch.optim.Optimizer):
         self._start = {id(p): at for p, at in zip(self.params, self.offsets)}  # a parameter's place
         #: Per parameter: whether it is cut into 2-D tiles (else into runs, folded).
         self.tiled = [_tileable(p.shape, tile) for p in self.params]
-        self._tiled = {id(p): t for p, t in zip(self.params, self.tiled)}
         self.momentum = torch.zeros(self.n, dtype=torch.float32, device=device)
         #: ``"rms"``'s running mean of the squared step (the same on every rank); None otherwise.
         self.variance = torch.zeros(self.n, dtype=torch.float32, device=device) if update == "rms" else None
@@ -278,7 +277,7 @@ class DeMo(torch.optim.Optimizer):
                 if g["weight_decay"]:
                     p.mul_(1 - g["lr"] * g["weight_decay"])
                 part = direction[at:at + p.numel()]
-                part = _from_chunks(part, p.shape, self.tile) if self._tiled[id(p)] else part.view_as(p)
+                part = _from_chunks(part, p.shape, self.tile) if _tileable(p.shape, self.tile) else part.view_as(p)
                 p.add_(part.to(p.dtype), alpha=-g["lr"])
         self.steps += 1
         return loss

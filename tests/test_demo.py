@@ -152,7 +152,7 @@ def test_the_dct_is_the_cosine_sums_and_orthonormal():
 
 @pytest.mark.parametrize("P,update,tile", [(P, u, (1, CHUNK)) for P in (2, 3) for u in ("sign", "value", "rms")]
                          + [(1, "rms", (1, CHUNK)), (5, "rms", (1, CHUNK)), (2, "rms", (2, 4)), (3, "value", (2, 4)),
-                            (3, "sign", (4, 4))])
+                            (3, "sign", (4, 4)), (1, "rms", (4, 4)), (5, "rms", (2, 4))])
 def test_topka_carries_demo_itself(P, update, tile):
     # Checks DeMo's own error feedback (each rank removes what it extracted): with TopkA the
     # allreduce sends every extracted component, so its residual stays zero. Chunks of 16
