@@ -50,8 +50,9 @@ momentum (float32, padded), the allreduce's residual, and with ``update="rms"`` 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -118,6 +119,18 @@ def _from_chunks(flat: torch.Tensor, shape: torch.Size, tile: tuple[int, int]) -
     return flat.view(rows // h, -1, h, w).permute(0, 2, 1, 3).reshape(shape)
 
 
+@contextlib.contextmanager
+def _ieee_matmuls() -> Iterator[None]:
+    """float32 matmuls in full precision inside (TF32, when a script turns it on, would round
+    the DCT to about 1e-3: the momentum would then lose other components than those sent)."""
+    was = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(was)
+
+
 class DeMo(torch.optim.Optimizer):
     """Decoupled momentum over the sparse allreduce (see the module docstring).
 
@@ -150,6 +163,10 @@ class DeMo(torch.optim.Optimizer):
     :class:`sparsecomm.NonFiniteError` on every rank. Gradient clipping applies to each
     rank's own gradient before ``step()`` (``clip_grad_norm_`` as usual): the method allows
     it, the ranks' norms simply differ. ``state_dict()`` is per rank (the momentum is).
+    A bfloat16 or float16 parameter takes its decay and step in float32, rounded once (a
+    decay under half its last place still vanishes: keep float32 weights for long runs).
+    The parameters are fixed when the optimizer is made: ``add_param_group`` and a parameter
+    that turns trainable later are refused (ValueError); one that is frozen later stays put.
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() always; the ranks decide together
@@ -225,20 +242,47 @@ class DeMo(torch.optim.Optimizer):
     def extract(self, m: torch.Tensor) -> torch.Tensor:
         """The fast components of ``m``: per chunk the ``topk`` largest |DCT coefficients|,
         the others zero (flat, in the coefficient basis). NaN counts as the largest."""
+        return self._extract(m)[0]
+
+    def _extract(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`extract`, and where its components lie (flat positions, ``topk`` a chunk)."""
         h, w = self.tile
-        if h == 1:
-            coeffs = m.view(-1, w) @ self.basis.T
-        else:  # D_h X D_w^T, tile by tile, flattened row-major
-            coeffs = (self.basis_rows @ m.view(-1, h, w) @ self.basis.T).reshape(-1, h * w)
+        with _ieee_matmuls():
+            if h == 1:
+                coeffs = m.view(-1, w) @ self.basis.T
+            else:  # D_h X D_w^T, tile by tile, flattened row-major
+                coeffs = (self.basis_rows @ m.view(-1, h, w) @ self.basis.T).reshape(-1, h * w)
         keep = coeffs.abs().topk(self.topk, dim=1).indices
-        return torch.zeros_like(coeffs).scatter_(1, keep, coeffs.gather(1, keep)).reshape(-1)
+        q = torch.zeros_like(coeffs).scatter_(1, keep, coeffs.gather(1, keep)).reshape(-1)
+        firsts = torch.arange(0, m.numel(), coeffs.shape[1], device=m.device).unsqueeze(1)
+        return q, keep.add_(firsts).reshape(-1)
 
     def to_entries(self, coeffs: torch.Tensor) -> torch.Tensor:
         """The inverse DCT of flat coefficients, chunk by chunk (flat, padded layout)."""
         h, w = self.tile
-        if h == 1:
-            return (coeffs.view(-1, w) @ self.basis).reshape(-1)
-        return (self.basis_rows.T @ coeffs.view(-1, h, w) @ self.basis).reshape(-1)
+        with _ieee_matmuls():
+            if h == 1:
+                return (coeffs.view(-1, w) @ self.basis).reshape(-1)
+            return (self.basis_rows.T @ coeffs.view(-1, h, w) @ self.basis).reshape(-1)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once the optimizer is made: its momentum is one flat layout of the parameters
+        it was given (ValueError; make a new DeMo)."""
+        if hasattr(self, "momentum"):
+            raise ValueError("DeMo: parameter groups are fixed when the optimizer is made (its momentum is "
+                             "one flat layout of them); make a new DeMo over all of them")
+        super().add_param_group(param_group)
+
+    def _check_trainable(self) -> None:
+        """Refuse a parameter that has turned trainable since the optimizer was made: it has no
+        place in the layout (every rank's model is the same, so every rank refuses, before any
+        collective)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and id(p) not in self._start:
+                    raise ValueError(f"DeMo: a parameter of shape {tuple(p.shape)} requires a gradient now but did "
+                                     "not when the optimizer was made (it has no place in DeMo's layout); make a "
+                                     "new DeMo after unfreezing")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -247,16 +291,23 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_trainable()
         if not self._checked:
             check_replicas_equal(torch.cat([p.detach().reshape(-1).float() for p in self.params]),
                                  self._comm(), "DeMo")
             self._checked = True
         m = self.momentum.mul(self.decay).add_(self._gather())  # out of place: a skipped step keeps the old
-        q = self.extract(m)
+        q, support = self._extract(m)
+        # A refused call takes q back out of the allreduce's residual, exact up to one rounding
+        # an entry; q touches it only at q's support, kept here to restore it bit for bit.
+        held = self.sparse_state.residual
+        kept = None if held is None else held[support]
         try:
             average = allreduce(q, state=self.sparse_state, op="avg", compressor=self.compressor,
                                 group=self.group, comm=self.comm)
         except NonFiniteError:
+            if kept is not None and self.sparse_state.residual is not None:
+                self.sparse_state.residual[support] = kept.to(self.sparse_state.residual.device)
             self.skipped += 1
             if getattr(self, "found_inf", None) is not None:  # a GradScaler drives the step: skip alike
                 return loss
@@ -274,11 +325,16 @@ class DeMo(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 at = self._start[id(p)]
+                # In float32 at least, rounded once: decay and step rounded apart, a bfloat16
+                # weight would drop every decay under half its last place and round twice.
+                w = p if p.dtype in (torch.float32, torch.float64) else p.float()
                 if g["weight_decay"]:
-                    p.mul_(1 - g["lr"] * g["weight_decay"])
+                    w.mul_(1 - g["lr"] * g["weight_decay"])
                 part = direction[at:at + p.numel()]
                 part = _from_chunks(part, p.shape, self.tile) if _tileable(p.shape, self.tile) else part.view_as(p)
-                p.add_(part.to(p.dtype), alpha=-g["lr"])
+                w.add_(part.to(w.dtype), alpha=-g["lr"])
+                if w is not p:
+                    p.copy_(w)
         self.steps += 1
         return loss
 

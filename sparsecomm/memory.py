@@ -116,13 +116,14 @@ def state_settings(state: Any) -> tuple:
 def adopt_state(saved: State, mine: State, what: str, like: State | None = None) -> State:
     """The state to go on with after loading ``saved`` into an object that made ``mine``.
 
-    1. ``saved`` itself where its settings are ``like``'s (the state the object would make
-       where ``saved`` was made; default ``mine``): the run resumes bit for bit.
+    1. A copy of ``saved`` where its settings are ``like``'s (the state the object would make
+       where ``saved`` was made; default ``mine``): the run resumes bit for bit, and the
+       checkpoint stays as it was (loading it again resumes the same run again).
     2. Otherwise the object's own settings win: ``mine`` takes only the saved residual
        (:func:`hold_residual`), and a warning names both settings.
     """
     if state_settings(saved) == state_settings(mine if like is None else like):
-        return saved
+        return snapshot(saved)
     warnings.warn(f"{what}.load_state_dict: the checkpoint's states were made with {state_settings(saved)}, "
                   f"this {what} makes {state_settings(mine)}: their residuals carry over, their "
                   "thresholds and boundaries start afresh", stacklevel=3)

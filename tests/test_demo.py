@@ -200,14 +200,14 @@ def _conserved_run(P, chunk=CHUNK, **kw):
         start = _flat(net)
         opt = DeMo(net.parameters(), lr=1.0, chunk=chunk, topk=TOPK, update="value", **kw)
         extracted = torch.zeros(opt.n)
-        real = opt.extract
+        real = opt._extract
 
         def recording(m):
-            q = real(m)
+            q, support = real(m)
             extracted.add_(q)
-            return q
+            return q, support
 
-        opt.extract = recording
+        opt._extract = recording
         trace = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -252,10 +252,14 @@ def test_every_algorithm_carries_the_components_and_loses_nothing(algorithm):
         assert float(left.abs().max()) == 0.0
 
 
-def test_a_nan_step_is_skipped_on_every_rank_and_training_goes_on():
+@pytest.mark.parametrize("kw", [{}, {"algorithm": "oktopk", "reduce_density": TOPK / CHUNK}], ids=["topka", "oktopk"])
+def test_a_nan_step_is_skipped_on_every_rank_and_training_goes_on(kw):
+    # Ok-Topk with room for one rank's components leaves some in its residual: the refused
+    # call must hand that residual back bit for bit, not up to a rounding.
     def body(rank):
-        net, opt, errors = _run(rank, steps=2)
+        net, opt, errors = _run(rank, steps=2, **kw)
         before = (_flat(net), opt.momentum.clone(), opt.residual.clone())
+        assert kw.get("algorithm") != "oktopk" or bool(opt.residual.ne(0).any())
         opt.zero_grad()
         _backward(net, rank, 2, poison=rank == 1)
         try:
@@ -351,6 +355,55 @@ def _scaled_first_step(rank):
     return _flat(net)
 
 
+def test_a_bfloat16_weight_takes_the_step_and_the_decay_rounded_once():
+    # Decay and step computed in float32 and rounded once: a bfloat16 weight then moves as
+    # its float32 twin (same weights, same gradient) rounded, entry for entry.
+    def body(rank):
+        gen = torch.Generator().manual_seed(7)
+        low = _model(torch.bfloat16)
+        twin = _model()
+        with torch.no_grad():
+            for a, b in zip(low.parameters(), twin.parameters()):
+                b.copy_(a.float())
+                a.grad = torch.randn(a.shape, generator=gen).to(torch.bfloat16)
+                b.grad = a.grad.float()
+        for net in (low, twin):
+            DeMo(net.parameters(), lr=0.01, weight_decay=0.1, chunk=CHUNK, topk=TOPK, update="rms").step()
+        return all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(low.parameters(), twin.parameters()))
+
+    assert sparsecomm.simulate(1, body).results == [True]
+
+
+def test_parameter_groups_keep_their_own_rates_and_a_changed_layout_is_refused():
+    def body(rank):
+        grouped, plain = _model(), _model()
+        first = list(grouped[0].parameters())
+        opt = DeMo([{"params": first, "weight_decay": 0.1},
+                    {"params": list(grouped[2].parameters()), "lr": 0.0}], lr=0.01, chunk=CHUNK, topk=TOPK)
+        ref = DeMo(plain.parameters(), lr=0.01, weight_decay=0.1, chunk=CHUNK, topk=TOPK)
+        for net, o in ((grouped, opt), (plain, ref)):
+            _backward(net, rank, 0)
+            o.step()
+        moved = all(torch.equal(a, b) for a, b in zip(first, plain[0].parameters()))
+        still = all(torch.equal(a, b) for a, b in zip(grouped[2].parameters(), _model()[2].parameters()))
+        return moved and still and not torch.equal(first[0], _model()[0].weight)
+
+    assert sparsecomm.simulate(2, body).results == [True, True]
+    net = _model()
+    net[2].bias.requires_grad_(False)
+    opt = DeMo(net.parameters(), chunk=CHUNK, topk=TOPK)
+    with pytest.raises(ValueError, match="parameter groups are fixed"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    net[2].bias.requires_grad_(True)  # unfrozen after the optimizer was made: no place in its layout
+
+    def unfrozen(rank):
+        _backward(net, rank, 0)
+        with pytest.raises(ValueError, match=r"shape \(4,\) requires a gradient now"):
+            opt.step()
+
+    sparsecomm.simulate(1, unfrozen)
+
+
 def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
     def body(rank):
         net = _model(torch.bfloat16)
@@ -371,7 +424,8 @@ def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
 @pytest.mark.parametrize("update", ["sign", "rms"])
 def test_a_checkpoint_resumes_bit_for_bit(update):
     def body(rank):
-        net, opt, _ = _run(rank, steps=2, algorithm="oktopk", update=update)
+        kw = {"algorithm": "oktopk", "reduce_density": TOPK / CHUNK, "update": update}  # a residual to carry
+        net, opt, _ = _run(rank, steps=2, **kw)
         buffer = io.BytesIO()  # through torch.save and torch.load's default (weights_only)
         torch.save({"opt": opt.state_dict(), "model": net.state_dict()}, buffer)
         buffer.seek(0)
@@ -382,13 +436,25 @@ def test_a_checkpoint_resumes_bit_for_bit(update):
             opt.step()
         again = _model()
         again.load_state_dict(saved["model"])
-        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, algorithm="oktopk", update=update)
+        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
         resumed.load_state_dict(saved["opt"])
         for step in range(2, STEPS):
             resumed.zero_grad()
             _backward(again, rank, step)
             resumed.step()
-        return torch.equal(_flat(again), _flat(net)) and torch.equal(resumed.momentum, opt.momentum)
+        # The same checkpoint loaded again resumes the same run again (loading copies it).
+        third = _model()
+        third.load_state_dict(saved["model"])
+        once_more = DeMo(third.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
+        once_more.load_state_dict(saved["opt"])
+        for step in range(2, STEPS):
+            once_more.zero_grad()
+            _backward(third, rank, step)
+            once_more.step()
+        assert bool(opt.residual.ne(0).any())
+        return (torch.equal(_flat(again), _flat(net)) and torch.equal(resumed.momentum, opt.momentum)
+                and torch.equal(resumed.residual, opt.residual) and torch.equal(_flat(third), _flat(net))
+                and torch.equal(once_more.residual, opt.residual))
 
     assert sparsecomm.simulate(2, body).results == [True, True]
     net = _model()
