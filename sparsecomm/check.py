@@ -34,7 +34,7 @@ from .errors import InputError, NonFiniteError
 from .state import State, check_density
 
 __all__ = ["Signature", "Problem", "CARRY_MAX_P", "CarriedCheck", "carried_words", "row_words",
-           "local_problem", "check_collectively", "check_unchecked", "all_finite", "check_replicas_equal",
+           "local_problem", "check_collectively", "check_unchecked", "all_finite", "check_replicas_equal", "setting_code",
            "refuse_sharded"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -429,21 +429,35 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 
-def check_replicas_equal(flat: torch.Tensor, comm: Communicator, who: str) -> None:
-    """Refuse, on every rank, replicas whose parameters differ: one allgather of a digest.
+def check_replicas_equal(flat: torch.Tensor, comm: Communicator, who: str,
+                         settings: dict[str, float] | None = None) -> None:
+    """Refuse, on every rank, replicas whose parameters or settings differ: one allgather of a digest.
 
     An optimizer whose ranks apply the same update to their own copy of the model (outer
-    steps, decoupled momentum) broadcasts nothing: replicas that start apart never meet.
-    The digest is the sum and a position-weighted sum of ``flat`` in float64.
+    steps, decoupled momentum) broadcasts nothing: replicas that start apart never meet, and
+    ranks that step them by other rules (another rate, another round length) drift apart or
+    pair collectives that do not match. The digest is the sum and a position-weighted sum of
+    ``flat`` in float64, then ``settings`` (numbers every rank must share, named in the error).
     """
     if comm.size == 1:
         return
+    names = list(settings or {})
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device).remainder_(97)
-    digest = torch.stack([flat.double().sum(), (flat.double() * weights).sum()])
-    seen = comm.allgather(digest.reshape(1, 2)).reshape(-1, 2)
-    if not bool((seen == seen[0]).all()):
+    digest = torch.cat([torch.stack([flat.double().sum(), (flat.double() * weights).sum()]),
+                        torch.tensor([float(settings[k]) for k in names], dtype=torch.float64, device=flat.device)])
+    seen = comm.allgather(digest.reshape(1, -1)).reshape(comm.size, -1)
+    differ = [k for j, k in enumerate(names) if not bool((seen[:, 2 + j] == seen[0, 2 + j]).all())]
+    if differ:
+        raise ValueError(f"{who}: the ranks' settings differ ({', '.join(differ)}); every rank must make "
+                         f"{who} alike")
+    if not bool((seen[:, :2] == seen[0, :2]).all()):
         raise ValueError(f"{who}: the ranks' parameters differ at the start; start every replica from the "
                          "same weights (load one checkpoint, or seed the model's initialisation alike)")
+
+
+def setting_code(name: str) -> float:
+    """A name (a rule, an algorithm) as a number :func:`check_replicas_equal` compares."""
+    return float(zlib.crc32(name.encode()))
 
 
 def refuse_sharded(params: list, who: str) -> None:

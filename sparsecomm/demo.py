@@ -57,7 +57,7 @@ from typing import Any, Iterator
 import torch
 
 from .api import allreduce
-from .check import check_replicas_equal, refuse_sharded
+from .check import check_replicas_equal, refuse_sharded, setting_code
 from .comm import resolve
 from .errors import NonFiniteError
 from . import registry
@@ -198,7 +198,7 @@ class DeMo(torch.optim.Optimizer):
         refuse_sharded(self.params, "DeMo")
         self.decay, self.chunk, self.tile, self.topk, self.update = float(decay), chunk, tile, topk, update
         self.variance_decay, self.eps = float(variance_decay), float(eps)
-        self.compressor, self.group, self.comm = compressor, group, comm
+        self.compressor, self.group, self.comm, self.algorithm = compressor, group, comm, algorithm
         if reduce_density is None:  # room for what every rank extracted (a global k: P ranks' worth)
             spread = self._comm().size if registry.get(algorithm).global_k else 1
             reduce_density = min(1.0, topk / chunk * spread)
@@ -293,8 +293,15 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         self._check_trainable()
         if not self._checked:
+            # Ranks that step by other rules would drift apart, or pair unmatched collectives.
             check_replicas_equal(torch.cat([p.detach().reshape(-1).float() for p in self.params]),
-                                 self._comm(), "DeMo")
+                                 self._comm(), "DeMo", {
+                                     "entries": self.n, "chunk": self.tile[0] * 65536 + self.tile[1],
+                                     "topk": self.topk, "decay": self.decay, "update": setting_code(self.update),
+                                     "variance_decay": self.variance_decay, "eps": self.eps,
+                                     "algorithm": setting_code(self.algorithm),
+                                     "lr": sum(g["lr"] for g in self.param_groups),
+                                     "weight_decay": sum(g["weight_decay"] for g in self.param_groups)})
             self._checked = True
         m = self.momentum.mul(self.decay).add_(self._gather())  # out of place: a skipped step keeps the old
         q, support = self._extract(m)

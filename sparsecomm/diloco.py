@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .api import allreduce
-from .check import check_replicas_equal
+from .check import check_replicas_equal, setting_code
 from .comm import resolve
 from .errors import NonFiniteError
 from .memory import StateMaker, adopt_state, snapshot
@@ -70,8 +70,13 @@ class DiLoCo:
     After an outer step every rank holds the same parameters (the outer model): evaluate
     there (:attr:`synced`). A NaN/Inf in any rank's pseudo-gradient discards the round on
     every rank: each replica and its inner optimizer's state go back to the round's start
-    (a copy of the inner state is kept for that), the residual keeps what it held, and
-    :class:`~sparsecomm.errors.NonFiniteError` is raised from :meth:`step`.
+    (a copy of the inner state is kept for that; its settings, a scheduler's rate, stay as
+    they are), the residual keeps what it held, bit for bit, and
+    :class:`~sparsecomm.errors.NonFiniteError` is raised from :meth:`step`. Every rank must
+    make DiLoCo alike (round length, outer rule and rate, algorithm, density: checked with
+    the replicas at the first step), and a parameter frozen when it was made must stay
+    frozen (refused otherwise). A bfloat16 replica's pseudo-gradient is taken from where it
+    began, the float32 outer model rounded to its dtype.
     """
 
     def __init__(self, params: Any, inner: torch.optim.Optimizer, sync_every: int = 50, *,
@@ -81,7 +86,13 @@ class DiLoCo:
                  group: Any = None, comm: Any = None) -> None:
         if isinstance(params, torch.nn.Module):
             params = params.parameters()
+        params = list(params)
+        if any(not isinstance(p, torch.Tensor) for p in params):
+            raise ValueError("DiLoCo: params must be the model or its parameters (the inner optimizer "
+                             "holds the parameter groups)")
         self.params = [p for p in params if p.requires_grad]
+        #: Parameters frozen when DiLoCo was made: one unfrozen later has no place in the outer model.
+        self._frozen = [p for p in params if not p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no parameter requires a gradient")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -96,6 +107,7 @@ class DiLoCo:
         if any(id(p) not in mine for p in self.params):
             raise ValueError("DiLoCo: the inner optimizer must step every parameter DiLoCo syncs")
         self.inner, self.sync_every, self.outer = inner, sync_every, outer
+        self.algorithm, self.density = algorithm, float(density)
         self.outer_lr, self.outer_momentum = outer_lr, float(outer_momentum)
         self.group, self.comm = group, comm
         self.compressor = compressor
@@ -120,11 +132,21 @@ class DiLoCo:
         return resolve(group=self.group, comm=self.comm)
 
     def _check_replicas_equal(self) -> None:
-        """Refuse outer models that differ across ranks (nothing broadcasts parameters: replicas
-        that start apart would never meet); one allgather of a digest, at the first step."""
+        """Refuse outer models or settings that differ across ranks (nothing broadcasts
+        parameters: replicas that start apart would never meet; other rates or rounds would
+        drift apart or pair unmatched collectives); one allgather of a digest, at the first
+        step and the first after a load. A parameter unfrozen since DiLoCo was made is refused
+        at every step (the same on every rank, before any collective)."""
+        if any(p.requires_grad for p in self._frozen):
+            raise ValueError("DiLoCo: a parameter frozen when DiLoCo was made requires a gradient now (it has no "
+                             "place in the outer model, and its replicas would drift apart); make a new DiLoCo "
+                             "after unfreezing")
         if self._checked:
             return
-        check_replicas_equal(self.anchor, self._comm(), "DiLoCo")
+        check_replicas_equal(self.anchor, self._comm(), "DiLoCo", {
+            "sync_every": self.sync_every, "outer": setting_code(self.outer), "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum, "algorithm": setting_code(self.algorithm),
+            "density": self.density, "entries": self.anchor.numel()})
         self._checked = True
 
     def step(self, closure: Any = None, scaler: Any = None) -> Any:
@@ -160,15 +182,22 @@ class DiLoCo:
         """
         self._check_replicas_equal()
         flat = torch.cat([_local(p).reshape(-1).float() for p in self.params])
-        delta = self.anchor - flat
+        delta = self._replica_start().sub_(flat)
+        # A refused call takes delta back out of the residual only up to one rounding an entry:
+        # the residual as it was, kept to restore it bit for bit (one copy a round).
+        kept = None if self.state.residual is None else self.state.residual.clone()
         try:
             average = allreduce(delta, state=self.state, op="avg", compressor=self.compressor,
                                 group=self.group, comm=self.comm)
         except NonFiniteError:
             self.discarded += 1
+            if kept is not None and self.state.residual is not None:
+                self.state.residual.copy_(kept)
             self._write(self.anchor)
             if self._round_start is not None:  # a NaN step left NaN in the inner state too
-                self.inner.load_state_dict(self._round_start)
+                # Its state only: the rates a scheduler set since the round began stay.
+                now = self.inner.state_dict()
+                self.inner.load_state_dict({**now, "state": self._round_start["state"]})
             self._round_start = None
             raise
         if self.momentum is None:
@@ -179,6 +208,19 @@ class DiLoCo:
         self._write(self.anchor)
         self.outer_steps += 1
         self._round_start = None
+
+    def _replica_start(self) -> torch.Tensor:
+        """Where every replica began the round: the outer model as its parameters hold it
+        (rounded to a bfloat16 parameter's dtype), float32. The pseudo-gradient is taken from
+        there: from the float32 outer model, each round would add that rounding to it (and
+        under error feedback pile it up in the residual, then send it)."""
+        parts, offset = [], 0
+        for p in self.params:
+            n = _local(p).numel()
+            part = self.anchor[offset:offset + n]
+            parts.append(part if _local(p).dtype == torch.float32 else part.to(_local(p).dtype).float())
+            offset += n
+        return torch.cat(parts)
 
     def _write(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -213,6 +255,7 @@ class DiLoCo:
             self.momentum = torch.zeros_like(self.anchor) if saved is None else saved.clone().to(self.anchor.device)
         self.state = adopt_state(d["state"], self.state, "DiLoCo", self._maker.like(d["state"]))
         self._round_start = copy.deepcopy(d.get("inner_at_round_start"))
+        self._checked = False  # the loaded outer models are compared at the next step
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

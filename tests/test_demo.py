@@ -483,6 +483,17 @@ def test_replicas_that_start_apart_and_bad_settings_are_refused():
 
     for msg in sparsecomm.simulate(2, body).results:
         assert "parameters differ at the start" in msg, msg
+
+    def unlike(rank, **kw):  # one rank's DeMo made with other settings: refused on both
+        net = _model()
+        opt = DeMo(net.parameters(), **{"chunk": CHUNK, "topk": TOPK, **(kw if rank == 1 else {})})
+        _backward(net, rank, 0)
+        with pytest.raises(ValueError, match=f"settings differ \\({next(iter(kw))}\\)"):
+            opt.step()
+
+    for kw in ({"update": "rms"}, {"decay": 0.99}, {"lr": 0.5}, {"topk": 2}, {"chunk": (4, 4)},
+               {"algorithm": "oktopk"}):
+        sparsecomm.simulate(2, unlike, **kw)
     params = list(_model().parameters())
     for kw, match in (({"chunk": 0}, "chunk"), ({"chunk": 8, "topk": 9}, "topk"), ({"update": "adam"}, "update"),
                       ({"decay": 1.0}, "decay"), ({"lr": -1.0}, "lr"),
