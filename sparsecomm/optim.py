@@ -22,11 +22,12 @@ import torch
 
 from . import registry
 from .api import allreduce
-from .check import refuse_sharded
+from .check import check_replicas_equal, refuse_sharded, setting_code
+from .comm import resolve
 from .demo import DeMo
 from .diloco import DiLoCo
 from .errors import NonFiniteError
-from .memory import adopt_state
+from .memory import adopt_state, snapshot
 from .state import State, check_density
 
 __all__ = ["SparseGradientReducer", "SparseAdamW", "DeMo", "DiLoCo", "COMPRESS_MODES", "VARIANCE_MODES", "local_gradient_hook"]
@@ -69,6 +70,9 @@ class SparseGradientReducer:
         offset = 0
         for p in self.params:
             n = p.numel()
+            if not p.requires_grad:  # frozen since: its place stays, no gradient for an optimizer to take
+                offset += n
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(out[offset:offset + n].view_as(p))
@@ -152,9 +156,14 @@ class SparseAdamW(torch.optim.Optimizer):
     rank's scaler backs off from its own overflow only, so scales may differ by
     rank; each rank unscales its own gradient before sending, so results do not),
     and without one by raising :class:`sparsecomm.NonFiniteError` on every rank;
-    either way nothing changes (parameters, moments, residuals). Under DDP,
+    either way nothing changes (parameters, moments; the residual up to one rounding an
+    entry: the refused call takes the input back out of it). Under DDP,
     register :func:`local_gradient_hook` so DDP does not reduce the gradients
-    itself. ``state_dict()`` is per rank (the residual and a local v are).
+    itself. ``state_dict()`` is per rank (the residual and a local v are); it loads into
+    either ``residual_dtype``. Every rank must make the optimizer alike (its settings and
+    the replicas are compared at the first step: one allgather). A bfloat16 weight takes
+    its decay and step in float32, rounded once. The parameters are fixed when it is made:
+    ``add_param_group`` and a parameter unfrozen later are refused; one frozen later stays put.
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() always; the ranks decide together
@@ -183,12 +192,20 @@ class SparseAdamW(torch.optim.Optimizer):
         if not frozen and (compress == "gradient" or variance_interval):
             raise ValueError("compress='gradient' and variance_interval need variance='frozen' (a rank's "
                              "own v would make each rank divide the shared result differently)")
+        if variance_interval and compress == "momentum":
+            raise ValueError("variance_interval needs compress='preconditioned' or 'gradient': with 'momentum' "
+                             "a refresh would step each rank by its own momentum (the replicas would drift apart)")
         if residual_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self.params:
             raise ValueError("SparseAdamW: no parameter requires a gradient")
+        self._start: dict[int, int] = {}  # a parameter's place in the flat layout
+        at = 0
+        for p in self.params:
+            self._start[id(p)], at = at, at + p.numel()
+        self._checked = False  # replicas and settings compared across ranks at the first step
         refuse_sharded(self.params, "SparseAdamW")
         if len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) > 1:
             raise ValueError("SparseAdamW: betas and eps must be the same in every parameter group")
@@ -283,17 +300,56 @@ class SparseAdamW(torch.optim.Optimizer):
             self.sparse_state.residual.mul_(factor)
 
     def _apply(self, direction: torch.Tensor) -> None:
-        """w -= lr (direction + weight_decay w), group by group."""
-        offset = 0
+        """w -= lr (direction + weight_decay w), group by group, each parameter at its place in
+        the layout (one frozen since stays put)."""
         for g in self.param_groups:
             for p in g["params"]:
                 if not p.requires_grad:
                     continue
-                d = direction[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+                at = self._start[id(p)]
+                d = direction[at:at + p.numel()].view_as(p)
+                # In float32 at least, rounded once (a bfloat16 weight would round three times).
+                w = p if p.dtype in (torch.float32, torch.float64) else p.float()
                 if g["weight_decay"]:
-                    p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(d.to(p.dtype), alpha=-g["lr"])
+                    w.mul_(1 - g["lr"] * g["weight_decay"])
+                w.add_(d.to(w.dtype), alpha=-g["lr"])
+                if w is not p:
+                    p.copy_(w)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once the optimizer is made: its moments are one flat layout of the parameters
+        it was given (ValueError; make a new SparseAdamW)."""
+        if hasattr(self, "flat_state"):
+            raise ValueError("SparseAdamW: parameter groups are fixed when the optimizer is made (its moments "
+                             "are one flat layout of them); make a new SparseAdamW over all of them")
+        super().add_param_group(param_group)
+
+    def _check_first(self) -> None:
+        """Refuse a parameter unfrozen since the optimizer was made (no place in the layout), at
+        every step; at the first, replicas or settings that differ across ranks (they would
+        drift apart, or pair unmatched collectives). Before any collective, on every rank."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and id(p) not in self._start:
+                    raise ValueError(f"SparseAdamW: a parameter of shape {tuple(p.shape)} requires a gradient now "
+                                     "but did not when the optimizer was made (it has no place in the layout); "
+                                     "make a new SparseAdamW after unfreezing")
+        if self._checked:
+            return
+        g = self.param_groups
+        check_replicas_equal(torch.cat([p.detach().reshape(-1).float() for p in self.params]),
+                             self._comm(), "SparseAdamW", {
+                                 "entries": self.n, "lr": sum(x["lr"] for x in g),
+                                 "weight_decay": sum(x["weight_decay"] for x in g),
+                                 "beta1": g[0]["betas"][0], "beta2": g[0]["betas"][1], "eps": g[0]["eps"],
+                                 "density": self.density, "algorithm": setting_code(self.algorithm),
+                                 "warmup_steps": self.warmup_steps, "compress": setting_code(self.compress),
+                                 "variance": setting_code(self.variance), "variance_interval": self.variance_interval,
+                                 "momentum_masking": float(self.momentum_masking)})
+        self._checked = True
+
+    def _comm(self) -> Any:
+        return resolve(group=self.group, comm=self.comm)
 
     def _denom(self, v: torch.Tensor, t: int, floor: bool) -> torch.Tensor:
         beta2, eps = self.param_groups[0]["betas"][1], self.param_groups[0]["eps"]
@@ -314,6 +370,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_first()
         st = self.flat_state
         beta1, beta2 = self.param_groups[0]["betas"]
         t = st["step"] + 1
@@ -371,7 +428,8 @@ class SparseAdamW(torch.optim.Optimizer):
             new = self._denom(st["v"], t, floor=True)
             factor = st["denom"] / new
             st["denom"] = new
-            self._rescale_residual(factor)
+            if self.compress != "gradient":  # (its residual is in gradient units: no new units)
+                self._rescale_residual(factor)
             target = "u" if self.compress == "momentum" else "m"
             st[target].mul_(factor).mul_(beta1).add_(r / new, alpha=1 - beta1)
             direction = st[target] / (1 - beta1 ** t)
@@ -388,7 +446,7 @@ class SparseAdamW(torch.optim.Optimizer):
         """This rank's state: the param groups, the flat moments, the algorithm's state (residual)."""
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "flat_state": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.flat_state.items()},
-                "sparse_state": self.sparse_state, "n": self.n}
+                "sparse_state": snapshot(self.sparse_state), "n": self.n}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict` of the same parameters (ValueError otherwise)."""
@@ -399,13 +457,21 @@ class SparseAdamW(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         device = self.params[0].device
-        self.flat_state = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        self.flat_state = {k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v)
                            for k, v in state_dict["flat_state"].items()}
         # This optimizer's settings win (a state of another algorithm, density or options gives
         # only its residual, with a warning): the state it would hold at the saved step.
         t = max(self.flat_state["step"], self.warmup_steps + 1)
         mine = self._state_at(t)
         self.sparse_state = adopt_state(state_dict["sparse_state"], mine, "SparseAdamW")
+        # The residual where this optimizer keeps it (a checkpoint of the other residual_dtype).
+        held = self.flat_state["residual"]
+        if held is not None and self.residual_dtype != torch.bfloat16:
+            self.sparse_state.residual, self.flat_state["residual"] = held.float(), None
+        elif self.residual_dtype == torch.bfloat16 and self.sparse_state.residual is not None:
+            self.flat_state["residual"] = self.sparse_state.residual.to(torch.bfloat16)
+            self.sparse_state.residual = None
+        self._checked = False  # the loaded replicas are compared at the next step
 
 
 # Unannotated: DDP compares a hook's annotations with the real classes, and this

@@ -137,14 +137,10 @@ def _reference(P: int, steps: int, warmup: int, variance: str, compress: str, de
                 new = dn(v, t, True)
                 factor = denom / new
                 denom = new
-                res = [x * factor for x in res]
-                if compress == "momentum":
-                    u = [x * factor for x in u]
-                    u = [b1 * x + (1 - b1) * g / new for x in u]
-                    d = u[0] / (1 - b1 ** t)
-                else:
-                    m = b1 * (m * factor) + (1 - b1) * g / new
-                    d = m / (1 - b1 ** t)
+                if compress != "gradient":  # the gradient's residual has no new units
+                    res = [x * factor for x in res]
+                m = b1 * (m * factor) + (1 - b1) * g / new
+                d = m / (1 - b1 ** t)
             else:
                 if variance == "local":
                     v_rank = [b2 * v_rank[r] + (1 - b2) * grads[r] ** 2 for r in range(P)]
@@ -171,6 +167,7 @@ def _reference(P: int, steps: int, warmup: int, variance: str, compress: str, de
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("variance,compress", MODES + [("frozen-refresh", "preconditioned"),
+                                                        ("frozen-refresh", "gradient"),
                                                         ("local-masked", "momentum")])
 def test_follows_the_hand_written_reference(P, variance, compress):
     steps, warmup, density = 9, 3, 0.1
@@ -373,6 +370,110 @@ def test_a_checkpoint_resumes_bit_for_bit(variance, compress):
         assert all(torch.equal(a, b) for a, b in zip(plain, resumed))
 
 
+@pytest.mark.parametrize("saved_dtype,loaded_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.bfloat16)])
+def test_a_state_dict_in_memory_is_a_copy_and_loads_into_either_residual_dtype(saved_dtype, loaded_dtype):
+    # No torch.save between: the saver trains on, the dict stays; loaded twice, the same run
+    # twice; a residual saved in one dtype is where the loader keeps its own (and keeps feeding back).
+    def body(rank):
+        model = copy.deepcopy(_MODEL)
+        opt = _opt(model, warmup_steps=1, compress="preconditioned", residual_dtype=saved_dtype)
+        for s in range(3):
+            _backward(model, rank, s)
+            opt.step()
+        saved, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+        residual = opt.residual().clone()
+        _backward(model, rank, 3)
+        opt.step()
+        runs = []
+        for _ in range(2):
+            again = copy.deepcopy(_MODEL)
+            again.load_state_dict(weights)
+            loaded = _opt(again, warmup_steps=1, compress="preconditioned", residual_dtype=loaded_dtype)
+            loaded.load_state_dict(saved)
+            expect = residual if loaded_dtype == torch.float32 else residual.to(torch.bfloat16).float()
+            assert torch.equal(loaded.residual(), expect) and bool(residual.ne(0).any())
+            for s in (3, 4):
+                _backward(again, rank, s)
+                loaded.step()
+            runs.append((_flat(again), loaded.residual()))
+        moved = not torch.equal(runs[0][1], residual)  # the residual kept changing after the load
+        return torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]) and moved
+
+    assert sparsecomm.simulate(2, body).results == [True, True]
+
+
+def test_a_parameter_frozen_later_stays_put_and_the_others_keep_their_places():
+    # One step, the first layer's bias frozen after the optimizer was made, against the same
+    # step with that bias's gradient absent: every other parameter moves the same.
+    def body(rank, freeze):
+        model = copy.deepcopy(_MODEL)
+        opt = _opt(model, warmup_steps=0)
+        bias = list(model.parameters())[1]
+        before = bias.detach().clone()
+        _backward(model, rank, 0)
+        if freeze:
+            bias.requires_grad_(False)
+        bias.grad = None
+        opt.step()
+        others = [p.detach().clone() for p in model.parameters() if p is not bias]
+        return others, torch.equal(bias, before)
+
+    frozen = sparsecomm.simulate(2, body, True).results
+    plain = sparsecomm.simulate(2, body, False).results
+    for (others, still), (ref, _) in zip(frozen, plain):
+        assert still and all(torch.equal(a, b) for a, b in zip(others, ref))
+
+
+def test_a_bfloat16_weight_takes_the_step_and_the_decay_rounded_once():
+    def body(rank):
+        gen = torch.Generator().manual_seed(3)
+        low, twin = copy.deepcopy(_MODEL).to(torch.bfloat16), copy.deepcopy(_MODEL)
+        with torch.no_grad():
+            for a, b in zip(low.parameters(), twin.parameters()):
+                b.copy_(a.float())
+                a.grad = torch.randn(a.shape, generator=gen).to(torch.bfloat16)
+                b.grad = a.grad.float()
+        for net in (low, twin):
+            _opt(net, warmup_steps=1, weight_decay=0.1).step()
+        return all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(low.parameters(), twin.parameters()))
+
+    assert sparsecomm.simulate(1, body).results == [True]
+
+
+def test_other_settings_a_new_group_and_a_parameter_unfrozen_later_are_refused():
+    def unlike(rank, **kw):
+        model = copy.deepcopy(_MODEL)
+        opt = _opt(model, **(kw if rank == 1 else {}))
+        _backward(model, rank, 0)
+        with pytest.raises(ValueError, match=f"settings differ \\(.*{next(iter(kw))}"):
+            opt.step()
+
+    for kw in ({"lr": 0.5}, {"density": 0.2}, {"compress": "preconditioned"}, {"warmup_steps": 3}):
+        sparsecomm.simulate(2, unlike, **kw)
+
+    def apart(rank):
+        model = copy.deepcopy(_MODEL)
+        with torch.no_grad():
+            next(model.parameters()).add_(rank)
+        opt = _opt(model)
+        _backward(model, rank, 0)
+        with pytest.raises(ValueError, match="parameters differ"):
+            opt.step()
+
+    sparsecomm.simulate(2, apart)
+    model = copy.deepcopy(_MODEL)
+    bias = list(model.parameters())[1]
+    bias.requires_grad_(False)
+    opt = SparseAdamW(model.parameters())
+    with pytest.raises(ValueError, match="parameter groups are fixed"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    bias.requires_grad_(True)
+    _backward(model, 0, 0)
+    with pytest.raises(ValueError, match="requires a gradient now"):
+        opt.step()
+
+
 def test_another_models_state_is_refused():
     opt = SparseAdamW(copy.deepcopy(_MODEL).parameters())
     other = SparseAdamW(torch.nn.Linear(3, 3).parameters())
@@ -387,6 +488,7 @@ def test_another_models_state_is_refused():
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
     ({"compress": "gradient"}, "need variance='frozen'"),
     ({"variance_interval": 5}, "need variance='frozen'"),
+    ({"variance": "frozen", "variance_interval": 5}, "with 'momentum' a refresh would step each rank"),
     ({"residual_dtype": torch.float16}, "residual_dtype must be"),
     ({"compress": "preconditioned", "momentum_masking": True}, "True needs compress='momentum'"),
     ({"betas": (0.9, 1.0)}, "betas must lie in"),
