@@ -24,9 +24,11 @@ Two modes, for two memory budgets:
 
 What ``enable`` sets, per FSDP module (and refuses to take over from the user): SUM
 reductions with FSDP dividing by shard size x replicas afterwards (``set_force_sum_reduction_
-for_comms``, ``set_gradient_divide_factor``), and ``set_reduce_scatter_unused_params(True)``:
-a parameter without a gradient in a step still takes its place in the reduced layout, where
-its residual lives. It refuses a native 2-D (HSDP) mesh, several parameter groups or shards
+for_comms``, ``set_gradient_divide_factor``; over a one-rank shard mesh, one GPU a node,
+FSDP divides nothing and the hook averages the replicas), and
+``set_reduce_scatter_unused_params(True)``: a parameter without a gradient in a step still
+takes its place in the reduced layout, where its residual lives (a frozen one has none; one
+frozen or unfrozen after ``enable`` is refused at the next reduction). It refuses a native 2-D (HSDP) mesh, several parameter groups or shards
 on a dimension other than 0 (``shard_placement_fn``), a custom reduce-scatter or all-reduce
 hook already set, an algorithm the mode does not run, and (HSDP) replicas whose shards differ
 (one allgather of a digest: FSDP broadcasts nothing).
@@ -74,9 +76,10 @@ class _Module:
     def __init__(self, key: str, module: Any, group: Any, names: dict[int, str]) -> None:
         self.key, self.module, self.group = key, module, group
         self.world = group._reduce_scatter_process_group.size()
-        #: Per parameter (its name from the root, its padded shard's entries), in FSDP's order.
+        #: Per parameter that trains (its name from the root, its padded shard's entries), in
+        #: FSDP's order: FSDP reduces no gradient of a frozen one.
         self.params = [(names[id(fp.sharded_param)], fp.padded_sharded_param_size.numel())
-                       for fp in group.fsdp_params]
+                       for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         self.shard = sum(n for _, n in self.params)
         self.calls = 0
         self.pending: torch.Tensor | None = None  # HSDP: reduced shards not yet sent (accumulation)
@@ -172,8 +175,18 @@ class FSDPState:
 
             torch.autograd.Variable._execution_engine.queue_callback(raise_after_backward)
 
+    def _check_layout(self, m: _Module, entries: int) -> None:
+        """Refuse a reduction of another size than the module's layout (a parameter frozen or
+        unfrozen since ``enable``): the same on every rank, whose models are the same."""
+        want = m.shard * (m.world if self.mode == "flat" else 1)
+        if entries != want:
+            raise ValueError(f"sparsecomm.fsdp: module {m.key or '(root)'!r} reduces {entries} entries, its layout "
+                             f"has {want}: a parameter was frozen or unfrozen after enable(); call enable() "
+                             "again on a freshly sharded model")
+
     def reduce_scatter(self, m: _Module, out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
         """Flat mode: ``out`` = this rank's shard of the sparse sum of ``flat`` (SUM)."""
+        self._check_layout(m, flat.numel())
         m.calls += 1
         if m.calls <= self.warmup_steps:
             (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, flat, group=group)
@@ -182,7 +195,7 @@ class FSDPState:
         self._follow_scale()
         st = self._state(m)
         try:
-            out.copy_(reduce_scatter(flat, state=st, group=group))
+            out.copy_(reduce_scatter(flat, state=st, compressor=self.memory.maker.compressor, group=group))
             self._record(m.key, st.last)
         except NonFiniteError as exc:
             self._refused(exc, out)
@@ -191,7 +204,11 @@ class FSDPState:
 
     def all_reduce(self, m: _Module, shard: torch.Tensor) -> None:
         """HSDP: ``shard`` (reduce-scattered in the node, SUM) summed over the replicas, in place;
-        without an all-reduce due (``set_requires_all_reduce(False)``) kept for the next one."""
+        without an all-reduce due (``set_requires_all_reduce(False)``) kept for the next one.
+        A one-rank shard mesh (one GPU a node): FSDP divides nothing after this hook there
+        (``enable`` sets it no factor), so the replicas' average is taken here."""
+        self._check_layout(m, shard.numel())
+        average = m.world == 1
         if not m.group.all_reduce_grads:
             m.pending = shard.to(torch.float32, copy=True) if m.pending is None else m.pending.add_(shard)
             shard.zero_()  # FSDP adds this into .grad after the hook: nothing yet
@@ -202,12 +219,15 @@ class FSDPState:
         m.calls += 1
         if m.calls <= self.warmup_steps:
             dist.all_reduce(shard, group=self.replicate_group)
+            if average:
+                shard.div_(self.replicas)
             self.totals["dense_calls"] += 1
             return
         self._follow_scale()
         st = self._state(m)
         try:
-            shard.copy_(allreduce(shard, state=st, comm=self.comm))
+            shard.copy_(allreduce(shard, state=st, op="avg" if average else "sum",
+                                  compressor=self.memory.maker.compressor, comm=self.comm))
             self._record(m.key, st.last)
         except NonFiniteError as exc:
             self._refused(exc, shard)
@@ -346,7 +366,10 @@ def enable(module: torch.nn.Module, density: float = 0.01, algorithm: str = "okt
     state = FSDPState(modules, maker, mode, comm, replicas, warmup_steps, residual_dtype, scaler)
     for m in modules:
         m.module.set_force_sum_reduction_for_comms(True)
-        m.module.set_gradient_divide_factor(float(m.world * replicas))
+        if m.world > 1:
+            m.module.set_gradient_divide_factor(float(m.world * replicas))
+        # (else FSDP copies the gradient, divided by a factor if one is set, and divides by it
+        # again after the all-reduce hook: no factor, and the hook averages the replicas)
         m.module.set_reduce_scatter_unused_params(True, recurse=False)
         if mode == "flat":
             m.module.set_custom_reduce_scatter(_SparseReduceScatter(state, m))

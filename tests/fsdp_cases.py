@@ -30,14 +30,16 @@ class Net(torch.nn.Module):
         return self.head(y) if step % 2 == 0 else y
 
 
-def build(size: int, mode: str | None, hsdp: bool = False, mp: bool = False, **kw):
+def build(size: int, mode: str | None, hsdp: bool = False, mp: bool = False, frozen: bool = False, **kw):
     """The model sharded (flat: over every rank; HSDP: 2 x size/2, replicas on the first
-    dimension) and, with ``mode`` (an algorithm), made sparse; None: plain FSDP/HSDP."""
+    dimension; at size 2 one rank a shard, one GPU a node) and, with ``mode`` (an algorithm),
+    made sparse; None: plain FSDP/HSDP. ``frozen``: the first block's bias does not train."""
     mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
     mesh = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard")) if hsdp else \
         init_device_mesh("cpu", (size,))
     target = mesh["shard"] if hsdp and mode is not None else mesh
     net = Net()
+    net.a.bias.requires_grad_(not frozen)
     for m in (net.a, net.b, net.head):
         fully_shard(m, mesh=target, mp_policy=mp_policy)
     fully_shard(net, mesh=target, mp_policy=mp_policy)
@@ -89,6 +91,24 @@ def equals_plain(rank: int, size: int, hsdp: bool) -> tuple:
     warm, state = build(size, "oktopk", hsdp, density=0.1, warmup_steps=3)
     train(warm, rank, 3, 1, hsdp)
     out.append((full(plain), full(warm), state.totals["dense_calls"]))
+    # A frozen parameter: no gradient, no place in the layout; the checkpoint names the others.
+    plain, _ = build(size, None, hsdp, frozen=True)
+    train(plain, rank, 3, 1, hsdp)
+    sparse, state = build(size, mode, hsdp, density=1.0, frozen=True)
+    train(sparse, rank, 3, 1, hsdp)
+    out.append((full(plain), full(sparse), sorted(state.state_dict()["residuals"])))
+    # A compressor travels: bfloat16 values at density 1 are near plain, not equal to it.
+    near, _ = build(size, mode, hsdp, density=1.0, compressor="bf16")
+    train(near, rank, 3, 1, hsdp)
+    out.append((out[0][0], full(near), None))
+    # A parameter unfrozen after enable(): refused at the next reduction, on every rank.
+    late, state = build(size, mode, hsdp, density=1.0, frozen=True)
+    late.a.bias.requires_grad_(True)
+    try:
+        train(late, rank, 1, 1, hsdp)
+        out.append("trained")
+    except ValueError as exc:
+        out.append(str(exc))
     return out
 
 

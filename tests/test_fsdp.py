@@ -20,10 +20,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 @pytest.fixture(scope="module")
 def worlds():
     return {"flat2": engines.run_gloo(2, fsdp_cases.suite, False), "flat3": engines.run_gloo(3, fsdp_cases.suite, False),
-            "hsdp4": engines.run_gloo(4, fsdp_cases.suite, True)}
+            "hsdp4": engines.run_gloo(4, fsdp_cases.suite, True), "hsdp2": engines.run_gloo(2, fsdp_cases.suite, True)}
 
 
-WORLDS = ["flat2", "flat3", "hsdp4"]
+#: hsdp2: two replicas of one rank each (one GPU a node), where FSDP divides nothing after the hook.
+WORLDS = ["flat2", "flat3", "hsdp4", "hsdp2"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -41,6 +42,16 @@ def test_density_one_is_plain_fsdp(worlds, world):
         assert not torch.equal(rank["equals"][0][0], rank["equals"][1][0])  # accumulation changed something
         plain, warm, dense_calls = rank["equals"][2]
         assert dense_calls == 9 and torch.equal(plain, warm)  # warm-up steps: FSDP's own reductions
+        plain, sparse, names = rank["equals"][3]  # a frozen bias: not in the layout, not moved
+        if world == "flat3":
+            torch.testing.assert_close(plain, sparse, rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(plain, sparse)
+        assert "a.bias" not in names and "a.weight" in names
+        plain, near, _ = rank["equals"][4]  # bfloat16 values on the wire
+        assert not torch.equal(plain, near)
+        torch.testing.assert_close(plain, near, rtol=2e-2, atol=2e-2)
+        assert "a parameter was frozen or unfrozen after enable()" in rank["equals"][5]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -56,10 +67,11 @@ def test_nothing_is_lost(worlds, world):
                                        rtol=1e-6, atol=1e-5)
         else:
             half = P // 2
+            replicas = 2 if half == 1 else 1  # one rank a shard: the hook averages the replicas
             for s in range(half):
                 a, b = runs[s], runs[s + half]  # replicas of shard s
                 assert torch.equal(a["got"][key], b["got"][key])
-                torch.testing.assert_close(a["got"][key] + a["residuals"][key] + b["residuals"][key],
+                torch.testing.assert_close(replicas * a["got"][key] + a["residuals"][key] + b["residuals"][key],
                                            a["fed"][key] + b["fed"][key], rtol=1e-6, atol=1e-5)
     assert all(r["bytes"] > 0 for r in runs)
     assert any(r["residuals"][key].abs().max() > 0 for r in runs for key in r["residuals"])  # sparse: it kept some
