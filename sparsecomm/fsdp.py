@@ -214,7 +214,7 @@ class FSDPState:
             shard.zero_()  # FSDP adds this into .grad after the hook: nothing yet
             return
         if m.pending is not None:
-            shard.add_(m.pending.to(shard.dtype))
+            shard.add_(m.pending.to(device=shard.device, dtype=shard.dtype))  # (loaded on another device)
             m.pending = None
         m.calls += 1
         if m.calls <= self.warmup_steps:
