@@ -159,6 +159,11 @@ class FSDPState:
         t["local_selected"] += stats.local_selected
         t["global_selected"] += stats.global_selected
 
+    def _new_pass(self) -> None:
+        """A forward begins: no error is queued any more (a backward that failed before its
+        end never ran the callback that clears the flag, which would silence later refusals)."""
+        self._raising = False
+
     def _refused(self, exc: NonFiniteError, out: torch.Tensor) -> None:
         """A call refused on every rank (NaN/Inf somewhere): its reduced gradient becomes NaN on
         every rank, so that every rank's scaler skips the step; without a scaler the error is
@@ -364,6 +369,7 @@ def enable(module: torch.nn.Module, density: float = 0.01, algorithm: str = "okt
         local = [fp.sharded_param.to_local().detach().reshape(-1).float() for m in modules for fp in m.group.fsdp_params]
         check_replicas_equal(torch.cat(local), comm, "sparsecomm.fsdp.enable")
     state = FSDPState(modules, maker, mode, comm, replicas, warmup_steps, residual_dtype, scaler)
+    module.register_forward_pre_hook(lambda *_: state._new_pass())
     for m in modules:
         m.module.set_force_sum_reduction_for_comms(True)
         if m.world > 1:

@@ -92,6 +92,7 @@ def test_a_nan_on_one_rank_stops_or_skips_the_step_everywhere(worlds, world):
             assert [s[0] for s in run["log"]] == ["trained", "trained", outcome, "trained"]
             assert run["log"][2][1:] == (True, True) and not run["log"][3][1]
             assert run["finite"] and torch.equal(run["final"], runs[0]["final"])
+            assert scaler or run["after_a_failed_backward"] == "raised"
 
 
 @pytest.mark.parametrize("world", WORLDS)
