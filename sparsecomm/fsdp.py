@@ -57,7 +57,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 from . import choice, registry
 from .algorithms.reduce_scatter import SHARD_ALGORITHMS
 from .api import allreduce, reduce_scatter
-from .check import check_replicas_equal
+from .check import check_replicas_equal, setting_code
 from .comm import resolve
 from .errors import NonFiniteError
 from .memory import GradientMemory, StateMaker, active_scaler, adopt_state, snapshot
@@ -365,9 +365,16 @@ def enable(module: torch.nn.Module, density: float = 0.01, algorithm: str = "okt
                        dense_keeps_residual=True)
     comm = resolve(group=replicate_group) if replicate_group is not None else None
     replicas = comm.size if comm is not None else 1
+    # Every rank must reduce alike: other settings would pair a dense collective with a sparse
+    # one (a hang) or other selections. One allgather over the shards, one over the replicas.
+    settings = {"density": density, "algorithm": setting_code(algorithm), "warmup_steps": warmup_steps,
+                "error_feedback": float(error_feedback), "residual_dtype": setting_code(str(residual_dtype)),
+                "compressor": setting_code(str(compressor)), "modules": len(modules)}
+    check_replicas_equal(torch.zeros(0), resolve(group=modules[0].group._reduce_scatter_process_group),
+                         "sparsecomm.fsdp.enable", settings)
     if comm is not None:  # replicas hold the same shards (FSDP broadcasts nothing)
         local = [fp.sharded_param.to_local().detach().reshape(-1).float() for m in modules for fp in m.group.fsdp_params]
-        check_replicas_equal(torch.cat(local), comm, "sparsecomm.fsdp.enable")
+        check_replicas_equal(torch.cat(local), comm, "sparsecomm.fsdp.enable", settings)
     state = FSDPState(modules, maker, mode, comm, replicas, warmup_steps, residual_dtype, scaler)
     module.register_forward_pre_hook(lambda *_: state._new_pass())
     for m in modules:

@@ -230,6 +230,7 @@ def refusals(rank: int, size: int) -> list[str]:
             seen.append(str(exc))
 
     attempt(lambda: build(size, "topka"))  # the flat mode runs no allgather algorithm
+    attempt(lambda: build(size, "oktopk", warmup_steps=rank))  # ranks that would pair dense with sparse calls
     mesh = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard"))
 
     def native_2d():

@@ -108,8 +108,9 @@ def test_bf16_reductions(worlds, world):
 
 def test_enable_refuses_what_it_cannot_serve_on_every_rank(worlds):
     seen = [r["refusals"] for r in worlds["hsdp4"]]
-    assert all(s == seen[0] for s in seen) and len(seen[0]) == 7
-    for msg, words in zip(seen[0], ("runs ('oktopk', 'topkdsa'), not 'topka'", "native 2-D (HSDP) mesh",
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == 8
+    for msg, words in zip(seen[0], ("runs ('oktopk', 'topkdsa'), not 'topka'", "settings differ (warmup_steps)",
+                                    "native 2-D (HSDP) mesh",
                                     "parameters differ at the start", "already has a gradient divide factor",
                                     "no FSDP module", "DeMo: the parameters are sharded",
                                     "SparseAdamW: the parameters are sharded")):
