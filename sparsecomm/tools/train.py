@@ -72,10 +72,11 @@ DENSITY = 0.01
 OWN_METHODS = ("diloco", "demo", "sparseadamw")
 #: What a plain sparse configuration runs under AdamW, the recommended method: DeMo with the
 #: ``"rms"`` update rule and a momentum decay of 0.99 (the algorithm carrying the components).
-#: On the LM at 800 steps over Ok-Topk it ended 1.017x and 0.971x dense's loss (seeds 0, 1), where the rms rule
-#: at DeMo's decay of 0.999 ended 1.058x and DeMo's own sign rule 1.112x at its best rate
-#: (results.md section 8): what one component a chunk leaves behind fades in ~100 steps instead
-#: of lingering for ~1000. A ``-demo`` configuration is DeMo as published (the sign rule, 0.999);
+#: On the LM at 800 steps over Ok-Topk it ended 1.017x, 0.971x and 1.063x dense's loss (seeds 0,
+#: 1, 2), where the rms rule at DeMo's decay of 0.999 ended 1.059x, 0.960x and 1.010x (level over
+#: three seeds) and DeMo's own sign rule 1.112x at its best rate; at 200 steps 0.99 leads (0.997x
+#: against 1.030x; results.md section 8): what one component a chunk leaves behind fades in ~100
+#: steps instead of lingering for ~1000. A ``-demo`` configuration is DeMo as published (the sign rule, 0.999);
 #: ``demo_options`` override either.
 RECOMMENDED_DEMO = {"update": "rms", "decay": 0.99}
 #: What a ``-demo`` configuration runs: DeMo as published, the sign rule.
