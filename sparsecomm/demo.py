@@ -60,6 +60,7 @@ from .api import allreduce
 from .check import check_replicas_equal, refuse_sharded, setting_code
 from .comm import resolve
 from .errors import NonFiniteError
+from .flat_optim import FlatLayoutOptimizer
 from . import registry
 from .memory import StateMaker, adopt_state, snapshot
 from .state import State, check_density
@@ -131,7 +132,7 @@ def _ieee_matmuls() -> Iterator[None]:
         torch.set_float32_matmul_precision(was)
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(FlatLayoutOptimizer):
     """Decoupled momentum over the sparse allreduce (see the module docstring).
 
     Args:
@@ -265,25 +266,6 @@ class DeMo(torch.optim.Optimizer):
                 return (coeffs.view(-1, w) @ self.basis).reshape(-1)
             return (self.basis_rows.T @ coeffs.view(-1, h, w) @ self.basis).reshape(-1)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """Refused once the optimizer is made: its momentum is one flat layout of the parameters
-        it was given (ValueError; make a new DeMo)."""
-        if hasattr(self, "momentum"):
-            raise ValueError("DeMo: parameter groups are fixed when the optimizer is made (its momentum is "
-                             "one flat layout of them); make a new DeMo over all of them")
-        super().add_param_group(param_group)
-
-    def _check_trainable(self) -> None:
-        """Refuse a parameter that has turned trainable since the optimizer was made: it has no
-        place in the layout (every rank's model is the same, so every rank refuses, before any
-        collective)."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.requires_grad and id(p) not in self._start:
-                    raise ValueError(f"DeMo: a parameter of shape {tuple(p.shape)} requires a gradient now but did "
-                                     "not when the optimizer was made (it has no place in DeMo's layout); make a "
-                                     "new DeMo after unfreezing")
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One DeMo step (the module docstring's 1-5); collective."""
@@ -291,7 +273,7 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_trainable()
+        self._refuse_unfrozen()
         if not self._checked:
             # Ranks that step by other rules would drift apart, or pair unmatched collectives.
             check_replicas_equal(torch.cat([p.detach().reshape(-1).float() for p in self.params]),
@@ -332,16 +314,9 @@ class DeMo(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 at = self._start[id(p)]
-                # In float32 at least, rounded once: decay and step rounded apart, a bfloat16
-                # weight would drop every decay under half its last place and round twice.
-                w = p if p.dtype in (torch.float32, torch.float64) else p.float()
-                if g["weight_decay"]:
-                    w.mul_(1 - g["lr"] * g["weight_decay"])
                 part = direction[at:at + p.numel()]
                 part = _from_chunks(part, p.shape, self.tile) if _tileable(p.shape, self.tile) else part.view_as(p)
-                w.add_(part.to(w.dtype), alpha=-g["lr"])
-                if w is not p:
-                    p.copy_(w)
+                self._step_weight(p, part, g["lr"], g["weight_decay"])
         self.steps += 1
         return loss
 

@@ -27,6 +27,7 @@ from .comm import resolve
 from .demo import DeMo
 from .diloco import DiLoCo
 from .errors import NonFiniteError
+from .flat_optim import FlatLayoutOptimizer
 from .memory import adopt_state, snapshot
 from .state import State, check_density
 
@@ -93,7 +94,7 @@ COMPRESS_MODES = ("preconditioned", "gradient", "momentum")
 VARIANCE_MODES = ("local", "frozen")
 
 
-class SparseAdamW(torch.optim.Optimizer):
+class SparseAdamW(FlatLayoutOptimizer):
     """AdamW whose ranks exchange a sparse allreduce of their preconditioned momentum.
 
     Naive error feedback under Adam fails: a coordinate receives its
@@ -307,33 +308,13 @@ class SparseAdamW(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 at = self._start[id(p)]
-                d = direction[at:at + p.numel()].view_as(p)
-                # In float32 at least, rounded once (a bfloat16 weight would round three times).
-                w = p if p.dtype in (torch.float32, torch.float64) else p.float()
-                if g["weight_decay"]:
-                    w.mul_(1 - g["lr"] * g["weight_decay"])
-                w.add_(d.to(w.dtype), alpha=-g["lr"])
-                if w is not p:
-                    p.copy_(w)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Refused once the optimizer is made: its moments are one flat layout of the parameters
-        it was given (ValueError; make a new SparseAdamW)."""
-        if hasattr(self, "flat_state"):
-            raise ValueError("SparseAdamW: parameter groups are fixed when the optimizer is made (its moments "
-                             "are one flat layout of them); make a new SparseAdamW over all of them")
-        super().add_param_group(param_group)
+                self._step_weight(p, direction[at:at + p.numel()].view_as(p), g["lr"], g["weight_decay"])
 
     def _check_first(self) -> None:
         """Refuse a parameter unfrozen since the optimizer was made (no place in the layout), at
         every step; at the first, replicas or settings that differ across ranks (they would
         drift apart, or pair unmatched collectives). Before any collective, on every rank."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.requires_grad and id(p) not in self._start:
-                    raise ValueError(f"SparseAdamW: a parameter of shape {tuple(p.shape)} requires a gradient now "
-                                     "but did not when the optimizer was made (it has no place in the layout); "
-                                     "make a new SparseAdamW after unfreezing")
+        self._refuse_unfrozen()
         if self._checked:
             return
         g = self.param_groups

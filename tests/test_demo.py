@@ -355,26 +355,7 @@ def _scaled_first_step(rank):
     return _flat(net)
 
 
-def test_a_bfloat16_weight_takes_the_step_and_the_decay_rounded_once():
-    # Decay and step computed in float32 and rounded once: a bfloat16 weight then moves as
-    # its float32 twin (same weights, same gradient) rounded, entry for entry.
-    def body(rank):
-        gen = torch.Generator().manual_seed(7)
-        low = _model(torch.bfloat16)
-        twin = _model()
-        with torch.no_grad():
-            for a, b in zip(low.parameters(), twin.parameters()):
-                b.copy_(a.float())
-                a.grad = torch.randn(a.shape, generator=gen).to(torch.bfloat16)
-                b.grad = a.grad.float()
-        for net in (low, twin):
-            DeMo(net.parameters(), lr=0.01, weight_decay=0.1, chunk=CHUNK, topk=TOPK, update="rms").step()
-        return all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(low.parameters(), twin.parameters()))
-
-    assert sparsecomm.simulate(1, body).results == [True]
-
-
-def test_parameter_groups_keep_their_own_rates_and_a_changed_layout_is_refused():
+def test_parameter_groups_keep_their_own_rates_and_decays():
     def body(rank):
         grouped, plain = _model(), _model()
         first = list(grouped[0].parameters())
@@ -389,19 +370,6 @@ def test_parameter_groups_keep_their_own_rates_and_a_changed_layout_is_refused()
         return moved and still and not torch.equal(first[0], _model()[0].weight)
 
     assert sparsecomm.simulate(2, body).results == [True, True]
-    net = _model()
-    net[2].bias.requires_grad_(False)
-    opt = DeMo(net.parameters(), chunk=CHUNK, topk=TOPK)
-    with pytest.raises(ValueError, match="parameter groups are fixed"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
-    net[2].bias.requires_grad_(True)  # unfrozen after the optimizer was made: no place in its layout
-
-    def unfrozen(rank):
-        _backward(net, rank, 0)
-        with pytest.raises(ValueError, match=r"shape \(4,\) requires a gradient now"):
-            opt.step()
-
-    sparsecomm.simulate(1, unfrozen)
 
 
 def test_a_bfloat16_model_trains_and_its_replicas_stay_equal():
@@ -434,23 +402,19 @@ def test_a_checkpoint_resumes_bit_for_bit(update):
             opt.zero_grad()
             _backward(net, rank, step)
             opt.step()
-        again = _model()
-        again.load_state_dict(saved["model"])
-        resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
-        resumed.load_state_dict(saved["opt"])
-        for step in range(2, STEPS):
-            resumed.zero_grad()
-            _backward(again, rank, step)
-            resumed.step()
-        # The same checkpoint loaded again resumes the same run again (loading copies it).
-        third = _model()
-        third.load_state_dict(saved["model"])
-        once_more = DeMo(third.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
-        once_more.load_state_dict(saved["opt"])
-        for step in range(2, STEPS):
-            once_more.zero_grad()
-            _backward(third, rank, step)
-            once_more.step()
+        def resumed_run():
+            again = _model()
+            again.load_state_dict(saved["model"])
+            resumed = DeMo(again.parameters(), lr=0.01, chunk=CHUNK, topk=TOPK, **kw)
+            resumed.load_state_dict(saved["opt"])
+            for step in range(2, STEPS):
+                resumed.zero_grad()
+                _backward(again, rank, step)
+                resumed.step()
+            return again, resumed
+
+        again, resumed = resumed_run()
+        third, once_more = resumed_run()  # the same checkpoint again: the same run (loading copies it)
         assert bool(opt.residual.ne(0).any())
         return (torch.equal(_flat(again), _flat(net)) and torch.equal(resumed.momentum, opt.momentum)
                 and torch.equal(resumed.residual, opt.residual) and torch.equal(_flat(third), _flat(net))

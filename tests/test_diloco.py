@@ -256,30 +256,23 @@ def test_a_checkpoint_resumes_bit_for_bit(rule):
             outer.step()
             outer.inner.zero_grad()
         straight = _flat(net)
-        again = _model()
-        again.load_state_dict(saved["model"])
-        inner = torch.optim.AdamW(again.parameters(), lr=0.01)
-        inner.load_state_dict(saved["inner"])
-        resumed = DiLoCo(again, inner, sync_every=H, density=0.1, outer=rule)
-        resumed.load_state_dict(saved["outer"])
-        for step in range(5, STEPS):
-            _inner_step(again, inner, rank, step)
-            resumed.step()
-            inner.zero_grad()
-        # The same outer state loaded again resumes the same run again (loading copies it;
-        # torch's optimizers do not copy theirs, hence a fresh inner state).
-        fresh = torch.load(io.BytesIO(buffer.getvalue()))
-        third = _model()
-        third.load_state_dict(fresh["model"])
-        inner3 = torch.optim.AdamW(third.parameters(), lr=0.01)
-        inner3.load_state_dict(fresh["inner"])
-        once_more = DiLoCo(third, inner3, sync_every=H, density=0.1, outer=rule)
-        once_more.load_state_dict(saved["outer"])
-        for step in range(5, STEPS):
-            _inner_step(third, inner3, rank, step)
-            once_more.step()
-            inner3.zero_grad()
-        return torch.equal(_flat(again), straight) and torch.equal(_flat(third), straight)
+        def resumed_run():
+            # The same outer state each time (loading copies it); torch's optimizers do not copy
+            # theirs, hence a fresh model and inner state from the bytes.
+            fresh = torch.load(io.BytesIO(buffer.getvalue()))
+            again = _model()
+            again.load_state_dict(fresh["model"])
+            inner = torch.optim.AdamW(again.parameters(), lr=0.01)
+            inner.load_state_dict(fresh["inner"])
+            resumed = DiLoCo(again, inner, sync_every=H, density=0.1, outer=rule)
+            resumed.load_state_dict(saved["outer"])
+            for step in range(5, STEPS):
+                _inner_step(again, inner, rank, step)
+                resumed.step()
+                inner.zero_grad()
+            return _flat(again)
+
+        return torch.equal(resumed_run(), straight) and torch.equal(resumed_run(), straight)
 
     assert sparsecomm.simulate(2, body).results == [True, True]
 
