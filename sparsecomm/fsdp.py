@@ -37,7 +37,8 @@ Gradient accumulation: flat, ``set_requires_gradient_sync(False)`` (FSDP keeps t
 gradient and reduces once). HSDP, also ``set_requires_all_reduce(False)``: the hook keeps the
 reduce-scattered shard in a shard-sized accumulator and sends it with the next synced one.
 A NaN/Inf on any rank raises :class:`sparsecomm.NonFiniteError` on every rank from
-``backward()``; with ``scaler=`` (a ``torch.amp.GradScaler``) the module's reduced gradient
+``backward()`` (custom HSDP without a scaler: the node's ranks agree at the end of each
+backward, one all-reduce of one number, since a NaN reaches only the shard that holds it); with ``scaler=`` (a ``torch.amp.GradScaler``) the module's reduced gradient
 becomes NaN on every rank instead, so every rank's scaler skips the step. Residuals follow the
 scaler's scale. The gradient memory (states, loss scale) is the one the DDP hook and the
 schedules keep (:class:`sparsecomm.memory.GradientMemory`).
@@ -129,6 +130,8 @@ class FSDPState:
         self.totals = {"calls": 0, "dense_calls": 0, "bytes_sent": 0, "local_selected": 0, "global_selected": 0,
                        "refused": 0}
         self._raising = False  # a refusal's error is queued for the end of this backward
+        self._agreeing = False  # HSDP: the shard group's agreement is queued for the end of this backward
+        self._pending: NonFiniteError | None = None  # a refusal that agreement is to raise
 
     # ---- one module's reduction --------------------------------------------------
     def _state(self, m: _Module) -> State:
@@ -161,8 +164,32 @@ class FSDPState:
 
     def _new_pass(self) -> None:
         """A forward begins: no error is queued any more (a backward that failed before its
-        end never ran the callback that clears the flag, which would silence later refusals)."""
-        self._raising = False
+        end never ran the callback that clears the flags, which would silence later refusals)."""
+        self._raising = self._agreeing = False
+        self._pending = None
+
+    def _agree_at_the_end(self, m: _Module, shard: torch.Tensor) -> None:
+        """HSDP without a scaler, before a backward's first sparse call: queue for its end the
+        shard group's agreement on whether any call was refused, so that every rank raises. A
+        NaN reaches only the shard that holds it after the node's dense reduce-scatter: alone,
+        only that shard's replicas would raise and the others step. One MAX all-reduce of one
+        number over the node a backward (and, on a GPU, one read of it)."""
+        if self._agreeing or self.memory.scale.scaler is not None or m.world == 1:
+            return
+        self._agreeing = True
+        group, device = m.group._reduce_scatter_process_group, shard.device
+
+        def agree() -> None:
+            self._agreeing = False
+            exc, self._pending = self._pending, None
+            flag = torch.tensor([0.0 if exc is None else 1.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if float(flag) > 0:
+                raise exc if exc is not None else NonFiniteError(
+                    "sparsecomm.fsdp: a gradient holds NaN/Inf on another shard's replicas: the step is refused "
+                    "on every rank", [])
+
+        torch.autograd.Variable._execution_engine.queue_callback(agree)
 
     def _refused(self, exc: NonFiniteError, out: torch.Tensor) -> None:
         """A call refused on every rank (NaN/Inf somewhere): its reduced gradient becomes NaN on
@@ -171,6 +198,9 @@ class FSDPState:
         unsharded and its state mid-backward: the steps after it would not train)."""
         self.totals["refused"] += 1
         out.fill_(float("nan"))
+        if self._agreeing:  # HSDP: the agreement raises it, on every rank of the node
+            self._pending = self._pending or exc
+            return
         if self.memory.scale.scaler is None and not self._raising:
             self._raising = True
 
@@ -229,6 +259,7 @@ class FSDPState:
             self.totals["dense_calls"] += 1
             return
         self._follow_scale()
+        self._agree_at_the_end(m, shard)
         st = self._state(m)
         try:
             shard.copy_(allreduce(shard, state=st, op="avg" if average else "sum",

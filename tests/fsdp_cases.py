@@ -25,8 +25,10 @@ class Net(torch.nn.Module):
             for p in self.parameters():
                 p.copy_(0.4 * torch.randn(p.shape, generator=gen))
 
-    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: int, detach: bool = False) -> torch.Tensor:
         y = self.b(torch.tanh(self.a(x)))
+        if detach:  # only the head trains: a gradient's NaN stays where it is
+            y = y.detach()
         return self.head(y) if step % 2 == 0 else y
 
 
@@ -206,6 +208,27 @@ def non_finite(rank: int, size: int, hsdp: bool, scaler: bool) -> dict:
     return out
 
 
+def shard_nan(rank: int, size: int) -> list[str]:
+    """HSDP without a scaler: a NaN in one entry of rank 1's head gradient reaches one shard
+    only (after the node's dense reduce-scatter); every rank still raises, and the next step
+    trains on every rank."""
+    net, _ = build(size, "oktopk", True, density=0.5)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    for step in (0, 2):
+        opt.zero_grad()
+        weight = torch.ones(4, 3)
+        if step == 0 and rank == 1:
+            weight[0, 0] = float("nan")  # the head's first row and bias entry: shard 0's
+        try:
+            (net(batch(rank, step), step, detach=True) * weight).sum().backward()
+            opt.step()
+            seen.append("trained")
+        except sparsecomm.NonFiniteError:
+            seen.append("raised")
+    return seen
+
+
 def mixed_precision(rank: int, size: int, hsdp: bool) -> tuple:
     """bf16 reductions (MixedPrecisionPolicy): density 1 against plain, to bf16's rounding;
     density 0.1 trains, finite."""
@@ -305,6 +328,7 @@ def suite(rank: int, size: int, hsdp: bool) -> dict:
            "non_finite": {scaler: non_finite(rank, size, hsdp, scaler) for scaler in (False, True)},
            "mixed_precision": mixed_precision(rank, size, hsdp)}
     if hsdp:
+        out["shard_nan"] = shard_nan(rank, size)
         out["refusals"] = refusals(rank, size)
         out["diloco"] = diloco(rank, size)
     return out

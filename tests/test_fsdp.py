@@ -106,6 +106,12 @@ def test_bf16_reductions(worlds, world):
         assert not torch.equal(plain, sparse)
 
 
+@pytest.mark.parametrize("world", ["hsdp4", "hsdp2"])
+def test_a_nan_in_one_shard_raises_on_every_rank_of_the_node(worlds, world):
+    # The node's dense reduce-scatter takes a NaN to one shard's ranks only: the others agree.
+    assert [r["shard_nan"] for r in worlds[world]] == [["raised", "trained"]] * len(worlds[world])
+
+
 def test_enable_refuses_what_it_cannot_serve_on_every_rank(worlds):
     seen = [r["refusals"] for r in worlds["hsdp4"]]
     assert all(s == seen[0] for s in seen) and len(seen[0]) == 8
