@@ -216,10 +216,10 @@ class DiLoCo:
         under error feedback pile it up in the residual, then send it)."""
         parts, offset = [], 0
         for p in self.params:
-            n = _local(p).numel()
-            part = self.anchor[offset:offset + n]
-            parts.append(part if _local(p).dtype == torch.float32 else part.to(_local(p).dtype).float())
-            offset += n
+            local = _local(p)
+            part = self.anchor[offset:offset + local.numel()]
+            parts.append(part if local.dtype == torch.float32 else part.to(local.dtype).float())
+            offset += local.numel()
         return torch.cat(parts)
 
     def _write(self, flat: torch.Tensor) -> None:

@@ -28,7 +28,8 @@ for_comms``, ``set_gradient_divide_factor``; over a one-rank shard mesh, one GPU
 FSDP divides nothing and the hook averages the replicas), and
 ``set_reduce_scatter_unused_params(True)``: a parameter without a gradient in a step still
 takes its place in the reduced layout, where its residual lives (a frozen one has none; one
-frozen or unfrozen after ``enable`` is refused at the next reduction). It refuses a native 2-D (HSDP) mesh, several parameter groups or shards
+frozen or unfrozen after ``enable`` is refused at the next reduction). It refuses a native
+2-D (HSDP) mesh, several parameter groups or shards
 on a dimension other than 0 (``shard_placement_fn``), a custom reduce-scatter or all-reduce
 hook already set, an algorithm the mode does not run, and (HSDP) replicas whose shards differ
 (one allgather of a digest: FSDP broadcasts nothing).
@@ -38,7 +39,8 @@ gradient and reduces once). HSDP, also ``set_requires_all_reduce(False)``: the h
 reduce-scattered shard in a shard-sized accumulator and sends it with the next synced one.
 A NaN/Inf on any rank raises :class:`sparsecomm.NonFiniteError` on every rank from
 ``backward()`` (custom HSDP without a scaler: the node's ranks agree at the end of each
-backward, one all-reduce of one number, since a NaN reaches only the shard that holds it); with ``scaler=`` (a ``torch.amp.GradScaler``) the module's reduced gradient
+backward, one all-reduce of one number, since a NaN reaches only the shard that holds it);
+with ``scaler=`` (a ``torch.amp.GradScaler``) the module's reduced gradient
 becomes NaN on every rank instead, so every rank's scaler skips the step. Residuals follow the
 scaler's scale. The gradient memory (states, loss scale) is the one the DDP hook and the
 schedules keep (:class:`sparsecomm.memory.GradientMemory`).
